@@ -1,0 +1,23 @@
+# The two commands a new user needs; each runs the (idempotent) setup first.
+#   make train   set up, then train the embedded default on 2 ranks
+#   make test    set up, then run the whole test suite
+VENV ?= .venv
+BIN := $(VENV)/bin
+NP ?= 2
+
+.PHONY: setup train test lint doctor
+
+setup:
+	bash launch/setup.sh
+
+train: setup
+	PATH="$(CURDIR)/$(BIN):$$PATH" horovodrun -np $(NP) python -m hvdtrain $(ARGS)
+
+test: setup
+	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+lint: setup
+	$(BIN)/python -m flake8 hvdtrain tests
+
+doctor: setup
+	PATH="$(CURDIR)/$(BIN):$$PATH" horovodrun -np $(NP) python -m hvdtrain doctor

@@ -1,0 +1,270 @@
+"""Run configuration: typed defaults < YAML file < command-line flags, validated once.
+
+The dataclasses below are the single source of truth: the CLI flags (``--batch-size``), the YAML
+schema (``train: {batch_size: 32}``), the help text, and the validation errors all come from the
+fields and their metadata. Field names are unique across sections so a flag names one field.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import difflib
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from hvdtrain.errors import UserError
+
+
+class ConfigError(UserError):
+    """A user mistake in the configuration; its message is one line naming the fix."""
+
+
+def option(default: Any, help: str, *, choices: tuple[str, ...] = (),
+           minimum: float | None = None, maximum: float | None = None,
+           exclusive_minimum: bool = False) -> Any:
+    """A config field with the metadata the CLI, the docs and the validation are made from."""
+    meta = {"help": help, "choices": choices, "minimum": minimum, "maximum": maximum,
+            "exclusive_minimum": exclusive_minimum}
+    if isinstance(default, list):
+        return field(default_factory=lambda: list(default), metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+@dataclass
+class DataConfig:
+    dataset: str = option("digits", "data source: digits, synthetic, or npz (with --data-path)")
+    data_path: str | None = option(None, "a .npz file with arrays x and y (optionally x_val, "
+                                         "y_val) for --dataset npz")
+    validation_split: float = option(0.2, "fraction held out for validation when the source "
+                                          "has no split of its own", minimum=0.0, maximum=0.9)
+    remainder: str = option("pad", "last partial global batch each epoch: pad (every example "
+                                   "once, zero-weight padding) or drop (skip it)",
+                            choices=("pad", "drop"))
+    synthetic_examples: int = option(2048, "examples in the synthetic dataset", minimum=1)
+    synthetic_shape: list[int] = option([32], "shape of one synthetic example", minimum=1)
+    synthetic_classes: int = option(10, "classes in the synthetic dataset", minimum=2)
+
+
+@dataclass
+class ModelConfig:
+    model: str = option("mlp", "built-in model (mlp, cnn) or a user's package.module:build_fn")
+    hidden_units: list[int] = option([256, 128], "hidden layer widths of the mlp", minimum=1)
+    weight_decay: float = option(0.0, "L2 penalty on kernel weights", minimum=0.0)
+
+
+@dataclass
+class OptimConfig:
+    optimizer: str = option("sgd", "optimizer", choices=("sgd", "adam"))
+    learning_rate: float = option(0.05, "learning rate for one rank at --batch-size; scaled by "
+                                        "world size", minimum=0.0, exclusive_minimum=True)
+    momentum: float = option(0.9, "SGD momentum (0 for plain SGD)", minimum=0.0, maximum=0.999)
+    lr_scaling: str = option("linear", "learning-rate scaling with world size",
+                             choices=("linear", "sqrt", "none"))
+    warmup_epochs: float = option(2.0, "epochs of linear warmup from the unscaled rate to the "
+                                       "scaled one (Goyal et al., 2017)", minimum=0.0)
+
+
+@dataclass
+class TrainConfig:
+    epochs: int = option(20, "epochs to train", minimum=1)
+    batch_size: int = option(32, "examples per rank per step (global batch = this x ranks)",
+                             minimum=1)
+    loop: str = option("fit", "training path: Keras fit or a custom tf.function loop",
+                       choices=("fit", "custom"))
+    seed: int = option(42, "seed for weights, shuffling and splits", minimum=0)
+    run_dir: str | None = option(None, "run directory (default: runs/<model>-<dataset>-<time>)")
+    resume: bool = option(False, "continue from the newest checkpoint in --run-dir")
+    keep_checkpoints: int = option(3, "checkpoints kept on disk (newest first)", minimum=1)
+    deterministic: bool = option(False, "enable TensorFlow op determinism (slower)")
+    threads: int | None = option(None, "CPU threads per rank (default: cores / local ranks)",
+                                 minimum=1)
+    progress: bool = option(True, "show a progress bar on rank 0")
+    debug: bool = option(False, "show full tracebacks for errors")
+
+
+SECTIONS: dict[str, type] = {
+    "data": DataConfig,
+    "model": ModelConfig,
+    "optim": OptimConfig,
+    "train": TrainConfig,
+}
+
+
+@dataclass
+class Config:
+    data: DataConfig = field(default_factory=DataConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+
+    def to_dict(self) -> dict[str, dict[str, Any]]:
+        return dataclasses.asdict(self)
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.to_dict(), sort_keys=False)
+
+
+def field_index() -> dict[str, tuple[str, dataclasses.Field]]:
+    """Every field name -> (section, field). Names are unique across sections."""
+    index: dict[str, tuple[str, dataclasses.Field]] = {}
+    for section, cls in SECTIONS.items():
+        for f in dataclasses.fields(cls):
+            if f.name in index:
+                raise AssertionError(f"config field {f.name!r} appears in two sections")
+            index[f.name] = (section, f)
+    return index
+
+
+def _field_type(section: str, name: str) -> Any:
+    return typing.get_type_hints(SECTIONS[section])[name]
+
+
+def _base_type(tp: Any) -> tuple[type, bool, bool]:
+    """(element type, optional?, list?) for the annotations used in this module."""
+    args = typing.get_args(tp)
+    optional = type(None) in args
+    if optional:
+        tp = next(a for a in args if a is not type(None))
+    if typing.get_origin(tp) is list:
+        return typing.get_args(tp)[0], optional, True
+    return tp, optional, False
+
+
+def _suggest(name: str, candidates: list[str]) -> str:
+    close = difflib.get_close_matches(name, candidates, n=1, cutoff=0.5)
+    return f"; did you mean '{close[0]}'?" if close else ""
+
+
+def _coerce(name: str, value: Any, tp: Any) -> Any:
+    """Check a YAML value's type (ints are accepted where floats are expected)."""
+    base, optional, is_list = _base_type(tp)
+    if value is None:
+        if optional:
+            return None
+        raise ConfigError(f"'{name}' cannot be empty; give a {base.__name__}")
+    if is_list:
+        items = value if isinstance(value, list) else None
+        if items is None:
+            raise ConfigError(f"'{name}' must be a list of {base.__name__}, got {value!r}")
+        return [_coerce(name, item, base) for item in items]
+    if base is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    is_bool_as_int = base is int and isinstance(value, bool)
+    if not isinstance(value, base) or is_bool_as_int:
+        raise ConfigError(f"'{name}' must be a {base.__name__}, got {value!r}")
+    return value
+
+
+def _check_bounds(name: str, value: Any, meta: typing.Mapping[str, Any]) -> None:
+    values = value if isinstance(value, list) else [value]
+    for item in values:
+        if item is None:
+            continue
+        if meta["choices"] and item not in meta["choices"]:
+            raise ConfigError(f"'{name}' must be one of {', '.join(meta['choices'])}, "
+                              f"got {item!r}{_suggest(str(item), list(meta['choices']))}")
+        low, high = meta["minimum"], meta["maximum"]
+        if low is not None and (item < low or (meta["exclusive_minimum"] and item == low)):
+            relation = "greater than" if meta["exclusive_minimum"] else "at least"
+            raise ConfigError(f"'{name}' must be {relation} {low:g}, got {item!r}")
+        if high is not None and item > high:
+            raise ConfigError(f"'{name}' must be at most {high:g}, got {item!r}")
+
+
+def validate(config: Config) -> Config:
+    """Check every field's type and bounds; raise ConfigError naming the first bad one."""
+    for name, (section, f) in field_index().items():
+        value = getattr(getattr(config, section), name)
+        _check_bounds(name, _coerce(name, value, _field_type(section, name)), f.metadata)
+    if config.data.dataset == "npz" and not config.data.data_path:
+        raise ConfigError("--dataset npz needs --data-path FILE.npz")
+    return config
+
+
+def _flatten_yaml(document: Any, source: str) -> dict[str, Any]:
+    """Accept sections (``train: {epochs: 3}``) or bare field names (``epochs: 3``)."""
+    if document is None:
+        return {}
+    if not isinstance(document, dict):
+        raise ConfigError(f"{source}: the top level must be a mapping of sections or options")
+    index = field_index()
+    flat: dict[str, Any] = {}
+    for key, value in document.items():
+        if key in SECTIONS and isinstance(value, dict):
+            names = [f.name for f in dataclasses.fields(SECTIONS[key])]
+            for sub_key, sub_value in value.items():
+                if sub_key not in names:
+                    raise ConfigError(f"{source}: unknown option '{key}.{sub_key}'"
+                                      f"{_suggest(str(sub_key), names)}")
+                flat[sub_key] = sub_value
+        elif key in index:
+            flat[key] = value
+        else:
+            raise ConfigError(f"{source}: unknown option '{key}'"
+                              f"{_suggest(str(key), list(index) + list(SECTIONS))}")
+    return flat
+
+
+def load_yaml(path: str | Path) -> dict[str, Any]:
+    """Read a YAML config file into flat {field: value}."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as error:
+        raise ConfigError(f"cannot read config file {path}: {error.strerror}") from error
+    try:
+        document = yaml.safe_load(text)
+    except yaml.YAMLError as error:
+        mark = getattr(error, "problem_mark", None)
+        where = f" at line {mark.line + 1}" if mark is not None else ""
+        raise ConfigError(f"{path}: YAML does not parse{where}; check indentation and "
+                          "quoting") from error
+    return _flatten_yaml(document, str(path))
+
+
+def build_config(overrides: dict[str, Any]) -> Config:
+    """Defaults with flat overrides applied, then validated."""
+    config = Config()
+    index = field_index()
+    for name, value in overrides.items():
+        section, _ = index[name]
+        value = _coerce(name, value, _field_type(section, name))
+        setattr(getattr(config, section), name, value)
+    return validate(config)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """One flag per field, with its default in the help; unset flags do not override."""
+    parser.add_argument("--config", metavar="FILE.yaml",
+                        help="YAML file with options (flags given here override it)")
+    for section, cls in SECTIONS.items():
+        group = parser.add_argument_group(f"{section} options")
+        for f in dataclasses.fields(cls):
+            flag = "--" + f.name.replace("_", "-")
+            base, _, is_list = _base_type(_field_type(section, f.name))
+            default = f.default_factory() if callable(f.default_factory) else f.default
+            text = f"{f.metadata['help']} (default: {default})"
+            kwargs: dict[str, Any] = {"dest": f.name, "default": argparse.SUPPRESS, "help": text}
+            if base is bool:
+                group.add_argument(flag, action=argparse.BooleanOptionalAction, **kwargs)
+                continue
+            kwargs["type"] = base
+            if is_list:
+                kwargs["nargs"] = "+"
+            if f.metadata["choices"]:
+                kwargs["choices"] = f.metadata["choices"]
+            group.add_argument(flag, metavar=f.name.upper(), **kwargs)
+
+
+def config_from_args(args: argparse.Namespace) -> Config:
+    """Defaults < --config YAML < flags."""
+    overrides: dict[str, Any] = {}
+    if getattr(args, "config", None):
+        overrides.update(load_yaml(args.config))
+    overrides.update({name: getattr(args, name) for name in field_index() if hasattr(args, name)})
+    return build_config(overrides)

@@ -1,0 +1,1 @@
+"""Data sources and the sharded input pipeline."""

@@ -1,0 +1,93 @@
+"""The input pipeline: shard by rank, shuffle per epoch, gather, batch, prefetch.
+
+How an epoch is split, so that N ranks with batch b compute what one process with batch N*b
+computes:
+
+* Every rank draws the same seeded permutation of all example ids for the epoch (the seed is
+  ``(seed, epoch)``, so the order changes each epoch and is the same after a resume).
+* The permutation is cut into global batches of N*b ids. In global batch s, rank r takes the
+  ids ``[r*b, (r+1)*b)``. One process with batch N*b takes the whole global batch.
+* Remainder policy ``pad`` (default): the last global batch is shorter; ranks whose block runs
+  past its end get padding slots (id -1) with weight 0. Every rank runs the same number of steps
+  (an uneven count would deadlock the allreduce) and every example is seen exactly once.
+  ``drop``: the last partial global batch is skipped; a different tail each epoch.
+* Each real example carries the weight 1/(examples in its global batch), so the per-rank loss
+  ``sum(weight * per_example_loss)`` summed across ranks is the global-batch mean.
+
+The plan is made of TensorFlow ops, so one ``tf.data`` pipeline covers every epoch.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import tensorflow as tf
+
+from hvdtrain.world import World
+
+PADDING_ID = -1
+
+
+@dataclass(frozen=True)
+class ShardSpec:
+    """How one rank takes its share of a dataset of ``num_examples``."""
+
+    num_examples: int
+    world: World
+    batch_size: int
+    remainder: str = "pad"
+    shuffle: bool = True
+    seed: int = 0
+
+    @property
+    def global_batch(self) -> int:
+        return self.world.size * self.batch_size
+
+    @property
+    def steps_per_epoch(self) -> int:
+        if self.remainder == "pad":
+            return math.ceil(self.num_examples / self.global_batch)
+        return self.num_examples // self.global_batch
+
+
+def epoch_plan(spec: ShardSpec, epoch: tf.Tensor | int) -> tuple[tf.Tensor, tf.Tensor]:
+    """This rank's example ids ``[steps, batch]`` (-1 = padding) and their loss weights."""
+    steps, global_batch, n = spec.steps_per_epoch, spec.global_batch, spec.num_examples
+    order = tf.range(n, dtype=tf.int64)
+    if spec.shuffle:
+        seed = tf.stack([tf.constant(spec.seed, tf.int64), tf.cast(epoch, tf.int64)])
+        order = tf.random.experimental.stateless_shuffle(order, seed=seed)
+    slots = steps * global_batch
+    if slots > n:
+        order = tf.concat([order, tf.fill([slots - n], tf.constant(PADDING_ID, tf.int64))], 0)
+    else:
+        order = order[:slots]
+    ids = tf.reshape(order, [steps, spec.world.size, spec.batch_size])[:, spec.world.rank, :]
+    starts = tf.range(steps, dtype=tf.int64) * global_batch
+    per_step = tf.cast(tf.minimum(tf.constant(global_batch, tf.int64), n - starts), tf.float32)
+    weights = tf.where(ids >= 0, 1.0 / per_step[:, tf.newaxis], 0.0)
+    return ids, weights
+
+
+def plan_dataset(spec: ShardSpec, first_epoch: int, end_epoch: int) -> tf.data.Dataset:
+    """Batches of (ids, weights) for epochs ``[first_epoch, end_epoch)``, one element a step."""
+    epochs = tf.data.Dataset.range(first_epoch, end_epoch)
+    return epochs.flat_map(lambda epoch: tf.data.Dataset.from_tensor_slices(
+        epoch_plan(spec, epoch)))
+
+
+def array_dataset(x: np.ndarray, y: np.ndarray, spec: ShardSpec, first_epoch: int = 0,
+                  end_epoch: int = 1) -> tf.data.Dataset:
+    """(features, labels, weights) batches gathered from in-memory arrays in parallel."""
+    features = tf.constant(x)
+    labels = tf.constant(y)
+
+    def gather(ids: tf.Tensor, weights: tf.Tensor):
+        rows = tf.maximum(ids, 0)
+        return tf.gather(features, rows), tf.gather(labels, rows), weights
+
+    dataset = plan_dataset(spec, first_epoch, end_epoch)
+    dataset = dataset.map(gather, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
+    return dataset.prefetch(tf.data.AUTOTUNE)

@@ -1,0 +1,129 @@
+"""``hvdtrain doctor``: is this environment able to train, on every rank?
+
+Each rank collects versions, Horovod's build, the MPI library, its rank facts and its GPUs, and
+runs one allreduce; rank 0 prints every rank's report and one verdict line. Each problem comes
+with one sentence on how to fix it.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import sys
+from typing import Any
+
+from hvdtrain import __version__
+from hvdtrain.world import horovod_build_info, init_collectives, launched_by_a_launcher
+
+SETUP_HINT = "run launch/setup.sh (it rebuilds Horovod against this TensorFlow)"
+
+
+def mpi_library_version() -> str:
+    """The MPI library's own version string, without initialising MPI."""
+    try:
+        import mpi4py
+
+        mpi4py.rc.initialize = False
+        mpi4py.rc.finalize = False
+        from mpi4py import MPI
+
+        return MPI.Get_library_version().strip().splitlines()[0]
+    except Exception as error:  # noqa: BLE001 - report, do not crash, whatever mpi4py raises
+        return f"unavailable ({type(error).__name__}: {error})"
+
+
+def problems_in(report: dict[str, Any], launched: bool) -> list[str]:
+    """One sentence per problem found in a rank's report, each saying how to fix it."""
+    found: list[str] = []
+    build = report["horovod"]
+    if "error" in build:
+        found.append(f"Horovod cannot be used: {build['error']}; {SETUP_HINT}")
+    elif not (build["controllers"]["MPI"] or build["controllers"]["Gloo"]):
+        found.append(f"Horovod was built without MPI and Gloo; {SETUP_HINT}")
+    elif not build["controllers"]["MPI"]:
+        found.append("Horovod was built without MPI (mpirun and Slurm launches will fail); "
+                     "install libopenmpi-dev and " + SETUP_HINT)
+    if report["mpi"].startswith("unavailable"):
+        found.append("mpi4py cannot load an MPI library; install openmpi-bin and re-run "
+                     "launch/setup.sh")
+    check = report.get("allreduce")
+    if check and not check["ok"]:
+        found.append(f"allreduce across ranks gave {check['got']}, expected {check['expected']}:"
+                     " the ranks are not talking to each other; check the launcher's network "
+                     "interface (--network-interface)")
+    if launched and report["size"] == 1:
+        found.append("launched by an MPI launcher but the world has one rank: Horovod and "
+                     "mpirun use different MPI libraries; re-run launch/setup.sh")
+    return found
+
+
+def collect_report() -> tuple[dict[str, Any], Any]:
+    """This rank's report, and the collectives it initialised (None if Horovod is broken)."""
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    import keras
+    import tensorflow as tf
+
+    report: dict[str, Any] = {
+        "hvdtrain": __version__,
+        "python": platform.python_version(),
+        "tensorflow": tf.__version__,
+        "keras": keras.__version__,
+        "horovod": horovod_build_info(),
+        "mpi": mpi_library_version(),
+        "host": platform.node(),
+        "gpus": [gpu.name for gpu in tf.config.list_physical_devices("GPU")],
+        "rank": 0, "size": 1, "local_rank": 0, "local_size": 1,
+    }
+    collectives = None
+    if "error" not in report["horovod"] or not launched_by_a_launcher():
+        collectives = init_collectives()
+        world = collectives.world
+        report.update(rank=world.rank, size=world.size, local_rank=world.local_rank,
+                      local_size=world.local_size)
+        got = float(collectives.allreduce_sum([tf.constant(world.rank + 1.0)])[0])
+        expected = world.size * (world.size + 1) / 2
+        report["allreduce"] = {"got": got, "expected": expected, "ok": got == expected}
+    return report, collectives
+
+
+def format_report(report: dict[str, Any]) -> str:
+    build = report["horovod"]
+    if "error" in build:
+        horovod = f"NOT USABLE ({build['error']})"
+    else:
+        on = [name for name, built in build["controllers"].items() if built]
+        ops = [name for name, built in build["tensor_ops"].items() if built]
+        horovod = (f"{build['version']} (frameworks: TensorFlow; controllers: "
+                   f"{', '.join(on) or 'none'}; tensor ops: {', '.join(ops) or 'none'})")
+    check = report.get("allreduce")
+    allreduce = (f"sum of (rank+1) = {check['got']:g} (expected {check['expected']:g}) "
+                 f"{'ok' if check['ok'] else 'WRONG'}" if check else "not run")
+    return "\n".join([
+        f"[rank {report['rank']}/{report['size']}] host {report['host']}, local rank "
+        f"{report['local_rank']}/{report['local_size']}",
+        f"  hvdtrain {report['hvdtrain']}, Python {report['python']}, TensorFlow "
+        f"{report['tensorflow']}, Keras {report['keras']}",
+        f"  Horovod {horovod}",
+        f"  MPI {report['mpi']}",
+        f"  GPUs {', '.join(report['gpus']) or 'none (CPU)'}",
+        f"  allreduce {allreduce}",
+    ])
+
+
+def main() -> int:
+    """Print every rank's report on rank 0 and a verdict; exit 1 if anything is wrong."""
+    report, collectives = collect_report()
+    reports = collectives.allgather_object(report) if collectives else [report]
+    if report["rank"] != 0:
+        return 0 if not problems_in(report, launched_by_a_launcher()) else 1
+    for each in reports:
+        print(format_report(each))
+    problems = [f"rank {each['rank']}: {problem}" for each in reports
+                for problem in problems_in(each, launched_by_a_launcher())]
+    for problem in problems:
+        print(f"  problem: {problem}")
+    verdict = "FAIL" if problems else "PASS"
+    print(f"verdict: {verdict} ({len(reports)} rank(s) checked"
+          f"{'; ' + str(len(problems)) + ' problem(s)' if problems else ', ready to train'})")
+    sys.stdout.flush()
+    return 1 if problems else 0

@@ -1,0 +1,1 @@
+"""Training: the shared step math, the two loops, callbacks and the learning-rate schedule."""

@@ -1,0 +1,160 @@
+"""The world a run lives in: rank facts, device placement and the collective operations.
+
+This is the one module that imports Horovod. Everything else receives a ``Collectives`` object
+and a ``World`` value and never asks Horovod directly, so the single-process implementation
+here lets ``python -m hvdtrain`` and most tests run without MPI.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any, Protocol, Sequence
+
+# Environment variables that a launcher sets in every rank it starts: horovodrun with Gloo,
+# Open MPI's mpirun (also used by horovodrun with MPI), PMIx (srun --mpi=pmix), MPICH/PMI2.
+LAUNCHER_VARIABLES = ("HOROVOD_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_RANK")
+
+
+@dataclass(frozen=True)
+class World:
+    """Where this process stands among the ranks of one job."""
+
+    rank: int = 0
+    size: int = 1
+    local_rank: int = 0
+    local_size: int = 1
+
+    @property
+    def is_chief(self) -> bool:
+        """Rank 0 alone writes files and prints progress."""
+        return self.rank == 0
+
+
+class Collectives(Protocol):
+    """The collective operations a data-parallel run needs, for any backend."""
+
+    world: World
+
+    def allreduce_sum(self, tensors: Sequence[Any]) -> list[Any]:
+        """Sum each tensor across ranks (grouped into one fused ring-allreduce; graph-safe)."""
+
+    def broadcast_variables(self, variables: Sequence[Any], root_rank: int = 0) -> None:
+        """Overwrite every rank's TensorFlow variables with the root rank's values."""
+
+    def broadcast_object(self, obj: Any, root_rank: int = 0) -> Any:
+        """Return the root rank's picklable object on every rank."""
+
+    def allgather_object(self, obj: Any) -> list[Any]:
+        """Return the list of every rank's object, in rank order."""
+
+
+class LocalCollectives:
+    """A world of one: every collective is the identity."""
+
+    def __init__(self) -> None:
+        self.world = World()
+
+    def allreduce_sum(self, tensors: Sequence[Any]) -> list[Any]:
+        return list(tensors)
+
+    def broadcast_variables(self, variables: Sequence[Any], root_rank: int = 0) -> None:
+        return None
+
+    def broadcast_object(self, obj: Any, root_rank: int = 0) -> Any:
+        return obj
+
+    def allgather_object(self, obj: Any) -> list[Any]:
+        return [obj]
+
+
+class HorovodCollectives:
+    """Collectives over Horovod (MPI or Gloo controller; CPU, MPI or NCCL tensor ops)."""
+
+    def __init__(self) -> None:
+        import horovod.tensorflow as hvd
+
+        hvd.init()
+        self._hvd = hvd
+        self.world = World(hvd.rank(), hvd.size(), hvd.local_rank(), hvd.local_size())
+
+    def allreduce_sum(self, tensors: Sequence[Any]) -> list[Any]:
+        if not tensors:
+            return []
+        return list(self._hvd.grouped_allreduce(list(tensors), op=self._hvd.Sum))
+
+    def broadcast_variables(self, variables: Sequence[Any], root_rank: int = 0) -> None:
+        if variables:
+            self._hvd.broadcast_variables(list(variables), root_rank=root_rank)
+
+    def broadcast_object(self, obj: Any, root_rank: int = 0) -> Any:
+        return self._hvd.broadcast_object(obj, root_rank=root_rank)
+
+    def allgather_object(self, obj: Any) -> list[Any]:
+        return list(self._hvd.allgather_object(obj))
+
+
+def launched_by_a_launcher(environ: dict[str, str] | None = None) -> bool:
+    """True when horovodrun, mpirun or srun started this process as one of several ranks."""
+    env = os.environ if environ is None else environ
+    forced = env.get("HVDTRAIN_BACKEND", "").lower()
+    if forced in ("horovod", "local"):
+        return forced == "horovod"
+    return any(name in env for name in LAUNCHER_VARIABLES)
+
+
+def cpu_threads_per_rank(local_size: int, affinity: int, cores: int) -> int:
+    """Threads for TensorFlow's pools so the ranks on one node share its cores without contention.
+
+    A launcher that binds ranks to cores already gave each rank its share (affinity < cores);
+    otherwise every rank sees every core and takes an equal slice of them.
+    """
+    if affinity < cores:
+        return max(1, affinity)
+    return max(1, cores // max(1, local_size))
+
+
+def place_devices(world: World, threads: int | None = None) -> str:
+    """Pin one GPU per local rank (memory growth on), or size CPU thread pools; say which.
+
+    Must run before TensorFlow creates its runtime (before the first op).
+    """
+    import tensorflow as tf
+
+    gpus = tf.config.list_physical_devices("GPU")
+    if gpus:
+        gpu = gpus[world.local_rank % len(gpus)]
+        tf.config.experimental.set_memory_growth(gpu, True)
+        tf.config.set_visible_devices(gpu, "GPU")
+        return f"GPU {gpu.name} (local rank {world.local_rank} of {len(gpus)} GPUs)"
+    affinity = len(os.sched_getaffinity(0))
+    count = threads or cpu_threads_per_rank(world.local_size, affinity, os.cpu_count() or 1)
+    tf.config.threading.set_intra_op_parallelism_threads(count)
+    tf.config.threading.set_inter_op_parallelism_threads(min(2, count))
+    return f"CPU, {count} thread(s) for this rank"
+
+
+def init_collectives(environ: dict[str, str] | None = None) -> Collectives:
+    """Horovod when a launcher started us, a world of one otherwise."""
+    if launched_by_a_launcher(environ):
+        return HorovodCollectives()
+    return LocalCollectives()
+
+
+def horovod_build_info() -> dict[str, Any]:
+    """What the installed Horovod was built with, or why it cannot be loaded."""
+    try:
+        import horovod
+        import horovod.tensorflow as hvd
+
+        return {
+            "version": horovod.__version__,
+            "tensorflow": True,
+            "controllers": {"MPI": bool(hvd.mpi_built()), "Gloo": bool(hvd.gloo_built())},
+            "tensor_ops": {"NCCL": bool(hvd.nccl_built()), "MPI": bool(hvd.mpi_built()),
+                           "Gloo": bool(hvd.gloo_built())},
+        }
+    except ImportError as error:
+        return {"error": f"{type(error).__name__}: {error}"}
+    except Exception as error:  # noqa: BLE001 - a broken extension raises many kinds
+        return {"error": f"Horovod's TensorFlow extension does not load ({error})"}

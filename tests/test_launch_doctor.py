@@ -1,0 +1,50 @@
+"""Real 2-rank launches with horovodrun and mpirun: both ranks run, and an allreduce is right."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from conftest import launch
+from hvdtrain.world import World, cpu_threads_per_rank, launched_by_a_launcher
+
+pytestmark = pytest.mark.distributed
+
+
+@pytest.mark.parametrize("launcher", ["horovodrun", "mpirun"])
+def test_doctor_on_two_ranks(launcher):
+    result = launch(launcher, 2, ["doctor"])
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output
+    for rank in (0, 1):
+        assert re.search(rf"\[rank {rank}/2\] host \S+, local rank {rank}/2", output), output
+    assert output.count("allreduce sum of (rank+1) = 3 (expected 3) ok") == 2, output
+    assert "verdict: PASS (2 rank(s) checked, ready to train)" in output
+    assert "TensorFlow" in output and "controllers: MPI, Gloo" in output
+
+
+def test_doctor_without_a_launcher_is_a_world_of_one():
+    result = launch("none", 1, ["doctor"])
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "[rank 0/1]" in result.stdout and "verdict: PASS" in result.stdout
+
+
+def test_version_flag():
+    result = launch("none", 1, ["--version"])
+    assert result.returncode == 0 and re.fullmatch(r"hvdtrain \d+\.\d+\.\d+\n", result.stdout)
+
+
+def test_launcher_detection_from_environment():
+    assert not launched_by_a_launcher({})
+    assert launched_by_a_launcher({"OMPI_COMM_WORLD_RANK": "0"})
+    assert launched_by_a_launcher({"HOROVOD_RANK": "1"})
+    assert launched_by_a_launcher({"PMIX_RANK": "0"})
+    assert not launched_by_a_launcher({"PMIX_RANK": "0", "HVDTRAIN_BACKEND": "local"})
+
+
+def test_cpu_threads_share_the_node_or_respect_binding():
+    assert cpu_threads_per_rank(local_size=2, affinity=16, cores=16) == 8
+    assert cpu_threads_per_rank(local_size=4, affinity=2, cores=2) == 1
+    assert cpu_threads_per_rank(local_size=2, affinity=1, cores=16) == 1  # bound to one core
+    assert World(rank=0).is_chief and not World(rank=1, size=2).is_chief

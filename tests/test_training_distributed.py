@@ -1,0 +1,189 @@
+"""The trainer core, proven with real ranks started by horovodrun (and mpirun)."""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import textwrap
+
+import numpy as np
+import pytest
+
+from conftest import REPO, final_weights, launch, read_metrics, read_summary, train
+
+pytestmark = pytest.mark.distributed
+
+# Plain SGD, no dropout, fixed data order, op determinism: the update must not depend on N.
+EXACT = ["--dataset", "digits", "--epochs", "2", "--optimizer", "sgd", "--momentum", "0",
+         "--warmup-epochs", "0", "--hidden-units", "32", "--weight-decay", "0.001",
+         "--seed", "1", "--deterministic"]
+
+
+def assert_same_weights(a: list, b: list, atol: float) -> None:
+    assert len(a) == len(b)
+    for left, right in zip(a, b):
+        np.testing.assert_allclose(left, right, atol=atol, rtol=0)
+
+
+@pytest.fixture(scope="module")
+def exact_runs(session_tmp):
+    """2 ranks x batch 16 at rate 0.05 (linear scaling: 0.1) against 1 rank x 32 at 0.1.
+
+    1,438 training examples do not divide into global batches of 32: the last one is short,
+    and the equivalence covers it.
+    """
+    runs = {}
+    for loop in ("fit", "custom"):
+        runs[loop, 2] = train(session_tmp, f"exact-{loop}-2", *EXACT, "--loop", loop,
+                              "--batch-size", "16", "--learning-rate", "0.05")
+        runs[loop, 1] = train(session_tmp, f"exact-{loop}-1", *EXACT, "--loop", loop,
+                              "--batch-size", "32", "--learning-rate", "0.1", np=1)
+    return runs
+
+
+@pytest.mark.parametrize("loop", ["fit", "custom"])
+def test_two_ranks_compute_what_one_process_with_twice_the_batch_does(exact_runs, loop):
+    two, one = final_weights(exact_runs[loop, 2]), final_weights(exact_runs[loop, 1])
+    start = final_weights(exact_runs[loop, 1])
+    assert_same_weights(two, one, atol=2e-5)
+    # The tolerance is far below how much training moved the weights.
+    assert max(np.abs(w).max() for w in start) > 0.05
+    assert read_summary(exact_runs[loop, 2])["weights_identical"]
+
+
+def test_fit_and_custom_loop_give_the_same_result(exact_runs):
+    assert_same_weights(final_weights(exact_runs["fit", 2]),
+                        final_weights(exact_runs["custom", 2]), atol=1e-6)
+    fit, custom = read_metrics(exact_runs["fit", 2]), read_metrics(exact_runs["custom", 2])
+    for a, b in zip(fit, custom):
+        assert a["val_accuracy"] == pytest.approx(b["val_accuracy"], abs=1e-9)
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-4)
+
+
+def test_sharding_is_a_partition_with_equal_steps():
+    # 1,001 examples, 2 ranks x 16: 32 steps, the last global batch holds 9 examples.
+    result = launch("horovodrun", 2, ["1001", "16"], module="shard_probe",
+                    PYTHONPATH=str(REPO / "tests"))
+    assert result.returncode == 0, result.stdout + result.stderr
+    line = next(x for x in result.stdout.splitlines() if "SHARDS " in x)
+    records = json.loads(line.split("SHARDS ", 1)[1])
+    assert [r["rank"] for r in records] == [0, 1]
+    for epoch in range(2):
+        assert records[0]["steps"][epoch] == records[1]["steps"][epoch] == 32
+        shard0, shard1 = (set(r["ids"][epoch]) for r in records)
+        assert not shard0 & shard1
+        assert sorted(shard0 | shard1) == list(range(1001))
+        assert sum(len(r["ids"][epoch]) for r in records) == 1001
+    assert records[0]["ids"][0] != records[0]["ids"][1]   # reshuffled each epoch
+
+
+@pytest.mark.parametrize("launcher", ["horovodrun", "mpirun"])
+def test_ranks_seeded_differently_agree_after_the_first_step(session_tmp, launcher):
+    # 80 synthetic examples, 20% held out: 64 to train = one step of 2 x 32.
+    run = train(session_tmp, f"broadcast-{launcher}", "--dataset", "synthetic",
+                "--synthetic-examples", "80", "--epochs", "1", "--batch-size", "32",
+                launcher=launcher)
+    summary = read_summary(run)
+    before = summary["fingerprints_before_broadcast"]
+    assert len(before) == 2 and before[0] != before[1]     # the seeds really differ per rank
+    assert summary["weights_identical"] and len(set(summary["fingerprints"])) == 1
+    assert [row["epoch"] for row in read_metrics(run)] == [1]
+
+
+PLUGIN = textwrap.dedent("""
+    import keras
+
+    def build(input_shape, num_classes):
+        return keras.Sequential([keras.Input(shape=input_shape),
+                                 keras.layers.Dense(16, activation="relu"),
+                                 keras.layers.Dense(num_classes, activation="softmax")])
+""")
+
+
+def test_user_model_and_npz_train_and_eval_is_exact(session_tmp):
+    """Validation shards of unequal size and accuracy: the reported accuracy is the global one."""
+    rng = np.random.default_rng(0)
+    teacher = rng.standard_normal((6, 3))
+    x = rng.standard_normal((400, 6)).astype(np.float32)
+    x_val = rng.standard_normal((101, 6)).astype(np.float32)
+    y_val = np.argmax(x_val @ teacher, axis=1)
+    y_val[64:] = rng.integers(0, 3, 37)   # rank 1's shard (ids 64..100) is mostly noise
+    data = session_tmp / "mine.npz"
+    np.savez(data, x=x, y=np.argmax(x @ teacher, axis=1), x_val=x_val, y_val=y_val)
+    (session_tmp / "my_models.py").write_text(PLUGIN)
+    run = train(session_tmp, "plugin", "--dataset", "npz", "--data-path", str(data),
+                "--model", "my_models:build", "--epochs", "6", "--batch-size", "64",
+                PYTHONPATH=str(session_tmp))
+    import keras
+
+    model = keras.saving.load_model(run / "model.keras", safe_mode=True)
+    correct = np.argmax(model.predict(x_val, verbose=0), axis=1) == y_val
+    shard_means = correct[:64].mean(), correct[64:].mean()
+    reported = read_summary(run)["metrics"]["val_accuracy"]
+    assert reported == pytest.approx(correct.mean(), abs=1e-9)
+    assert abs(np.mean(shard_means) - correct.mean()) > 0.02   # a mean of means would differ
+    assert correct[:64].mean() > 0.8                            # the plugin model learned
+
+
+@pytest.fixture(scope="module")
+def resume_runs(session_tmp):
+    common = ["--epochs", "4", "--momentum", "0.9", "--warmup-epochs", "1", "--seed", "3",
+              "--hidden-units", "32", "--deterministic"]
+    straight = train(session_tmp, "straight", *common)
+    common[1] = "2"
+    resumed = train(session_tmp, "resumed", *common)
+    common[1] = "4"
+    train(session_tmp, "resumed", *common, "--resume")
+    return straight, resumed
+
+
+def test_resume_gives_the_same_weights_as_an_uninterrupted_run(resume_runs):
+    straight, resumed = resume_runs
+    assert_same_weights(final_weights(straight), final_weights(resumed), atol=1e-6)
+    assert [row["epoch"] for row in read_metrics(resumed)] == [1, 2, 3, 4]
+    for a, b in zip(read_metrics(straight), read_metrics(resumed)):
+        assert a["lr"] == pytest.approx(b["lr"], rel=1e-6)
+        assert a["val_loss"] == pytest.approx(b["val_loss"], rel=1e-5)
+
+
+def test_logged_learning_rate_follows_scaling_and_warmup(resume_runs):
+    straight, _ = resume_runs
+    steps = math.ceil(1438 / 64)             # digits train split, 2 ranks x 32
+    base, target = 0.05, 0.05 * 2            # linear scaling for 2 ranks
+    expected = [base + (target - base) * min(1.0, (epoch * steps - 1) / steps)
+                for epoch in (1, 2, 3, 4)]
+    assert [row["lr"] for row in read_metrics(straight)] == pytest.approx(expected, rel=1e-6)
+    assert read_metrics(straight)[0]["lr"] < target
+
+
+def test_run_directory_holds_what_a_user_needs(resume_runs):
+    straight, _ = resume_runs
+    names = {p.name for p in straight.iterdir()}
+    assert {"config.yaml", "metrics.jsonl", "metrics.csv", "model.keras", "summary.json",
+            "checkpoints"} <= names
+    assert [p.name for p in sorted((straight / "checkpoints").iterdir())] == [
+        "epoch-0002", "epoch-0003", "epoch-0004"]
+    header = (straight / "metrics.csv").read_text().splitlines()[0]
+    assert header == "epoch,loss,accuracy,val_loss,val_accuracy,lr"
+    assert oct(straight.stat().st_mode & 0o777) == "0o700"
+
+
+def test_starting_over_an_existing_run_is_refused(resume_runs):
+    straight, _ = resume_runs
+    before = (straight / "metrics.jsonl").read_text()
+    result = launch("horovodrun", 2, ["--run-dir", str(straight), "--epochs", "1"])
+    assert result.returncode != 0
+    assert "already holds a run; pass --resume" in result.stderr
+    assert (straight / "metrics.jsonl").read_text() == before
+
+
+def test_embedded_default_reaches_the_stated_accuracy(session_tmp):
+    """The README's main command: the default MLP on digits, 2 ranks, 20 epochs."""
+    run_dir = session_tmp / "default"
+    result = launch("horovodrun", 2, ["--run-dir", str(run_dir)], cwd=session_tmp)
+    assert result.returncode == 0, result.stdout + result.stderr
+    accuracy = float(re.search(r"held-out accuracy: ([0-9.]+)", result.stdout).group(1))
+    assert accuracy >= 0.95
+    assert accuracy == pytest.approx(read_summary(run_dir)["metrics"]["val_accuracy"], abs=1e-4)
+    assert "epoch 20/20" in result.stdout and "ex/s" in result.stdout
