@@ -45,7 +45,7 @@ def split_arrays(x: np.ndarray, y: np.ndarray, fraction: float, seed: int,
 
 
 def load_digits(config: DataConfig, seed: int) -> ArraySplits:
-    """scikit-learn's bundled 8x8 handwritten digits (1,797 images, 10 classes), scaled to [0, 1]."""
+    """scikit-learn's bundled 8x8 digits: 1,797 images, 10 classes, scaled to [0, 1]."""
     from sklearn.datasets import load_digits as sklearn_digits
 
     bunch = sklearn_digits()
@@ -79,7 +79,7 @@ def _checked_pair(arrays: dict[str, np.ndarray], x_key: str, y_key: str, path: P
 
 
 def load_npz(config: DataConfig, seed: int) -> ArraySplits:
-    """A user's ``.npz`` with ``x`` and ``y`` (and optionally ``x_val``, ``y_val``, ``num_classes``)."""
+    """A user's ``.npz``: ``x``, ``y``, and optionally ``x_val``, ``y_val``, ``num_classes``."""
     path = Path(config.data_path or "")
     if not path.is_file():
         raise DataError(f"data file {path} does not exist; check --data-path")

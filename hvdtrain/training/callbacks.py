@@ -22,6 +22,15 @@ from hvdtrain.training.step import StepMath
 from hvdtrain.world import Collectives, World
 
 
+COLUMNS = ("loss", "accuracy", "val_loss", "val_accuracy", "lr")
+
+
+def ordered(logs: dict) -> dict[str, float]:
+    """Epoch logs as floats in one fixed column order (the two loops fill logs differently)."""
+    names = [n for n in COLUMNS if n in logs] + sorted(n for n in logs if n not in COLUMNS)
+    return {name: float(logs[name]) for name in names}
+
+
 class EpochMetrics(keras.callbacks.Callback):
     """Reset the local metric sums each epoch and replace the logs with exact global values."""
 
@@ -74,7 +83,7 @@ class Checkpoint(keras.callbacks.Callback):
 
     def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
         self.store.save(self.inner, self.optimizer, {**self.state, "epoch": epoch + 1,
-                                                     "metrics": dict(logs)})
+                                                     "metrics": ordered(logs)})
 
 
 class MetricsFiles(keras.callbacks.Callback):
@@ -86,7 +95,7 @@ class MetricsFiles(keras.callbacks.Callback):
         self.csv = run_dir / "metrics.csv"
 
     def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
-        row = {"epoch": epoch + 1, **{k: float(v) for k, v in logs.items()}}
+        row = {"epoch": epoch + 1, **ordered(logs)}
         with open(self.jsonl, "a") as handle:
             handle.write(json.dumps(row) + "\n")
         new_file = not self.csv.exists()
@@ -140,7 +149,7 @@ class Progress(keras.callbacks.Callback):
         if self.show_bar and self.interactive:
             self.stream.write("\n")
         values = "  ".join(f"{k} {v:.4f}" if k != "lr" else f"lr {v:.5g}"
-                           for k, v in logs.items())
+                           for k, v in ordered(logs).items())
         self.stream.write(f"epoch {epoch + 1}/{self.epochs}  {values}  "
                           f"{self._rate(self.steps):,.0f} ex/s\n")
         self.stream.flush()
