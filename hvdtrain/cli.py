@@ -12,11 +12,11 @@ import os
 import sys
 import traceback
 
-from hvdtrain import __version__
+from hvdtrain import __version__, convert, inference
 from hvdtrain.config import add_arguments, config_from_args
 from hvdtrain.errors import UserError
 
-SUBCOMMANDS = ("train", "doctor")
+SUBCOMMANDS = ("train", "doctor", "evaluate", "predict", "convert")
 USER_ERROR_EXIT = 2
 
 
@@ -33,6 +33,15 @@ def build_parser() -> argparse.ArgumentParser:
     commands.add_parser("doctor", help="check the installation on every rank",
                         description="Print versions, Horovod's build, MPI and rank facts on "
                                     "every rank, and a verdict.")
+    inference.add_evaluate_arguments(commands.add_parser(
+        "evaluate", help="exact (distributed) evaluation of a finished run",
+        description="Evaluate a run's final model on its validation split or a given set."))
+    inference.add_predict_arguments(commands.add_parser(
+        "predict", help="class predictions of a finished run's model for a few inputs",
+        description="Predict classes for the examples in a .npz or .npy file."))
+    convert.add_arguments(commands.add_parser(
+        "convert", help="write a .npz or an image folder as sharded TFRecord files",
+        description="Convert data into sharded TFRecord files for --dataset tfrecord."))
     return parser
 
 
@@ -47,6 +56,10 @@ def _run(args: argparse.Namespace) -> int:
         from hvdtrain import doctor
 
         return doctor.main()
+    if args.command in ("evaluate", "predict"):
+        return getattr(inference, args.command)(args)
+    if args.command == "convert":
+        return convert.main(args)
     config = config_from_args(args)
     # Run directories and checkpoints stay private to the user on a shared cluster.
     os.umask(0o077)

@@ -37,9 +37,27 @@ def option(default: Any, help: str, *, choices: tuple[str, ...] = (),
 
 @dataclass
 class DataConfig:
-    dataset: str = option("digits", "data source: digits, synthetic, or npz (with --data-path)")
-    data_path: str | None = option(None, "a .npz file with arrays x and y (optionally x_val, "
-                                         "y_val) for --dataset npz")
+    dataset: str = option("digits", "data source: digits, synthetic, npz, tfrecord, csv, mnist, "
+                                    "fashion_mnist or cifar10")
+    data_path: str | None = option(None, "npz: a .npz file with x and y (optionally x_val, "
+                                         "y_val); tfrecord, csv: a glob of training files")
+    val_data_path: str | None = option(None, "tfrecord, csv: a glob of validation files")
+    data_dir: str | None = option(None, "mnist, fashion_mnist, cifar10: a directory holding the "
+                                        "standard files, for nodes without internet")
+    feature_key: str = option("image", "tfrecord: name of the feature")
+    feature_shape: list[int] = option([], "tfrecord: shape of one example (from the converter's "
+                                          "metadata when empty)", minimum=1)
+    feature_encoding: str = option("raw", "tfrecord: how the feature is stored: raw (uint8 "
+                                          "bytes), float (float list), png or jpeg",
+                                   choices=("raw", "float", "png", "jpeg"))
+    label_key: str = option("label", "tfrecord: name of the integer label feature")
+    label_column: str = option("label", "csv: name of the label column")
+    num_classes: int | None = option(None, "classes, for tfrecord or csv without converter "
+                                           "metadata (default: from the metadata or the labels)",
+                                     minimum=2)
+    shuffle_buffer: int = option(4096, "tfrecord, csv: records shuffled together (seeded, "
+                                       "changes each epoch)", minimum=1)
+    cache: bool = option(False, "tfrecord, csv: cache parsed records in memory after epoch 1")
     validation_split: float = option(0.2, "fraction held out for validation when the source "
                                           "has no split of its own", minimum=0.0, maximum=0.9)
     remainder: str = option("pad", "last partial global batch each epoch: pad (every example "
@@ -52,9 +70,12 @@ class DataConfig:
 
 @dataclass
 class ModelConfig:
-    model: str = option("mlp", "built-in model (mlp, cnn) or a user's package.module:build_fn")
+    model: str = option("mlp", "built-in model (mlp, cnn, resnet) or a user's "
+                               "package.module:build_fn")
     hidden_units: list[int] = option([256, 128], "hidden layer widths of the mlp", minimum=1)
     weight_decay: float = option(0.0, "L2 penalty on kernel weights", minimum=0.0)
+    resnet_blocks: int = option(3, "residual blocks per stage of the resnet (3: ResNet-20)",
+                                minimum=1)
 
 
 @dataclass
@@ -67,6 +88,22 @@ class OptimConfig:
                              choices=("linear", "sqrt", "none"))
     warmup_epochs: float = option(2.0, "epochs of linear warmup from the unscaled rate to the "
                                        "scaled one (Goyal et al., 2017)", minimum=0.0)
+    lr_schedule: str = option("constant", "rate after warmup: constant, cosine (to 0 at the "
+                                          "last epoch), step (x factor every --lr-decay-epochs) "
+                                          "or plateau (x factor when val_loss stalls)",
+                              choices=("constant", "cosine", "step", "plateau"))
+    lr_decay_epochs: float = option(10.0, "epochs between step decays", minimum=0.0,
+                                    exclusive_minimum=True)
+    lr_decay_factor: float = option(0.1, "multiplier of a step or plateau decay", minimum=0.0,
+                                    maximum=1.0, exclusive_minimum=True)
+    plateau_patience: int = option(3, "epochs without val_loss improvement before a plateau "
+                                      "decay", minimum=1)
+    reduction: str = option("mean", "how gradients combine across ranks: mean (ring-allreduce "
+                                    "of the global-batch mean) or adasum",
+                            choices=("mean", "adasum"))
+    compression: str = option("none", "gradient compression on the wire", choices=("none", "fp16"))
+    accumulation_steps: int = option(1, "local steps whose gradients are accumulated before one "
+                                        "allreduce and update", minimum=1)
 
 
 @dataclass
@@ -77,6 +114,9 @@ class TrainConfig:
     loop: str = option("fit", "training path: Keras fit or a custom tf.function loop",
                        choices=("fit", "custom"))
     seed: int = option(42, "seed for weights, shuffling and splits", minimum=0)
+    precision: str = option("float32", "compute precision; weights stay float32",
+                            choices=("float32", "mixed_float16", "mixed_bfloat16"))
+    tensorboard: bool = option(True, "write TensorBoard event files (rank 0)")
     run_dir: str | None = option(None, "run directory (default: runs/<model>-<dataset>-<time>)")
     resume: bool = option(False, "continue from the newest checkpoint in --run-dir")
     keep_checkpoints: int = option(3, "checkpoints kept on disk (newest first)", minimum=1)

@@ -39,6 +39,11 @@ class Collectives(Protocol):
     def allreduce_sum(self, tensors: Sequence[Any]) -> list[Any]:
         """Sum each tensor across ranks (grouped into one fused ring-allreduce; graph-safe)."""
 
+    def reduce_gradients(self, tensors: Sequence[Any], adasum: bool,
+                         fp16: bool) -> list[Any]:
+        """Combine gradients across ranks in one grouped allreduce: summed (each rank's are
+        already weighted by the global batch) or by Adasum; optionally fp16 on the wire."""
+
     def broadcast_variables(self, variables: Sequence[Any], root_rank: int = 0) -> None:
         """Overwrite every rank's TensorFlow variables with the root rank's values."""
 
@@ -56,6 +61,10 @@ class LocalCollectives:
         self.world = World()
 
     def allreduce_sum(self, tensors: Sequence[Any]) -> list[Any]:
+        return list(tensors)
+
+    def reduce_gradients(self, tensors: Sequence[Any], adasum: bool,
+                         fp16: bool) -> list[Any]:
         return list(tensors)
 
     def broadcast_variables(self, variables: Sequence[Any], root_rank: int = 0) -> None:
@@ -82,6 +91,19 @@ class HorovodCollectives:
         if not tensors:
             return []
         return list(self._hvd.grouped_allreduce(list(tensors), op=self._hvd.Sum))
+
+    def reduce_gradients(self, tensors: Sequence[Any], adasum: bool,
+                         fp16: bool) -> list[Any]:
+        compression = self._hvd.Compression.fp16 if fp16 else self._hvd.Compression.none
+        if not adasum:
+            return list(self._hvd.grouped_allreduce(list(tensors), op=self._hvd.Sum,
+                                                    compression=compression))
+        # Adasum is scale-equivariant: combine each rank's own mean gradient (its weighted
+        # sum times the world size), as Horovod's Adasum expects.
+        size = float(self.world.size)
+        combined = self._hvd.grouped_allreduce([t * size for t in tensors], op=self._hvd.Adasum,
+                                               compression=compression)
+        return list(combined)
 
     def broadcast_variables(self, variables: Sequence[Any], root_rank: int = 0) -> None:
         if variables:

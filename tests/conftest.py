@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
@@ -50,10 +51,12 @@ def launch(launcher: str, np: int, args: list[str], cwd: Path | None = None,
 
 def train(tmp: Path, name: str, *args: str, np: int = 2, launcher: str = "horovodrun",
           **env: str) -> Path:
-    """Train into ``tmp/name`` and return the run directory; fail with the output if it fails."""
+    """Train into ``tmp/name`` (output kept in ``tmp/name.log``) and return the run directory;
+    fail with the output if training fails."""
     run_dir = tmp / name
     result = launch(launcher if np > 1 else "none", np,
                     ["train", "--run-dir", str(run_dir), "--no-progress", *args], cwd=tmp, **env)
+    run_dir.with_suffix(".log").write_text(result.stdout + result.stderr)
     assert result.returncode == 0, f"training failed:\n{result.stdout}\n{result.stderr}"
     return run_dir
 
@@ -73,6 +76,58 @@ def final_weights(run_dir: Path) -> list:
     return keras.saving.load_model(run_dir / "model.keras", safe_mode=True).get_weights()
 
 
+def probe_shards(tmp: Path, kind: str, what: str, batch: int) -> list[dict]:
+    """Every rank's example ids, step counts and weight sums over two epochs (shard_probe)."""
+    out = tmp / f"shards-{kind}.json"
+    result = launch("horovodrun", 2, [kind, what, str(batch), str(out)], module="shard_probe",
+                    PYTHONPATH=str(REPO / "tests"))
+    assert result.returncode == 0, result.stdout + result.stderr
+    return json.loads(out.read_text())
+
+
+def assert_partition(records: list[dict], num_examples: int, steps: int) -> None:
+    """Each epoch: disjoint shards covering every example once, equal steps, and per-step
+    weights summing to one across ranks (each update is a mean over its global batch)."""
+    assert [r["rank"] for r in records] == [0, 1]
+    for epoch in range(2):
+        assert records[0]["steps"][epoch] == records[1]["steps"][epoch] == steps
+        shard0, shard1 = (set(r["ids"][epoch]) for r in records)
+        assert not shard0 & shard1
+        assert sorted(shard0 | shard1) == list(range(num_examples))
+        assert sum(len(r["ids"][epoch]) for r in records) == num_examples
+        totals = [a + b for a, b in zip(*(r["weight_sums"][epoch] for r in records))]
+        assert totals == pytest.approx([1.0] * steps, rel=1e-5)
+    assert records[0]["ids"][0] != records[0]["ids"][1]   # reshuffled each epoch
+
+
 @pytest.fixture(scope="session")
 def session_tmp(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("runs")
+
+
+# Plain SGD, no dropout, fixed data order, op determinism: the update must not depend on N.
+EXACT = ["--dataset", "digits", "--epochs", "2", "--optimizer", "sgd", "--momentum", "0",
+         "--warmup-epochs", "0", "--hidden-units", "32", "--weight-decay", "0.001",
+         "--seed", "1", "--deterministic"]
+
+
+def assert_same_weights(a: list, b: list, atol: float) -> None:
+    assert len(a) == len(b)
+    for left, right in zip(a, b):
+        np.testing.assert_allclose(left, right, atol=atol, rtol=0)
+
+
+@pytest.fixture(scope="session")
+def exact_runs(session_tmp):
+    """2 ranks x batch 16 at rate 0.05 (linear scaling: 0.1) against 1 rank x 32 at 0.1.
+
+    1,438 training examples do not divide into global batches of 32: the last one is short,
+    and the equivalence covers it.
+    """
+    runs = {}
+    for loop in ("fit", "custom"):
+        runs[loop, 2] = train(session_tmp, f"exact-{loop}-2", *EXACT, "--loop", loop,
+                              "--batch-size", "16", "--learning-rate", "0.05")
+        runs[loop, 1] = train(session_tmp, f"exact-{loop}-1", *EXACT, "--loop", loop,
+                              "--batch-size", "32", "--learning-rate", "0.1", np=1)
+    return runs

@@ -1,6 +1,10 @@
-"""Run on several ranks: each records the example ids the real pipeline gives it for two
-epochs, and rank 0 writes everyone's record as JSON to the file named by the third argument
-(a file, because launchers split long output lines)."""
+"""Run on several ranks: each records the example ids (the labels) and the per-step loss
+weights the real pipeline gives it for two epochs, and rank 0 writes everyone's record as JSON
+to the output file (a file, because launchers split long output lines).
+
+    python -m shard_probe arrays NUM_EXAMPLES BATCH OUT
+    python -m shard_probe tfrecord GLOB BATCH OUT      (labels must be the example ids)
+"""
 
 from __future__ import annotations
 
@@ -10,29 +14,37 @@ from pathlib import Path
 
 import numpy as np
 
-from hvdtrain.data.pipeline import ShardSpec, array_dataset
+from hvdtrain.config import DataConfig
+from hvdtrain.data.files import tfrecord_split
+from hvdtrain.data.pipeline import ShardSpec
+from hvdtrain.data.sources import ArraySplit
 from hvdtrain.world import init_collectives
 
 
 def main() -> None:
-    num_examples, batch = int(sys.argv[1]), int(sys.argv[2])
+    kind, what, batch, out = sys.argv[1], sys.argv[2], int(sys.argv[3]), Path(sys.argv[4])
     collectives = init_collectives()
     world = collectives.world
-    ids = np.arange(num_examples)
-    spec = ShardSpec(num_examples, world, batch, "pad", True, seed=3)
-    record = {"rank": world.rank, "steps": [], "ids": []}
+    if kind == "arrays":
+        ids = np.arange(int(what))
+        split = ArraySplit(ids[:, None].astype(np.float32), ids)
+    else:
+        split, _ = tfrecord_split(DataConfig(dataset="tfrecord", shuffle_buffer=7), what, "glob")
+    spec = ShardSpec(split.num_examples, world, batch, "pad", True, seed=3)
+    record = {"rank": world.rank, "steps": [], "ids": [], "weight_sums": [],
+              "mode": getattr(split, "mode", lambda size: "arrays")(world.size)}
     for epoch in range(2):
         seen: list[int] = []
-        steps = 0
-        for _, labels, weights in array_dataset(ids[:, None].astype(np.float32), ids, spec,
-                                                epoch, epoch + 1):
+        sums: list[float] = []
+        for _, labels, weights in split.dataset(spec, epoch, epoch + 1):
             seen += labels.numpy()[weights.numpy() > 0].tolist()
-            steps += 1
-        record["steps"].append(steps)
+            sums.append(float(weights.numpy().sum()))
+        record["steps"].append(len(sums))
         record["ids"].append(seen)
+        record["weight_sums"].append(sums)
     everyone = collectives.allgather_object(record)
     if world.is_chief:
-        Path(sys.argv[3]).write_text(json.dumps(everyone))
+        out.write_text(json.dumps(everyone))
 
 
 if __name__ == "__main__":

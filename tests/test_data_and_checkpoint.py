@@ -65,11 +65,11 @@ def test_dataset_gathers_features_for_the_planned_ids():
 def test_sources_split_and_report_shapes(tmp_path):
     digits = load_source(DataConfig(), seed=0)
     assert digits.input_shape == (8, 8, 1) and digits.num_classes == 10
-    assert len(digits.x_train) + len(digits.x_val) == 1797
+    assert digits.train.num_examples + digits.val.num_examples == 1797
     path = tmp_path / "mine.npz"
     np.savez(path, x=np.zeros((20, 3)), y=np.arange(20) % 4)
     mine = load_source(DataConfig(dataset="npz", data_path=str(path)), seed=0)
-    assert mine.num_classes == 4 and mine.input_shape == (3,) and len(mine.x_val) == 4
+    assert mine.num_classes == 4 and mine.input_shape == (3,) and mine.val.num_examples == 4
 
 
 @pytest.mark.parametrize("arrays, message", [
@@ -106,7 +106,7 @@ def test_cnn_matches_the_classic_layout():
 
 
 def test_schedule_warms_up_to_the_scaled_rate():
-    schedule = make_schedule(OptimConfig(learning_rate=0.1, warmup_epochs=2), 4, 10)
+    schedule = make_schedule(OptimConfig(learning_rate=0.1, warmup_epochs=2), 4, 10, epochs=5)
     assert float(schedule(0)) == pytest.approx(0.1)
     assert float(schedule(10)) == pytest.approx(0.25)     # half way to 0.4
     assert float(schedule(20)) == pytest.approx(0.4)

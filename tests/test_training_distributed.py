@@ -11,39 +11,12 @@ import keras
 import numpy as np
 import pytest
 
-from conftest import REPO, final_weights, launch, read_metrics, read_summary, train
+from conftest import (assert_partition, assert_same_weights, final_weights, launch,
+                      probe_shards, read_metrics, read_summary, train)
 from hvdtrain.config import ModelConfig
 from hvdtrain.models import build_model
 
 pytestmark = pytest.mark.distributed
-
-# Plain SGD, no dropout, fixed data order, op determinism: the update must not depend on N.
-EXACT = ["--dataset", "digits", "--epochs", "2", "--optimizer", "sgd", "--momentum", "0",
-         "--warmup-epochs", "0", "--hidden-units", "32", "--weight-decay", "0.001",
-         "--seed", "1", "--deterministic"]
-
-
-def assert_same_weights(a: list, b: list, atol: float) -> None:
-    assert len(a) == len(b)
-    for left, right in zip(a, b):
-        np.testing.assert_allclose(left, right, atol=atol, rtol=0)
-
-
-@pytest.fixture(scope="module")
-def exact_runs(session_tmp):
-    """2 ranks x batch 16 at rate 0.05 (linear scaling: 0.1) against 1 rank x 32 at 0.1.
-
-    1,438 training examples do not divide into global batches of 32: the last one is short,
-    and the equivalence covers it.
-    """
-    runs = {}
-    for loop in ("fit", "custom"):
-        runs[loop, 2] = train(session_tmp, f"exact-{loop}-2", *EXACT, "--loop", loop,
-                              "--batch-size", "16", "--learning-rate", "0.05")
-        runs[loop, 1] = train(session_tmp, f"exact-{loop}-1", *EXACT, "--loop", loop,
-                              "--batch-size", "32", "--learning-rate", "0.1", np=1)
-    return runs
-
 
 @pytest.mark.parametrize("loop", ["fit", "custom"])
 def test_two_ranks_compute_what_one_process_with_twice_the_batch_does(exact_runs, loop):
@@ -68,19 +41,8 @@ def test_fit_and_custom_loop_give_the_same_result(exact_runs):
 
 def test_sharding_is_a_partition_with_equal_steps(tmp_path):
     # 1,001 examples, 2 ranks x 16: 32 steps, the last global batch holds 9 examples.
-    out = tmp_path / "shards.json"
-    result = launch("horovodrun", 2, ["1001", "16", str(out)], module="shard_probe",
-                    PYTHONPATH=str(REPO / "tests"))
-    assert result.returncode == 0, result.stdout + result.stderr
-    records = json.loads(out.read_text())
-    assert [r["rank"] for r in records] == [0, 1]
-    for epoch in range(2):
-        assert records[0]["steps"][epoch] == records[1]["steps"][epoch] == 32
-        shard0, shard1 = (set(r["ids"][epoch]) for r in records)
-        assert not shard0 & shard1
-        assert sorted(shard0 | shard1) == list(range(1001))
-        assert sum(len(r["ids"][epoch]) for r in records) == 1001
-    assert records[0]["ids"][0] != records[0]["ids"][1]   # reshuffled each epoch
+    records = probe_shards(tmp_path, "arrays", "1001", 16)
+    assert_partition(records, 1001, steps=32)
 
 
 @pytest.mark.parametrize("launcher", ["horovodrun", "mpirun"])

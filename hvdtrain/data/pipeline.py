@@ -12,7 +12,8 @@ computes:
   (an uneven count would deadlock the allreduce) and every example is seen exactly once.
   ``drop``: the last partial global batch is skipped; a different tail each epoch.
 * Each real example carries the weight 1/(examples in its global batch), so the per-rank loss
-  ``sum(weight * per_example_loss)`` summed across ranks is the global-batch mean.
+  ``sum(weight * per_example_loss)`` summed across ranks is the global-batch mean. With k-step
+  gradient accumulation the divisor is the examples in the k global batches of one update.
 
 The plan is made of TensorFlow ops, so one ``tf.data`` pipeline covers every epoch.
 """
@@ -40,16 +41,27 @@ class ShardSpec:
     remainder: str = "pad"
     shuffle: bool = True
     seed: int = 0
+    accumulation_steps: int = 1
 
     @property
     def global_batch(self) -> int:
         return self.world.size * self.batch_size
 
     @property
-    def steps_per_epoch(self) -> int:
+    def update_batch(self) -> int:
+        """Examples behind one optimizer update: the global batch times the accumulation."""
+        return self.global_batch * self.accumulation_steps
+
+    @property
+    def updates_per_epoch(self) -> int:
         if self.remainder == "pad":
-            return math.ceil(self.num_examples / self.global_batch)
-        return self.num_examples // self.global_batch
+            return math.ceil(self.num_examples / self.update_batch)
+        return self.num_examples // self.update_batch
+
+    @property
+    def steps_per_epoch(self) -> int:
+        """Batches per rank per epoch: a whole number of accumulation groups."""
+        return self.updates_per_epoch * self.accumulation_steps
 
 
 def epoch_plan(spec: ShardSpec, epoch: tf.Tensor | int) -> tuple[tf.Tensor, tf.Tensor]:
@@ -65,9 +77,11 @@ def epoch_plan(spec: ShardSpec, epoch: tf.Tensor | int) -> tuple[tf.Tensor, tf.T
     else:
         order = order[:slots]
     ids = tf.reshape(order, [steps, spec.world.size, spec.batch_size])[:, spec.world.rank, :]
-    starts = tf.range(steps, dtype=tf.int64) * global_batch
-    per_step = tf.cast(tf.minimum(tf.constant(global_batch, tf.int64), n - starts), tf.float32)
-    weights = tf.where(ids >= 0, 1.0 / per_step[:, tf.newaxis], 0.0)
+    # Examples in each step's update group (k consecutive global batches): the loss divisor.
+    group = spec.update_batch
+    starts = tf.range(steps, dtype=tf.int64) // spec.accumulation_steps * group
+    per_update = tf.cast(tf.minimum(tf.constant(group, tf.int64), n - starts), tf.float32)
+    weights = tf.where(ids >= 0, 1.0 / per_update[:, tf.newaxis], 0.0)
     return ids, weights
 
 

@@ -1,7 +1,9 @@
-"""Data sources that fit in memory: each returns train and validation arrays.
+"""Data sources by name: each gives a training and a validation split and the class count.
 
-A source is a function ``(DataConfig, seed) -> ArraySplits`` registered by name. The pipeline
-(``hvdtrain.data.pipeline``) shards, shuffles and batches any of them the same way.
+In-memory sources (digits, synthetic, npz, mnist, fashion_mnist, cifar10) return arrays, sharded
+by the exact global-batch plan of ``hvdtrain.data.pipeline``; file sources (tfrecord, csv) return
+``FileSplit``s from ``hvdtrain.data.files``. Both kinds answer the same two questions, steps per
+epoch and the dataset of (features, labels, weights) batches, so training treats them alike.
 """
 
 from __future__ import annotations
@@ -12,7 +14,12 @@ from typing import Callable
 
 import numpy as np
 
+import tensorflow as tf
+
 from hvdtrain.config import DataConfig
+from hvdtrain.data import keras_files
+from hvdtrain.data.files import FileSplit, csv_split, tfrecord_split
+from hvdtrain.data.pipeline import ShardSpec, array_dataset
 from hvdtrain.errors import UserError
 
 
@@ -21,30 +28,58 @@ class DataError(UserError):
 
 
 @dataclass(frozen=True)
-class ArraySplits:
-    """Features as float32 and integer labels, split into training and validation."""
+class ArraySplit:
+    """Examples held in memory: float32 features and integer labels."""
 
-    x_train: np.ndarray
-    y_train: np.ndarray
-    x_val: np.ndarray
-    y_val: np.ndarray
+    x: np.ndarray
+    y: np.ndarray
+
+    @property
+    def num_examples(self) -> int:
+        return len(self.x)
+
+    @property
+    def input_shape(self) -> tuple[int, ...]:
+        return tuple(self.x.shape[1:])
+
+    def steps_per_epoch(self, spec: ShardSpec) -> int:
+        return spec.steps_per_epoch
+
+    def dataset(self, spec: ShardSpec, first_epoch: int = 0,
+                end_epoch: int = 1) -> tf.data.Dataset:
+        return array_dataset(self.x, self.y, spec, first_epoch, end_epoch)
+
+
+Split = ArraySplit | FileSplit
+
+
+@dataclass(frozen=True)
+class DataBundle:
+    """What training needs from a source."""
+
+    train: Split
+    val: Split
     num_classes: int
 
     @property
     def input_shape(self) -> tuple[int, ...]:
-        return tuple(self.x_train.shape[1:])
+        return self.train.input_shape
+
+
+def _arrays(x_train, y_train, x_val, y_val, num_classes: int) -> DataBundle:
+    return DataBundle(ArraySplit(x_train, y_train), ArraySplit(x_val, y_val), num_classes)
 
 
 def split_arrays(x: np.ndarray, y: np.ndarray, fraction: float, seed: int,
-                 num_classes: int) -> ArraySplits:
+                 num_classes: int) -> DataBundle:
     """Hold out ``fraction`` of the examples for validation, chosen by a seeded permutation."""
     order = np.random.default_rng(seed).permutation(len(x))
     held = int(round(len(x) * fraction))
     val, train = order[:held], order[held:]
-    return ArraySplits(x[train], y[train], x[val], y[val], num_classes)
+    return _arrays(x[train], y[train], x[val], y[val], num_classes)
 
 
-def load_digits(config: DataConfig, seed: int) -> ArraySplits:
+def load_digits(config: DataConfig, seed: int) -> DataBundle:
     """scikit-learn's bundled 8x8 digits: 1,797 images, 10 classes, scaled to [0, 1]."""
     from sklearn.datasets import load_digits as sklearn_digits
 
@@ -54,7 +89,7 @@ def load_digits(config: DataConfig, seed: int) -> ArraySplits:
     return split_arrays(x, y, config.validation_split, seed, 10)
 
 
-def load_synthetic(config: DataConfig, seed: int) -> ArraySplits:
+def load_synthetic(config: DataConfig, seed: int) -> DataBundle:
     """Gaussian inputs labelled by a fixed random linear teacher: learnable, any size or shape."""
     rng = np.random.default_rng(seed)
     shape = tuple(config.synthetic_shape)
@@ -78,7 +113,7 @@ def _checked_pair(arrays: dict[str, np.ndarray], x_key: str, y_key: str, path: P
     return x.astype(np.float32), y.astype(np.int64).reshape(-1)
 
 
-def load_npz(config: DataConfig, seed: int) -> ArraySplits:
+def load_npz(config: DataConfig, seed: int) -> DataBundle:
     """A user's ``.npz``: ``x``, ``y``, and optionally ``x_val``, ``y_val``, ``num_classes``."""
     path = Path(config.data_path or "")
     if not path.is_file():
@@ -102,25 +137,53 @@ def load_npz(config: DataConfig, seed: int) -> ArraySplits:
                         f"{labels.min()}..{labels.max()}")
     if has_val:
         x_val, y_val = _checked_pair(arrays, "x_val", "y_val", path)
-        return ArraySplits(x, y, x_val, y_val, num_classes)
+        return _arrays(x, y, x_val, y_val, num_classes)
     return split_arrays(x, y, config.validation_split, seed, num_classes)
 
 
-SOURCES: dict[str, Callable[[DataConfig, int], ArraySplits]] = {
+def load_keras_dataset(config: DataConfig, seed: int) -> DataBundle:
+    """mnist, fashion_mnist or cifar10: the standard files in ``--data-dir``, or Keras' loader
+    (its cache in ~/.keras/datasets, else a download). The standard test set validates."""
+    (x_train, y_train), (x_val, y_val) = keras_files.load(config.dataset, config.data_dir)
+    return _arrays(_unit_images(x_train), y_train.reshape(-1).astype(np.int64),
+                   _unit_images(x_val), y_val.reshape(-1).astype(np.int64), 10)
+
+
+def _unit_images(images: np.ndarray) -> np.ndarray:
+    """uint8 images (N, H, W) or (N, H, W, C) as float32 in [0, 1] with a channel axis."""
+    if images.ndim == 3:
+        images = images[..., np.newaxis]
+    return images.astype(np.float32) / 255.0
+
+
+def load_files(config: DataConfig, seed: int) -> DataBundle:
+    """tfrecord or csv: training and validation globs."""
+    make = tfrecord_split if config.dataset == "tfrecord" else csv_split
+    train, num_classes = make(config, config.data_path, "--data-path")
+    val, _ = make(config, config.val_data_path, "--val-data-path")
+    return DataBundle(train, val, num_classes)
+
+
+SOURCES: dict[str, Callable[[DataConfig, int], DataBundle]] = {
     "digits": load_digits,
     "synthetic": load_synthetic,
     "npz": load_npz,
+    "mnist": load_keras_dataset,
+    "fashion_mnist": load_keras_dataset,
+    "cifar10": load_keras_dataset,
+    "tfrecord": load_files,
+    "csv": load_files,
 }
 
 
-def load_source(config: DataConfig, seed: int) -> ArraySplits:
+def load_source(config: DataConfig, seed: int) -> DataBundle:
     """Load the configured source by name."""
     loader = SOURCES.get(config.dataset)
     if loader is None:
         raise DataError(f"unknown dataset '{config.dataset}'; choose one of "
                         f"{', '.join(SOURCES)}")
-    splits = loader(config, seed)
-    if len(splits.x_val) == 0:
+    bundle = loader(config, seed)
+    if bundle.val.num_examples == 0:
         raise DataError(f"dataset '{config.dataset}' has no validation examples; raise "
-                        "--validation-split or give x_val/y_val")
-    return splits
+                        "--validation-split or give validation data")
+    return bundle

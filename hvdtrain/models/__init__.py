@@ -1,7 +1,8 @@
 """Model registry: built-in classifiers by name, or a user's ``package.module:build_fn``.
 
 Every builder receives the input shape (without the batch axis), the number of classes and the
-model config, and returns a Keras model whose output is a softmax over the classes.
+model config, and returns a Keras model whose output is a softmax over the classes. The output
+layer computes in float32 under mixed precision, so the softmax and the loss stay stable.
 """
 
 from __future__ import annotations
@@ -23,14 +24,18 @@ def _l2(config: ModelConfig):
     return keras.regularizers.L2(config.weight_decay) if config.weight_decay > 0 else None
 
 
+def _classifier(num_classes: int, config: ModelConfig) -> keras.layers.Layer:
+    return keras.layers.Dense(num_classes, activation="softmax", dtype="float32",
+                              kernel_regularizer=_l2(config))
+
+
 def mlp(input_shape: tuple[int, ...], num_classes: int, config: ModelConfig) -> keras.Model:
     """A multilayer perceptron: flatten, ReLU hidden layers, softmax."""
     layers = [keras.Input(shape=input_shape), keras.layers.Flatten()]
     for width in config.hidden_units:
         layers.append(keras.layers.Dense(width, activation="relu",
                                          kernel_regularizer=_l2(config)))
-    layers.append(keras.layers.Dense(num_classes, activation="softmax",
-                                     kernel_regularizer=_l2(config)))
+    layers.append(_classifier(num_classes, config))
     return keras.Sequential(layers, name="mlp")
 
 
@@ -43,12 +48,44 @@ def cnn(input_shape: tuple[int, ...], num_classes: int, config: ModelConfig) -> 
         keras.layers.MaxPooling2D(2),
         keras.layers.Dropout(0.5),
         keras.layers.Flatten(),
-        keras.layers.Dense(num_classes, activation="softmax", kernel_regularizer=_l2(config)),
+        _classifier(num_classes, config),
     ], name="cnn")
 
 
+def _residual_block(x, filters: int, stride: int, config: ModelConfig):
+    shortcut = x
+    x = keras.layers.Conv2D(filters, 3, strides=stride, padding="same", use_bias=False,
+                            kernel_regularizer=_l2(config))(x)
+    x = keras.layers.BatchNormalization()(x)
+    x = keras.layers.ReLU()(x)
+    x = keras.layers.Conv2D(filters, 3, padding="same", use_bias=False,
+                            kernel_regularizer=_l2(config))(x)
+    x = keras.layers.BatchNormalization()(x)
+    if stride != 1 or shortcut.shape[-1] != filters:
+        shortcut = keras.layers.Conv2D(filters, 1, strides=stride, use_bias=False,
+                                       kernel_regularizer=_l2(config))(shortcut)
+        shortcut = keras.layers.BatchNormalization()(shortcut)
+    return keras.layers.ReLU()(keras.layers.Add()([x, shortcut]))
+
+
+def resnet(input_shape: tuple[int, ...], num_classes: int, config: ModelConfig) -> keras.Model:
+    """A CIFAR-style ResNet (He et al., 2016): three stages of 16, 32 and 64 filters with
+    ``resnet_blocks`` residual blocks each (3: ResNet-20), batch normalisation, global pooling.
+    """
+    inputs = keras.Input(shape=input_shape)
+    x = keras.layers.Conv2D(16, 3, padding="same", use_bias=False,
+                            kernel_regularizer=_l2(config))(inputs)
+    x = keras.layers.ReLU()(keras.layers.BatchNormalization()(x))
+    for stage, filters in enumerate((16, 32, 64)):
+        for block in range(config.resnet_blocks):
+            stride = 2 if stage > 0 and block == 0 else 1
+            x = _residual_block(x, filters, stride, config)
+    x = keras.layers.GlobalAveragePooling2D()(x)
+    return keras.Model(inputs, _classifier(num_classes, config)(x), name="resnet")
+
+
 Builder = Callable[[tuple[int, ...], int, ModelConfig], keras.Model]
-BUILTIN: dict[str, Builder] = {"mlp": mlp, "cnn": cnn}
+BUILTIN: dict[str, Builder] = {"mlp": mlp, "cnn": cnn, "resnet": resnet}
 
 
 def _user_builder(path: str) -> Callable[..., object]:

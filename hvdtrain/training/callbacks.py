@@ -12,17 +12,20 @@ import csv
 import json
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
 import keras
+import tensorflow as tf
 
 from hvdtrain.checkpoint import CheckpointStore
+from hvdtrain.training.schedule import WarmupScaledRate
 from hvdtrain.training.step import StepMath
 from hvdtrain.world import Collectives, World
 
 
-COLUMNS = ("loss", "accuracy", "val_loss", "val_accuracy", "lr")
+COLUMNS = ("loss", "accuracy", "val_loss", "val_accuracy", "lr", "examples_per_second")
 
 
 def ordered(logs: dict) -> dict[str, float]:
@@ -44,6 +47,98 @@ class EpochMetrics(keras.callbacks.Callback):
 
     def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
         logs.update(self.step.train_sums.global_means(self.collectives))
+
+
+class Throughput(keras.callbacks.Callback):
+    """Add ``examples_per_second`` (global examples over the epoch's training time) to the logs."""
+
+    def __init__(self, steps: int, global_batch: int) -> None:
+        super().__init__()
+        self.examples = steps * global_batch
+        self.started = self.last_batch_end = 0.0
+
+    def on_epoch_begin(self, epoch: int, logs: dict | None = None) -> None:
+        self.started = self.last_batch_end = time.perf_counter()
+
+    def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
+        self.last_batch_end = time.perf_counter()
+
+    def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
+        logs["examples_per_second"] = self.examples / max(self.last_batch_end - self.started,
+                                                          1e-9)
+
+
+class AverageBatchNormStatistics(keras.callbacks.Callback):
+    """Average batch-norm moving statistics across ranks at the end of every epoch.
+
+    Batch statistics inside a step stay rank-local (each rank normalises its own batch, as
+    Horovod's default does, with no extra allreduce per layer per step); the moving mean and
+    variance, which inference uses, are averaged once per epoch so that every rank validates,
+    checkpoints and saves the same model.
+    """
+
+    def __init__(self, model: keras.Model, collectives: Collectives) -> None:
+        super().__init__()
+        self.collectives = collectives
+        self.statistics = [v for layer in model._flatten_layers()
+                           if isinstance(layer, keras.layers.BatchNormalization)
+                           for v in layer.non_trainable_variables]
+
+    def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
+        if not self.statistics or self.collectives.world.size == 1:
+            return
+        totals = self.collectives.allreduce_sum([tf.convert_to_tensor(v)
+                                                 for v in self.statistics])
+        for variable, total in zip(self.statistics, totals):
+            variable.assign(total / self.collectives.world.size)
+
+
+class PlateauDecay(keras.callbacks.Callback):
+    """Multiply the rate by ``factor`` when the averaged val_loss has not improved for
+    ``patience`` epochs. Every rank sees the same reduced val_loss, so all decide alike."""
+
+    def __init__(self, schedule: WarmupScaledRate, factor: float, patience: int) -> None:
+        super().__init__()
+        self.schedule = schedule
+        self.factor = factor
+        self.patience = patience
+        self.best = float("inf")
+        self.wait = 0
+
+    def state(self) -> dict[str, float]:
+        return {"best": self.best, "wait": self.wait,
+                "scale": float(self.schedule.plateau_scale.numpy())}
+
+    def load(self, state: dict[str, float]) -> None:
+        self.best, self.wait = state["best"], int(state["wait"])
+        self.schedule.plateau_scale.assign(state["scale"])
+
+    def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
+        if logs["val_loss"] < self.best:
+            self.best, self.wait = logs["val_loss"], 0
+            return
+        self.wait += 1
+        if self.wait >= self.patience:
+            self.schedule.plateau_scale.assign(self.schedule.plateau_scale * self.factor)
+            self.wait = 0
+
+
+class TensorBoardEvents(keras.callbacks.Callback):
+    """Rank 0 writes every epoch's logs (losses, metrics, rate, examples/second) as TensorBoard
+    scalars under ``run_dir/tensorboard``."""
+
+    def __init__(self, directory: Path) -> None:
+        super().__init__()
+        self.writer = tf.summary.create_file_writer(str(directory))
+
+    def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
+        with self.writer.as_default(step=epoch + 1):
+            for name, value in ordered(logs).items():
+                tf.summary.scalar(name, value)
+        self.writer.flush()
+
+    def on_train_end(self, logs: dict | None = None) -> None:
+        self.writer.close()
 
 
 class Validation(keras.callbacks.Callback):
@@ -74,15 +169,19 @@ class Checkpoint(keras.callbacks.Callback):
     """Rank 0 saves model, optimizer, epoch and config after every epoch."""
 
     def __init__(self, store: CheckpointStore, model: keras.Model,
-                 optimizer: keras.optimizers.Optimizer, state: dict[str, Any]) -> None:
+                 optimizer: keras.optimizers.Optimizer, state: dict[str, Any],
+                 live_state: Callable[[], dict[str, Any]] = dict) -> None:
+        """``state``: fixed facts of the run; ``live_state()``: what changes (plateau decay)."""
         super().__init__()
         self.store = store
         self.inner = model
         self.optimizer = optimizer
         self.state = state
+        self.live_state = live_state
 
     def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
-        self.store.save(self.inner, self.optimizer, {**self.state, "epoch": epoch + 1,
+        self.store.save(self.inner, self.optimizer, {**self.state, **self.live_state(),
+                                                     "epoch": epoch + 1,
                                                      "metrics": ordered(logs)})
 
 
@@ -148,25 +247,52 @@ class Progress(keras.callbacks.Callback):
     def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
         if self.show_bar and self.interactive:
             self.stream.write("\n")
-        values = "  ".join(f"{k} {v:.4f}" if k != "lr" else f"lr {v:.5g}"
-                           for k, v in ordered(logs).items())
-        self.stream.write(f"epoch {epoch + 1}/{self.epochs}  {values}  "
-                          f"{self._rate(self.steps):,.0f} ex/s\n")
+        values = ordered(logs)
+        rate = values.pop("examples_per_second", 0.0)
+        lr = values.pop("lr", None)
+        text = "  ".join(f"{name} {value:.4f}" for name, value in values.items())
+        if lr is not None:
+            text += f"  lr {lr:.5g}"
+        self.stream.write(f"epoch {epoch + 1}/{self.epochs}  {text}  {rate:,.0f} ex/s\n")
         self.stream.flush()
 
 
-def standard_callbacks(world: World, step: StepMath, collectives: Collectives,
-                       evaluate: Callable[[], dict[str, float]], schedule: Callable[[int], Any],
-                       store: CheckpointStore,
-                       inner: keras.Model, state: dict[str, Any], run_dir: Path,
-                       progress: Progress) -> list[keras.callbacks.Callback]:
-    """The callbacks of a run, in the order they must fire."""
+@dataclass
+class RunHooks:
+    """What the callbacks of one run act on."""
+
+    world: World
+    collectives: Collectives
+    step: StepMath
+    evaluate: Callable[[], dict[str, float]]
+    schedule: WarmupScaledRate
+    store: CheckpointStore
+    state: dict[str, Any]
+    run_dir: Path
+    progress: Progress
+    plateau: PlateauDecay | None
+    tensorboard: bool
+
+
+def standard_callbacks(hooks: RunHooks) -> list[keras.callbacks.Callback]:
+    """The callbacks of a run, in the order they must fire at the end of an epoch: first the
+    ones every rank runs (they hold collectives), then rank 0's writers and its report."""
+    model, optimizer = hooks.step.model, hooks.step.optimizer
     callbacks: list[keras.callbacks.Callback] = [
-        EpochMetrics(step, collectives),
-        Validation(evaluate),
-        LearningRateLog(schedule, step.optimizer),
+        Throughput(hooks.progress.steps, hooks.progress.global_batch),
+        EpochMetrics(hooks.step, hooks.collectives),
+        AverageBatchNormStatistics(model, hooks.collectives),
+        Validation(hooks.evaluate),
+        LearningRateLog(hooks.schedule, optimizer),
     ]
-    if world.is_chief:
-        callbacks += [Checkpoint(store, inner, step.optimizer, state), MetricsFiles(run_dir),
-                      progress]
+    if hooks.plateau is not None:
+        callbacks.append(hooks.plateau)
+    if hooks.world.is_chief:
+        plateau = hooks.plateau
+        live_state = (lambda: {"plateau": plateau.state()}) if plateau is not None else dict
+        callbacks += [Checkpoint(hooks.store, model, optimizer, hooks.state, live_state),
+                      MetricsFiles(hooks.run_dir)]
+        if hooks.tensorboard:
+            callbacks.append(TensorBoardEvents(hooks.run_dir / "tensorboard"))
+        callbacks.append(hooks.progress)
     return callbacks

@@ -23,14 +23,16 @@ import tensorflow as tf
 
 from hvdtrain.checkpoint import CheckpointStore, atomic_write_text
 from hvdtrain.config import Config
-from hvdtrain.data.pipeline import ShardSpec, array_dataset
-from hvdtrain.data.sources import ArraySplits, load_source
+from hvdtrain.data.files import FileSplit
+from hvdtrain.data.pipeline import ShardSpec
+from hvdtrain.data.sources import DataBundle, load_source
 from hvdtrain.errors import UserError
 from hvdtrain.models import build_model
-from hvdtrain.training.callbacks import Progress, standard_callbacks
+from hvdtrain.plots import plot_curves
+from hvdtrain.training.callbacks import PlateauDecay, Progress, RunHooks, standard_callbacks
 from hvdtrain.training.loops import LOOPS
-from hvdtrain.training.schedule import make_optimizer, make_schedule
-from hvdtrain.training.step import StepMath
+from hvdtrain.training.schedule import WarmupScaledRate, make_optimizer, make_schedule
+from hvdtrain.training.step import Evaluation, StepMath, StepOptions
 from hvdtrain.world import Collectives, World, init_collectives, place_devices
 
 
@@ -104,27 +106,48 @@ def _tf_variables(variables: list) -> list[tf.Variable]:
     return [getattr(v, "value", v) for v in variables]
 
 
-def _make_evaluator(step: StepMath, dataset: tf.data.Dataset, collectives: Collectives):
-    eval_step = tf.function(step.eval_step, jit_compile=False)
-
-    def evaluate() -> dict[str, float]:
-        step.eval_sums.reset()
-        for features, labels, weights in dataset:
-            eval_step(features, labels, weights)
-        return step.eval_sums.global_means(collectives, prefix="val_")
-    return evaluate
-
-
 def _restore(config: Config, store: CheckpointStore, model: keras.Model,
-             optimizer: keras.optimizers.Optimizer) -> int:
-    """Rank 0: load the newest checkpoint into model and optimizer; return its epoch."""
+             optimizer: keras.optimizers.Optimizer) -> dict[str, Any]:
+    """Rank 0: load the newest checkpoint into model and optimizer; return its state."""
     latest = store.latest()
     state = store.read_state(latest)
     if state.get("model") != config.model.model:
         raise UserError(f"{latest} was trained with model '{state.get('model')}', not "
                         f"'{config.model.model}'; resume with the same --model")
     store.restore(latest, model, optimizer)
-    return int(state["epoch"])
+    return {"epoch": int(state["epoch"]), "plateau": state.get("plateau")}
+
+
+@dataclass
+class Trainable:
+    """The model, its optimizer and the schedule that drives the optimizer's rate."""
+
+    model: keras.Model
+    optimizer: keras.optimizers.Optimizer
+    schedule: WarmupScaledRate
+
+
+def build_trainable(config: Config, data: DataBundle, world: World,
+                    updates_per_epoch: int) -> Trainable:
+    """Model under the configured precision policy, optimizer (loss-scaled for float16), built."""
+    keras.mixed_precision.set_global_policy(config.train.precision)
+    model = build_model(config.model, data.input_shape, data.num_classes)
+    schedule = make_schedule(config.optim, world.size, updates_per_epoch, config.train.epochs)
+    optimizer = make_optimizer(config.optim, schedule)
+    if config.train.precision == "mixed_float16":
+        optimizer = keras.optimizers.LossScaleOptimizer(optimizer)
+    optimizer.build(model.trainable_variables)
+    return Trainable(model, optimizer, schedule)
+
+
+def float32_copy(config: Config, model: keras.Model, data: DataBundle) -> keras.Model:
+    """The trained model rebuilt under the float32 policy, for saving and inference."""
+    if config.train.precision == "float32":
+        return model
+    keras.mixed_precision.set_global_policy("float32")
+    copy = build_model(config.model, data.input_shape, data.num_classes)
+    copy.set_weights(model.get_weights())
+    return copy
 
 
 def train(config: Config) -> RunResult:
@@ -144,52 +167,62 @@ def train(config: Config) -> RunResult:
     if world.is_chief:
         atomic_write_text(run_dir / "config.yaml", config.to_yaml())
 
-    splits: ArraySplits = load_source(config.data, config.train.seed)
-    batch = config.train.batch_size
-    spec = ShardSpec(len(splits.x_train), world, batch, config.data.remainder, True,
-                     config.train.seed)
-    if spec.steps_per_epoch == 0:
-        raise UserError(f"{len(splits.x_train)} training examples cannot fill one global batch of "
-                        f"{spec.global_batch} ({world.size} ranks x {batch}); lower --batch-size "
+    data = load_source(config.data, config.train.seed)
+    batch, optim = config.train.batch_size, config.optim
+    spec = ShardSpec(data.train.num_examples, world, batch, config.data.remainder, True,
+                     config.train.seed, optim.accumulation_steps)
+    steps = data.train.steps_per_epoch(spec)
+    if steps == 0:
+        raise UserError(f"{data.train.num_examples} training examples cannot fill one update of "
+                        f"{spec.update_batch} per rank group ({world.size} ranks x {batch} x "
+                        f"{optim.accumulation_steps} accumulation steps); lower --batch-size "
                         "or use --remainder pad")
-    val_spec = ShardSpec(len(splits.x_val), world, batch, "pad", False)
+    val_spec = ShardSpec(data.val.num_examples, world, batch, "pad", False)
+    if isinstance(data.train, FileSplit):
+        say(world, f"sharding {len(data.train.files)} file(s) across {world.size} rank(s) by "
+                   f"{data.train.mode(world.size)}")
 
-    model = build_model(config.model, splits.input_shape, splits.num_classes)
-    schedule = make_schedule(config.optim, world.size, spec.steps_per_epoch)
-    optimizer = make_optimizer(config.optim, schedule)
-    optimizer.build(model.trainable_variables)
+    trainable = build_trainable(config, data, world, steps // optim.accumulation_steps)
+    model, optimizer = trainable.model, trainable.optimizer
+    plateau = (PlateauDecay(trainable.schedule, optim.lr_decay_factor, optim.plateau_patience)
+               if optim.lr_schedule == "plateau" else None)
     store = CheckpointStore(run_dir, config.train.keep_checkpoints)
     initial_epoch = 0
     if config.train.resume:
-        initial_epoch = chief_decides(collectives,
-                                      lambda: _restore(config, store, model, optimizer))
+        restored = chief_decides(collectives, lambda: _restore(config, store, model, optimizer))
+        initial_epoch = restored["epoch"]
+        if plateau is not None and restored["plateau"]:
+            plateau.load(restored["plateau"])
         say(world, f"resuming after epoch {initial_epoch} from {store.latest()}")
     before_broadcast = collectives.allgather_object(weight_fingerprint(model))
-    # One starting point for every rank: rank 0's weights and optimizer state.
-    collectives.broadcast_variables(_tf_variables(model.variables + optimizer.variables))
+    # One starting point for every rank: rank 0's weights and optimizer state (not the dropout
+    # seeds: those stay rank-local so ranks drop different units).
+    collectives.broadcast_variables(_tf_variables(model.weights + optimizer.variables))
 
     epochs = config.train.epochs
-    dataset = array_dataset(splits.x_train, splits.y_train, spec, initial_epoch, epochs)
-    val_dataset = array_dataset(splits.x_val, splits.y_val, val_spec)
-    step = StepMath(model, optimizer, collectives)
-    evaluate = _make_evaluator(step, val_dataset, collectives)
+    dataset = data.train.dataset(spec, initial_epoch, epochs)
+    val_dataset = data.val.dataset(val_spec)
+    options = StepOptions(optim.accumulation_steps, optim.reduction == "adasum",
+                          optim.compression == "fp16")
+    step = StepMath(model, optimizer, collectives, options)
+    evaluation = Evaluation(model, collectives)
     state = {"model": config.model.model, "dataset": config.data.dataset,
-             "input_shape": list(splits.input_shape), "num_classes": splits.num_classes,
+             "input_shape": list(data.input_shape), "num_classes": data.num_classes,
              "world_size": world.size, "config": config.to_dict()}
-    progress = Progress(epochs, spec.steps_per_epoch, spec.global_batch, config.train.progress,
+    progress = Progress(epochs, steps, spec.global_batch, config.train.progress,
                         interactive=sys.stdout.isatty() and world.size == 1)
-    callbacks = standard_callbacks(world, step, collectives, evaluate, schedule, store, model,
-                                   state, run_dir, progress)
+    callbacks = standard_callbacks(RunHooks(
+        world, collectives, step, lambda: evaluation.run(val_dataset), trainable.schedule,
+        store, state, run_dir, progress, plateau, config.train.tensorboard))
     say(world, f"training {config.model.model} on {config.data.dataset}: "
-               f"{len(splits.x_train)} examples, {spec.steps_per_epoch} steps/epoch, global "
+               f"{data.train.num_examples} examples, {steps} steps/epoch, global "
                f"batch {spec.global_batch}, remainder policy '{config.data.remainder}'")
     started = time.perf_counter()
     if initial_epoch < epochs:
-        LOOPS[config.train.loop](step, dataset, epochs, initial_epoch, spec.steps_per_epoch,
-                                 callbacks)
+        LOOPS[config.train.loop](step, dataset, epochs, initial_epoch, steps, callbacks)
     trained = time.perf_counter() - started
 
-    metrics = evaluate()
+    metrics = evaluation.run(val_dataset)
     fingerprints = collectives.allgather_object(weight_fingerprint(model))
     if world.is_chief:
         summary = {"metrics": metrics, "world_size": world.size,
@@ -197,20 +230,21 @@ def train(config: Config) -> RunResult:
                    "fingerprints": fingerprints,
                    "fingerprints_before_broadcast": before_broadcast,
                    "train_seconds": trained, "setup_seconds": started - launched,
-                   "validation_examples": len(splits.x_val)}
-        _finish(run_dir, model, summary)
+                   "validation_examples": data.val.num_examples}
+        _finish(run_dir, float32_copy(config, model, data), summary)
     return RunResult(run_dir, metrics, fingerprints)
 
 
 def _finish(run_dir: Path, model: keras.Model, summary: dict[str, Any]) -> None:
-    """Rank 0: save the final model and the summary, and report."""
+    """Rank 0: save the final model, the summary and the curves, and report."""
     partial = run_dir / ".model.partial.keras"
     model.save(partial)
     partial.replace(run_dir / "model.keras")
     fingerprints, metrics = summary["fingerprints"], summary["metrics"]
-    consistent = summary["weights_identical"]
     atomic_write_text(run_dir / "summary.json", json.dumps(summary, indent=2) + "\n")
-    agreement = ("identical on all ranks" if consistent else
+    if (run_dir / "metrics.jsonl").exists():
+        plot_curves(run_dir / "metrics.jsonl", run_dir / "curves.png")
+    agreement = ("identical on all ranks" if summary["weights_identical"] else
                  "DIFFER across ranks: " + ", ".join(fingerprints))
     print(f"weights {agreement} (fingerprint {fingerprints[0]})", flush=True)
     print(f"held-out accuracy: {metrics['val_accuracy']:.4f} on "

@@ -1,16 +1,27 @@
 """One optimizer step and one evaluation step: the math both training paths share.
 
-Loss scaling: each example's weight is 1/(examples in its global batch) (see the pipeline), so
-``sum(weight * loss)`` on every rank, summed across ranks by the allreduce, is the mean over the
-global batch; regularisation losses are divided by the world size because every rank adds them.
-The gradients are therefore summed, not averaged, across ranks, and N ranks with batch b make the
+Loss scaling: each example's weight is 1/(examples in its global batch, or in its group of
+accumulated batches) (see the pipeline), so ``sum(weight * loss)`` on every rank, summed across
+ranks by the allreduce, is the mean over the global batch; regularisation losses are divided by
+the world size (and the accumulation steps) because every rank (and micro-step) adds them. The
+gradients are therefore summed, not averaged, across ranks, and N ranks with batch b make the
 same update as one process with batch N*b, including the short last batch of an epoch.
+
+Gradient accumulation: k micro-steps add their gradients locally; the k-th reduces the sum
+across ranks in one allreduce and applies it. Because the weights already divide by the group's
+example count, this is the update of one k-times larger batch.
+
+Mixed precision: with ``mixed_float16`` the optimizer is a Keras ``LossScaleOptimizer``; the
+scaled gradients are reduced across ranks first, so every rank sees the same sum, makes the same
+finite/non-finite decision and keeps the same loss scale.
 
 Metrics are kept as local sums (loss, correct, count) and reduced across ranks once per epoch:
 the global accuracy is exactly global-correct / global-count, not a mean of per-rank means.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import keras
 import tensorflow as tf
@@ -48,39 +59,96 @@ class MetricSums:
         return {f"{prefix}loss": loss_sum / count, f"{prefix}accuracy": correct / count}
 
 
+def per_example_outputs(model: keras.Model, x: tf.Tensor, y: tf.Tensor,
+                        training: bool) -> tuple[tf.Tensor, tf.Tensor]:
+    """Per-example cross-entropy (in float32, whatever the compute precision) and correctness."""
+    probabilities = tf.cast(model(x, training=training), tf.float32)
+    per_example = keras.losses.sparse_categorical_crossentropy(y, probabilities)
+    predicted = tf.argmax(probabilities, axis=-1, output_type=y.dtype)
+    return per_example, tf.cast(tf.equal(predicted, y), tf.float32)
+
+
+@dataclass(frozen=True)
+class StepOptions:
+    """How gradients travel: accumulation steps, Adasum or mean, fp16 on the wire."""
+
+    accumulation_steps: int = 1
+    adasum: bool = False
+    fp16_compression: bool = False
+
+
 class StepMath:
-    """Forward, weighted loss, gradients summed across ranks, optimizer update, metric sums."""
+    """Forward, weighted loss, gradients reduced across ranks, optimizer update, metric sums."""
 
     def __init__(self, model: keras.Model, optimizer: keras.optimizers.Optimizer,
-                 collectives: Collectives) -> None:
+                 collectives: Collectives, options: StepOptions = StepOptions()) -> None:
         self.model = model
         self.optimizer = optimizer
         self.collectives = collectives
-        self.loss_fn = keras.losses.SparseCategoricalCrossentropy(reduction=None)
+        self.options = options
         self.train_sums = MetricSums("train")
-        self.eval_sums = MetricSums("eval")
+        self.loss_scaling = isinstance(optimizer, keras.optimizers.LossScaleOptimizer)
+        self.accumulated: list[tf.Variable] = []
+        if options.accumulation_steps > 1:
+            self.accumulated = [tf.Variable(tf.zeros(v.shape, tf.float32), trainable=False)
+                                for v in model.trainable_variables]
+            self.micro_steps = tf.Variable(0, trainable=False, dtype=tf.int64)
 
-    def _per_example(self, x: tf.Tensor, y: tf.Tensor, training: bool):
-        probabilities = self.model(x, training=training)
-        per_example = self.loss_fn(y, probabilities)
-        predicted = tf.argmax(probabilities, axis=-1, output_type=y.dtype)
-        return per_example, tf.cast(tf.equal(predicted, y), tf.float32)
+    def _apply(self, gradients: list[tf.Tensor]) -> None:
+        gradients = self.collectives.reduce_gradients(
+            gradients, adasum=self.options.adasum, fp16=self.options.fp16_compression)
+        self.optimizer.apply(gradients, self.model.trainable_variables)
+
+    def _accumulate(self, gradients: list[tf.Tensor]) -> None:
+        for total, gradient in zip(self.accumulated, gradients):
+            total.assign_add(tf.cast(gradient, tf.float32))
+        self.micro_steps.assign_add(1)
+
+        def apply_and_reset() -> tf.Tensor:
+            self._apply([tf.identity(total) for total in self.accumulated])
+            for total in self.accumulated:
+                total.assign(tf.zeros_like(total))
+            return tf.constant(True)
+
+        tf.cond(self.micro_steps % self.options.accumulation_steps == 0, apply_and_reset,
+                lambda: tf.constant(False))
 
     def train_step(self, x: tf.Tensor, y: tf.Tensor, weights: tf.Tensor) -> dict[str, tf.Tensor]:
         variables = self.model.trainable_variables
         with tf.GradientTape() as tape:
-            per_example, correct = self._per_example(x, y, training=True)
+            per_example, correct = per_example_outputs(self.model, x, y, training=True)
             loss = tf.reduce_sum(per_example * weights)
             if self.model.losses:
-                loss += tf.add_n(self.model.losses) / self.collectives.world.size
+                shares = self.collectives.world.size * self.options.accumulation_steps
+                loss += tf.cast(tf.add_n(self.model.losses), tf.float32) / shares
+            if self.loss_scaling:
+                loss = self.optimizer.scale_loss(loss)
         gradients = tape.gradient(loss, variables)
         gradients = [tf.zeros_like(v) if g is None else tf.convert_to_tensor(g)
                      for g, v in zip(gradients, variables)]
-        gradients = self.collectives.allreduce_sum(gradients)
-        self.optimizer.apply(gradients, variables)
+        if self.accumulated:
+            self._accumulate(gradients)
+        else:
+            self._apply(gradients)
         self.train_sums.add(per_example, correct, tf.cast(weights > 0, tf.float32))
         return self.train_sums.local_means()
 
-    def eval_step(self, x: tf.Tensor, y: tf.Tensor, weights: tf.Tensor) -> None:
-        per_example, correct = self._per_example(x, y, training=False)
-        self.eval_sums.add(per_example, correct, tf.cast(weights > 0, tf.float32))
+
+class Evaluation:
+    """Exact distributed evaluation: local sums over this rank's shard, reduced once."""
+
+    def __init__(self, model: keras.Model, collectives: Collectives) -> None:
+        self.model = model
+        self.collectives = collectives
+        self.sums = MetricSums("eval")
+        self._step = tf.function(self._eval_step, jit_compile=False)
+
+    def _eval_step(self, x: tf.Tensor, y: tf.Tensor, weights: tf.Tensor) -> None:
+        per_example, correct = per_example_outputs(self.model, x, y, training=False)
+        self.sums.add(per_example, correct, tf.cast(weights > 0, tf.float32))
+
+    def run(self, dataset: tf.data.Dataset, prefix: str = "val_") -> dict[str, float]:
+        self.sums.reset()
+        for features, labels, weights in dataset:
+            self._step(features, labels, weights)
+        return self.sums.global_means(self.collectives, prefix=prefix)

@@ -1,0 +1,273 @@
+"""File sources (TFRecord, CSV): sharded by file or by element, read with parallel interleave.
+
+Sharding mode, decided from the file count:
+
+* ``file`` (at least as many files as ranks): each epoch, every rank draws the same seeded
+  permutation of the files and takes files ``rank, rank + N, ...``. A rank reads only its files.
+* ``element`` (fewer files than ranks): every rank reads all files in a fixed order and keeps
+  records ``rank, rank + N, ...``.
+
+Either way every record is read by exactly one rank per epoch, and every rank runs the same
+number of steps: the count is fixed for the whole run from the record counts (the largest share
+any rank can get), and a rank with fewer records pads with zero-weight examples. The weights
+divide by the real examples in each update, exactly as for in-memory data. Records are shuffled
+in seeded blocks of ``shuffle_buffer`` that change every epoch. With ``cache``, each rank keeps
+its parsed records in memory after the first epoch (its files then stay the same every epoch).
+"""
+
+from __future__ import annotations
+
+import csv
+import glob
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import tensorflow as tf
+
+from hvdtrain.config import DataConfig
+from hvdtrain.data import METADATA_FILE
+from hvdtrain.data.pipeline import ShardSpec
+from hvdtrain.errors import UserError
+
+
+Parser = Callable[[tf.Tensor], tuple[tf.Tensor, tf.Tensor]]
+
+
+class FileDataError(UserError):
+    """Files are missing, empty, corrupt or do not match the configured feature spec."""
+
+
+@dataclass(frozen=True)
+class FileSplit:
+    """A set of record files with their counts, and how to read and parse one record."""
+
+    files: tuple[str, ...]
+    counts: tuple[int, ...]
+    reader: Callable[[tf.Tensor], tf.data.Dataset]
+    parse: Parser
+    input_shape: tuple[int, ...]
+    shuffle_buffer: int = 4096
+    cache: bool = False
+    label_dtype: tf.DType = field(default=tf.int64)
+
+    @property
+    def num_examples(self) -> int:
+        return sum(self.counts)
+
+    def mode(self, world_size: int) -> str:
+        return "file" if len(self.files) >= world_size else "element"
+
+    def rank_capacity(self, world_size: int, largest: bool) -> int:
+        """The most (or fewest) records any one rank can be given in an epoch."""
+        n = self.num_examples
+        if self.mode(world_size) == "element":
+            return math.ceil(n / world_size) if largest else n // world_size
+        ordered = sorted(self.counts, reverse=largest)
+        share = math.ceil(len(ordered) / world_size) if largest else len(ordered) // world_size
+        return sum(ordered[:share])
+
+    def steps_per_epoch(self, spec: ShardSpec) -> int:
+        group = spec.batch_size * spec.accumulation_steps
+        if spec.remainder == "pad" and not self.cache:
+            updates = math.ceil(self.rank_capacity(spec.world.size, True) / group)
+        elif spec.remainder == "pad":
+            updates = math.ceil(self._cached_counts(spec.world.size).max() / group)
+        else:
+            updates = self.rank_capacity(spec.world.size, False) // group
+        return updates * spec.accumulation_steps
+
+    def _cached_counts(self, world_size: int) -> np.ndarray:
+        """Records per rank when the file assignment is fixed (epoch 0's, for caching)."""
+        if self.mode(world_size) == "element":
+            n = self.num_examples
+            return np.array([len(range(r, n, world_size)) for r in range(world_size)])
+        return np.array([sum(self.counts[r::world_size]) for r in range(world_size)])
+
+    def _assignment(self, spec: ShardSpec, epoch: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
+        """(this rank's files, records per rank) for an epoch."""
+        size, rank = spec.world.size, spec.world.rank
+        files = tf.constant(self.files)
+        counts = tf.constant(self.counts, tf.int64)
+        if self.mode(size) == "element":
+            n = self.num_examples
+            per_rank = tf.constant([len(range(r, n, size)) for r in range(size)], tf.int64)
+            return files, per_rank
+        order = tf.range(len(self.files), dtype=tf.int64)
+        if spec.shuffle and not self.cache:
+            seed = tf.stack([tf.constant(spec.seed, tf.int64), tf.cast(epoch, tf.int64)])
+            order = tf.random.experimental.stateless_shuffle(order, seed=seed)
+        owner = tf.range(len(self.files), dtype=tf.int64) % size
+        per_rank = tf.math.unsorted_segment_sum(tf.gather(counts, order), owner, size)
+        return tf.gather(files, order[rank::size]), per_rank
+
+    def _records(self, spec: ShardSpec, files: tf.Tensor) -> tf.data.Dataset:
+        size, rank = spec.world.size, spec.world.rank
+        if self.mode(size) == "element":
+            records = tf.data.Dataset.from_tensor_slices(files).flat_map(self.reader)
+            records = records.shard(size, rank)
+        else:
+            records = tf.data.Dataset.from_tensor_slices(files).interleave(
+                self.reader, cycle_length=4, num_parallel_calls=tf.data.AUTOTUNE,
+                deterministic=True)
+        return records.map(self.parse, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
+
+    def _block_shuffle(self, records: tf.data.Dataset, spec: ShardSpec,
+                       epoch: tf.Tensor) -> tf.data.Dataset:
+        """Shuffle within blocks, seeded by (seed, epoch, rank, block): reproducible, and
+        different every epoch."""
+        base = tf.stack([tf.constant(spec.seed, tf.int64), tf.cast(epoch, tf.int64)])
+
+        def shuffle_block(index, block):
+            seed = base + tf.stack([tf.constant(spec.world.rank, tf.int64) * 1_000_003, index])
+            order = tf.random.experimental.stateless_shuffle(
+                tf.range(tf.shape(block[1])[0]), seed=seed)
+            return tf.data.Dataset.from_tensor_slices(
+                (tf.gather(block[0], order), tf.gather(block[1], order)))
+
+        return records.batch(self.shuffle_buffer).enumerate().flat_map(shuffle_block)
+
+    def dataset(self, spec: ShardSpec, first_epoch: int = 0,
+                end_epoch: int = 1) -> tf.data.Dataset:
+        """(features, labels, weights) batches for epochs ``[first_epoch, end_epoch)``."""
+        steps, batch = self.steps_per_epoch(spec), spec.batch_size
+        group = batch * spec.accumulation_steps
+        cached = None
+        if self.cache:
+            cached = self._records(spec, self._assignment(spec, 0)[0]).cache()
+        zeros = (tf.zeros(self.input_shape, tf.float32), tf.zeros([], self.label_dtype),
+                 tf.constant(0.0))
+
+        def epoch_batches(epoch: tf.Tensor) -> tf.data.Dataset:
+            files, per_rank = self._assignment(spec, epoch)
+            if cached is not None:
+                per_rank = tf.constant(self._cached_counts(spec.world.size), tf.int64)
+            records = cached if cached is not None else self._records(spec, files)
+            if spec.shuffle:
+                records = self._block_shuffle(records, spec, epoch)
+            slots = steps * batch
+            mine = tf.minimum(per_rank[spec.world.rank], slots)
+            real = records.take(slots).map(lambda x, y: (x, y, tf.constant(1.0)))
+            padding = tf.data.Dataset.from_tensors(zeros).repeat(slots - mine)
+            batches = real.concatenate(padding).batch(batch, drop_remainder=True)
+            starts = tf.range(steps, dtype=tf.int64) // spec.accumulation_steps * group
+            if spec.remainder == "pad":
+                in_update = tf.clip_by_value(per_rank[:, tf.newaxis] - starts[tf.newaxis, :],
+                                             0, group)
+                per_update = tf.cast(tf.reduce_sum(in_update, axis=0), tf.float32)
+            else:
+                per_update = tf.fill([steps], float(group * spec.world.size))
+            scale = tf.data.Dataset.from_tensor_slices(1.0 / tf.maximum(per_update, 1.0))
+            return tf.data.Dataset.zip(batches, scale).map(
+                lambda element, inverse: (element[0], element[1], element[2] * inverse))
+
+        epochs = tf.data.Dataset.range(first_epoch, end_epoch)
+        return epochs.flat_map(epoch_batches).prefetch(tf.data.AUTOTUNE)
+
+
+def expand(pattern: str | None, what: str) -> tuple[str, ...]:
+    """The sorted files matching a glob; a one-line error when there are none."""
+    if not pattern:
+        raise FileDataError(f"{what} is not set; give a glob of files, e.g. 'data/train-*'")
+    files = tuple(sorted(p for p in glob.glob(pattern) if Path(p).is_file()))
+    if not files:
+        raise FileDataError(f"no files match {what} '{pattern}'; check the path")
+    return files
+
+
+def read_metadata(files: tuple[str, ...]) -> dict:
+    """The converter's metadata beside the files, if there is one."""
+    path = Path(files[0]).parent / METADATA_FILE
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def count_tfrecords(files: tuple[str, ...], metadata: dict) -> tuple[int, ...]:
+    """Records per file: from the converter's metadata, else one pass over each file."""
+    known = metadata.get("counts", {})
+    counts = []
+    for name in files:
+        if Path(name).name in known:
+            counts.append(int(known[Path(name).name]))
+            continue
+        try:
+            counts.append(sum(1 for _ in tf.data.TFRecordDataset(name)))
+        except tf.errors.DataLossError as error:
+            raise FileDataError(f"{name} is not a valid TFRecord file (corrupt or truncated); "
+                                "regenerate it with 'hvdtrain convert'") from error
+    if sum(counts) == 0:
+        raise FileDataError(f"the files {files[0]}... hold no records")
+    return tuple(counts)
+
+
+def tfrecord_parser(config: DataConfig, shape: tuple[int, ...], encoding: str) -> Parser:
+    """Parse one serialized tf.train.Example into (float32 features, int64 label)."""
+    if encoding == "float":
+        feature = tf.io.FixedLenFeature(shape, tf.float32)
+    else:
+        feature = tf.io.FixedLenFeature([], tf.string)
+    spec = {config.feature_key: feature, config.label_key: tf.io.FixedLenFeature([], tf.int64)}
+
+    def parse(serialized: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
+        example = tf.io.parse_single_example(serialized, spec)
+        value = example[config.feature_key]
+        if encoding == "raw":
+            value = tf.cast(tf.reshape(tf.io.decode_raw(value, tf.uint8), shape), tf.float32) / 255
+        elif encoding in ("png", "jpeg"):
+            image = tf.io.decode_image(value, channels=shape[-1], expand_animations=False)
+            value = tf.cast(tf.reshape(image, shape), tf.float32) / 255
+        return value, example[config.label_key]
+
+    return parse
+
+
+def tfrecord_split(config: DataConfig, pattern: str | None, what: str) -> tuple[FileSplit, int]:
+    """A TFRecord split and its class count (from the metadata or ``--num-classes``)."""
+    files = expand(pattern, what)
+    metadata = read_metadata(files)
+    shape = tuple(config.feature_shape or metadata.get("shape", []))
+    if not shape:
+        raise FileDataError("the TFRecord feature shape is unknown; set --feature-shape "
+                            "(or write the files with 'hvdtrain convert')")
+    encoding = metadata.get("encoding", config.feature_encoding)
+    num_classes = config.num_classes or metadata.get("num_classes")
+    if not num_classes:
+        raise FileDataError("the number of classes is unknown; set --num-classes (or write the "
+                            "files with 'hvdtrain convert')")
+    split = FileSplit(files, count_tfrecords(files, metadata), tf.data.TFRecordDataset,
+                      tfrecord_parser(config, shape, encoding), shape, config.shuffle_buffer,
+                      config.cache)
+    return split, int(num_classes)
+
+
+def csv_split(config: DataConfig, pattern: str | None, what: str) -> tuple[FileSplit, int]:
+    """A CSV split: a header row, numeric feature columns and an integer label column."""
+    files = expand(pattern, what)
+    with open(files[0], newline="") as handle:
+        header = next(csv.reader(handle), [])
+    if config.label_column not in header:
+        raise FileDataError(f"{files[0]} has no column '{config.label_column}' (columns: "
+                            f"{', '.join(header)}); set --label-column")
+    label_index = header.index(config.label_column)
+    counts, labels_max = [], 0
+    for name in files:
+        with open(name, newline="") as handle:
+            rows = list(csv.reader(handle))[1:]
+        counts.append(len(rows))
+        if rows:
+            labels_max = max(labels_max, max(int(float(row[label_index])) for row in rows))
+    if sum(counts) == 0:
+        raise FileDataError(f"the CSV files matching '{pattern}' hold no rows")
+    defaults = [tf.constant(0.0)] * len(header)
+    features = [i for i in range(len(header)) if i != label_index]
+
+    def parse(line: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
+        columns = tf.io.decode_csv(line, record_defaults=defaults)
+        return (tf.stack([columns[i] for i in features]),
+                tf.cast(columns[label_index], tf.int64))
+
+    split = FileSplit(files, tuple(counts), lambda f: tf.data.TextLineDataset(f).skip(1), parse,
+                      (len(features),), config.shuffle_buffer, config.cache)
+    return split, int(config.num_classes or labels_max + 1)

@@ -1,0 +1,106 @@
+"""``hvdtrain evaluate RUN_DIR`` and ``hvdtrain predict RUN_DIR --input FILE``.
+
+Both load the run's final ``model.keras`` in Keras safe mode (no code stored in the file runs)
+and its ``config.yaml``. ``evaluate`` is exact and distributed: launched on N ranks it shards the
+evaluation set and reduces sums (global correct / global count), like validation in training.
+``predict`` is a quick single-process check on a few inputs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import numpy as np
+
+from hvdtrain.config import ConfigError, build_config, load_yaml
+from hvdtrain.errors import UserError
+
+
+def load_run(run_dir: Path):
+    """(config, model) of a finished run."""
+    import keras
+
+    if not (run_dir / "model.keras").is_file():
+        raise UserError(f"{run_dir} has no model.keras; give the directory of a finished run")
+    try:
+        config = build_config(load_yaml(run_dir / "config.yaml"))
+    except ConfigError as error:
+        raise UserError(f"{run_dir}/config.yaml is unusable ({error})") from error
+    try:
+        model = keras.saving.load_model(run_dir / "model.keras", safe_mode=True)
+    except Exception as error:  # noqa: BLE001 - any load failure is a bad or foreign file
+        raise UserError(f"{run_dir}/model.keras cannot be loaded safely ({error})") from error
+    return config, model
+
+
+def _arrays_from(path: Path) -> dict[str, np.ndarray]:
+    if path.suffix == ".npy":
+        return {"x": np.load(path, allow_pickle=False)}
+    try:
+        with np.load(path, allow_pickle=False) as archive:
+            return {key: archive[key] for key in archive.files}
+    except (OSError, ValueError) as error:
+        raise UserError(f"{path} is not a readable .npz or .npy file ({error})") from error
+
+
+def evaluate(args: argparse.Namespace) -> int:
+    from hvdtrain.data.pipeline import ShardSpec
+    from hvdtrain.data.sources import ArraySplit, load_source
+    from hvdtrain.training.step import Evaluation
+    from hvdtrain.world import init_collectives, place_devices
+
+    collectives = init_collectives()
+    world = collectives.world
+    place_devices(world)
+    config, model = load_run(args.run_dir)
+    if args.data_path:
+        arrays = _arrays_from(args.data_path)
+        if "x" not in arrays or "y" not in arrays:
+            raise UserError(f"{args.data_path} needs arrays 'x' and 'y' to evaluate on")
+        split = ArraySplit(arrays["x"].astype(np.float32), arrays["y"].astype(np.int64))
+        where = str(args.data_path)
+    else:
+        split = load_source(config.data, config.train.seed).val
+        where = f"the {config.data.dataset} validation split"
+    spec = ShardSpec(split.num_examples, world, config.train.batch_size, "pad", False)
+    metrics = Evaluation(model, collectives).run(split.dataset(spec), prefix="")
+    if world.is_chief:
+        print(f"accuracy {metrics['accuracy']:.4f}  loss {metrics['loss']:.4f}  on "
+              f"{split.num_examples} examples of {where} ({world.size} rank(s))", flush=True)
+        print(json.dumps({"examples": split.num_examples, **metrics}), flush=True)
+    return 0
+
+
+def predict(args: argparse.Namespace) -> int:
+    _, model = load_run(args.run_dir)
+    x = _arrays_from(args.input).get("x")
+    if x is None:
+        raise UserError(f"{args.input} has no array 'x' to predict on")
+    expected = tuple(model.input_shape[1:])
+    if tuple(x.shape[1:]) != expected:
+        raise UserError(f"{args.input}: examples have shape {tuple(x.shape[1:])}, the model "
+                        f"expects {expected}")
+    probabilities = model.predict(x.astype(np.float32), verbose=0)
+    classes = probabilities.argmax(axis=1)
+    for index in range(min(len(x), args.show)):
+        print(f"{index}: class {classes[index]} (p={probabilities[index, classes[index]]:.3f})")
+    if args.output:
+        np.save(args.output, probabilities)
+        print(f"wrote class probabilities for {len(x)} examples to {args.output}")
+    return 0
+
+
+def add_evaluate_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("run_dir", type=Path, help="directory of a finished run")
+    parser.add_argument("--data-path", type=Path,
+                        help=".npz with x and y to evaluate on (default: the run's validation "
+                             "split)")
+
+
+def add_predict_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("run_dir", type=Path, help="directory of a finished run")
+    parser.add_argument("--input", type=Path, required=True, help=".npz with x, or a .npy")
+    parser.add_argument("--show", type=int, default=10, help="predictions to print")
+    parser.add_argument("--output", type=Path, help="save all class probabilities to a .npy")
