@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import math
 import re
 import textwrap
@@ -17,6 +16,7 @@ from hvdtrain.config import ModelConfig
 from hvdtrain.models import build_model
 
 pytestmark = pytest.mark.distributed
+
 
 @pytest.mark.parametrize("loop", ["fit", "custom"])
 def test_two_ranks_compute_what_one_process_with_twice_the_batch_does(exact_runs, loop):
