@@ -99,11 +99,12 @@ class HorovodCollectives:
             return list(self._hvd.grouped_allreduce(list(tensors), op=self._hvd.Sum,
                                                     compression=compression))
         # Adasum is scale-equivariant: combine each rank's own mean gradient (its weighted
-        # sum times the world size), as Horovod's Adasum expects.
+        # sum times the world size), as Horovod's Adasum expects. One allreduce per tensor
+        # (Horovod's tensor fusion still batches them): grouped_allreduce with Adasum fails in
+        # Horovod 0.28.1 (it reads an unbound variable on its Adasum branch).
         size = float(self.world.size)
-        combined = self._hvd.grouped_allreduce([t * size for t in tensors], op=self._hvd.Adasum,
-                                               compression=compression)
-        return list(combined)
+        return [self._hvd.allreduce(t * size, op=self._hvd.Adasum, compression=compression)
+                for t in tensors]
 
     def broadcast_variables(self, variables: Sequence[Any], root_rank: int = 0) -> None:
         if variables:

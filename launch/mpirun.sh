@@ -1,17 +1,23 @@
 #!/usr/bin/env bash
 # Launch an hvdtrain job (or any command) with Open MPI's mpirun and the flags Horovod recommends.
 #
-#   launch/mpirun.sh -np 4 [-H host1:2,host2:2 | --hostfile FILE] [--iface eth0] -- [TRAINER ARGS]
+#   launch/mpirun.sh -np 4 [-H host1:2,host2:2 | --hostfile FILE] [--iface eth0] [--] [TRAINER ARGS]
 #   launch/mpirun.sh -np 2 --command "python my_script.py"
 #
+#   -np N             number of ranks (required)
+#   -H, --hosts H     comma-separated host:slots list (default: this machine)
+#   --hostfile FILE   Open MPI hostfile ("host slots=N" per line)
+#   --iface NAME      TCP interface for MPI and NCCL traffic (e.g. eth0, ib0)
+#   --command CMD     run CMD on every rank instead of 'python -m hvdtrain'
+#
 # Adds: --bind-to none --map-by slot (Horovod manages its own threads), -x for the environment
-# Horovod and TensorFlow read, TCP interface selection, and --allow-run-as-root when run as root
-# (containers, CI), which Open MPI otherwise refuses.
+# Horovod and TensorFlow read, and --allow-run-as-root when run as root (containers, CI), which
+# Open MPI otherwise refuses.
 set -euo pipefail
 
 np=""; hosts=""; hostfile=""; iface=""; command=""
 trainer_args=()
-usage() { sed -n '2,9p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; }
+usage() { sed -n '2,15p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; }
 while [ $# -gt 0 ]; do
   case "$1" in
     -np|--np) np="$2"; shift 2 ;;
@@ -20,7 +26,7 @@ while [ $# -gt 0 ]; do
     --iface|--network-interface) iface="$2"; shift 2 ;;
     --command) command="$2"; shift 2 ;;
     -h|--help) usage; exit 0 ;;
-    --) shift; trainer_args=("$@"); break ;;
+    --) shift; trainer_args+=("$@"); break ;;
     *) trainer_args+=("$1"); shift ;;
   esac
 done

@@ -62,7 +62,8 @@ def test_converter_writes_images_and_metadata_that_parse_back(tmp_path):
     parsed = [split.parse(r) for f in split.files for r in tf.data.TFRecordDataset(f)]
     pixels = sorted((int(y), float(x.numpy()[0, 0, 0])) for x, y in parsed)
     expected = sorted((label, (40 * i + label) / 255) for label, i in originals)
-    assert pixels == pytest.approx(expected)
+    assert [label for label, _ in pixels] == [label for label, _ in expected]
+    assert [v for _, v in pixels] == pytest.approx([v for _, v in expected])
 
 
 @pytest.mark.distributed
@@ -171,12 +172,15 @@ def test_compression_and_adasum_train_and_change_the_reduction(session_tmp, exac
     summary = read_summary(run)
     exact = read_summary(exact_runs["fit", 2])
     assert summary["weights_identical"]
-    assert summary["metrics"]["val_accuracy"] > 0.85
     assert summary["fingerprints"][0] != exact["fingerprints"][0]   # the option took effect
     if value == "fp16":   # fp16 rounding only: close to the exact reduction
         assert_same_weights(final_weights(run), final_weights(exact_runs["fit", 2]), atol=5e-3)
-    else:                 # Adasum keeps the single-rank rate (no linear scaling)
+        assert summary["metrics"]["val_accuracy"] == pytest.approx(
+            exact["metrics"]["val_accuracy"], abs=0.02)
+    else:                 # Adasum keeps the single-rank rate (no linear scaling) and learns
         assert read_metrics(run)[0]["lr"] == pytest.approx(0.05)
+        losses = [row["loss"] for row in read_metrics(run)]
+        assert losses[-1] < losses[0] and summary["metrics"]["val_accuracy"] > 0.6
 
 
 @pytest.mark.distributed

@@ -161,6 +161,9 @@ def train(config: Config) -> RunResult:
     # Ranks start from different seeds on purpose: the broadcast below must make them agree.
     keras.utils.set_random_seed(config.train.seed + world.rank)
 
+    if config.optim.reduction == "adasum" and world.size & (world.size - 1):
+        raise UserError(f"--reduction adasum needs a power-of-two number of ranks, not "
+                        f"{world.size}; launch 2, 4, 8... ranks or use --reduction mean")
     run_dir = Path(chief_decides(collectives, lambda: str(_usable_run_dir(config))))
     say(world, f"hvdtrain: {world.size} rank(s); rank 0 on {device}; run directory {run_dir}")
     say(world, "resolved config:\n" + config.to_yaml().rstrip())
