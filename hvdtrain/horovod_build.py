@@ -164,6 +164,23 @@ def _gpu_environment(env: dict[str, str]) -> dict[str, str]:
     return env
 
 
+def safe_extract(archive: Path, destination: Path) -> None:
+    """Unpack a source tarball, refusing members that would land outside ``destination``.
+
+    Python 3.11.4+ has ``extractall(filter="data")``; Debian bookworm's 3.11.2 does not, so
+    the check is done here for every version.
+    """
+    root = destination.resolve()
+    with tarfile.open(archive) as tar:
+        for member in tar.getmembers():
+            target = (root / member.name).resolve()
+            unsafe_link = (member.issym() or member.islnk()) and not (
+                target.parent / member.linkname).resolve().is_relative_to(root)
+            if not target.is_relative_to(root) or unsafe_link or member.isdev():
+                raise BuildError(f"{archive.name}: refusing unsafe member {member.name!r}")
+        tar.extractall(destination)  # noqa: S202 - every member was checked above
+
+
 def build_wheel(switches: dict[str, str], destination: Path) -> Path:
     """Download the sdist, apply the source fix, build a wheel into ``destination``."""
     with tempfile.TemporaryDirectory(prefix="hvdtrain-horovod-") as tmp:
@@ -171,8 +188,7 @@ def build_wheel(switches: dict[str, str], destination: Path) -> Path:
         _run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
               f"horovod=={HOROVOD_VERSION}", "-d", str(workdir)])
         archive = next(workdir.glob(f"horovod-{HOROVOD_VERSION}.tar.gz"))
-        with tarfile.open(archive) as tar:
-            tar.extractall(workdir, filter="data")
+        safe_extract(archive, workdir)
         source = workdir / f"horovod-{HOROVOD_VERSION}"
         cmakelists = source / "horovod" / "tensorflow" / "CMakeLists.txt"
         cmakelists.write_text(patch_tensorflow_cmakelists(cmakelists.read_text()))

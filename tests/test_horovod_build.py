@@ -95,3 +95,25 @@ def test_cache_dir_prefers_the_explicit_override(monkeypatch, tmp_path):
 def test_installed_horovod_passes_its_own_check():
     """The environment the suite runs in was made by launch/setup.sh: verify it for real."""
     hb.check_build(gpu=False)
+
+
+def test_safe_extract_unpacks_and_refuses_escaping_members(tmp_path):
+    import io
+    import tarfile
+
+    def archive(name: str, members: dict[str, bytes]):
+        path = tmp_path / name
+        with tarfile.open(path, "w:gz") as tar:
+            for member, data in members.items():
+                info = tarfile.TarInfo(member)
+                info.size = len(data)
+                tar.addfile(info, io.BytesIO(data))
+        return path
+
+    good = archive("good.tar.gz", {"horovod-0.28.1/setup.py": b"print()"})
+    hb.safe_extract(good, tmp_path / "out")
+    assert (tmp_path / "out" / "horovod-0.28.1" / "setup.py").read_bytes() == b"print()"
+    bad = archive("bad.tar.gz", {"../escape.txt": b"x"})
+    with pytest.raises(hb.BuildError, match="refusing unsafe member"):
+        hb.safe_extract(bad, tmp_path / "out2")
+    assert not (tmp_path / "escape.txt").exists()
