@@ -76,7 +76,8 @@ class CheckpointStore:
         self.directory.mkdir(parents=True, exist_ok=True)
         final = self.directory / f"epoch-{state['epoch']:04d}"
         partial = self.directory / f".partial-{final.name}-{os.getpid()}"
-        shutil.rmtree(partial, ignore_errors=True)
+        for leftover in [*self.directory.glob(".partial-*"), *self.directory.glob(".stale-*")]:
+            shutil.rmtree(leftover, ignore_errors=True)   # from a crash mid-write
         partial.mkdir()
         model.save_weights(partial / WEIGHTS_FILE)
         arrays = {f"v{i:04d}": v.numpy() for i, v in enumerate(optimizer.variables)}

@@ -8,25 +8,54 @@ one line on stderr and exit code 2; ``--debug`` shows the traceback instead.
 from __future__ import annotations
 
 import argparse
+import difflib
 import os
+import re
 import sys
 import traceback
+from typing import NoReturn
 
 from hvdtrain import __version__, convert, inference
 from hvdtrain.config import add_arguments, config_from_args
 from hvdtrain.errors import UserError
 
 SUBCOMMANDS = ("train", "doctor", "evaluate", "predict", "convert")
-USER_ERROR_EXIT = 2
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """argparse, but a mistake is one line that names it (and the closest valid flag), and
+    no prefix of a flag is taken for the flag (a typo must not pass for an option)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
+
+    def error(self, message: str) -> NoReturn:
+        unknown = re.search(r"unrecognized arguments: (--?[\w-]+)", message)
+        if unknown:
+            flags = [f for action in self._all_actions() for f in action.option_strings]
+            close = difflib.get_close_matches(unknown.group(1), flags, n=1, cutoff=0.6)
+            if close:
+                message += f"; did you mean {close[0]}?"
+        self.exit(2, f"hvdtrain: error: {message} (see '{self.prog} --help')\n")
+
+    def _all_actions(self) -> list[argparse.Action]:
+        actions = list(self._actions)
+        for action in self._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for sub in action.choices.values():
+                    actions += sub._actions
+        return actions
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = OneLineParser(
         prog="hvdtrain",
         description="Data-parallel training of Keras 3 models with Horovod. Launch with "
                     "horovodrun -np N python -m hvdtrain [options].")
     parser.add_argument("--version", action="version", version=f"hvdtrain {__version__}")
-    commands = parser.add_subparsers(dest="command", metavar="COMMAND")
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND",
+                                     parser_class=OneLineParser)
     train = commands.add_parser("train", help="train a model (the default command)",
                                 description="Train a model data-parallel across the ranks.")
     add_arguments(train)
@@ -80,4 +109,4 @@ def main(argv: list[str] | None = None) -> int:
         if debug:
             traceback.print_exc()
         print(f"hvdtrain: error: {error}", file=sys.stderr, flush=True)
-        return USER_ERROR_EXIT
+        return error.exit_code

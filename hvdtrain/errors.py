@@ -1,5 +1,13 @@
-"""The one exception type for user mistakes: shown as a single line, never as a traceback."""
+"""User-facing failures: shown as a single line, never as a traceback, with their own exit code."""
 
 
 class UserError(Exception):
     """Something the user can fix; the message names the problem and the fix in one line."""
+
+    exit_code = 2
+
+
+class TrainingDiverged(UserError):
+    """The loss stopped being finite; the run stopped without saving the bad weights."""
+
+    exit_code = 3

@@ -81,6 +81,10 @@ class HorovodCollectives:
     """Collectives over Horovod (MPI or Gloo controller; CPU, MPI or NCCL tensor ops)."""
 
     def __init__(self) -> None:
+        # A rank that stops submitting tensors (hung in I/O, stopped) while the others wait:
+        # Horovod warns after 60 s and shuts the job down after 120 s, so no allocation burns.
+        os.environ.setdefault("HOROVOD_STALL_CHECK_TIME_SECONDS", "60")
+        os.environ.setdefault("HOROVOD_STALL_SHUTDOWN_TIME_SECONDS", "120")
         import horovod.tensorflow as hvd
 
         hvd.init()
@@ -145,16 +149,22 @@ def place_devices(world: World, threads: int | None = None) -> str:
     import tensorflow as tf
 
     gpus = tf.config.list_physical_devices("GPU")
-    if gpus:
-        gpu = gpus[world.local_rank % len(gpus)]
-        tf.config.experimental.set_memory_growth(gpu, True)
-        tf.config.set_visible_devices(gpu, "GPU")
-        return f"GPU {gpu.name} (local rank {world.local_rank} of {len(gpus)} GPUs)"
-    affinity = len(os.sched_getaffinity(0))
-    count = threads or cpu_threads_per_rank(world.local_size, affinity, os.cpu_count() or 1)
-    tf.config.threading.set_intra_op_parallelism_threads(count)
-    tf.config.threading.set_inter_op_parallelism_threads(min(2, count))
-    return f"CPU, {count} thread(s) for this rank"
+    try:
+        if gpus:
+            gpu = gpus[world.local_rank % len(gpus)]
+            tf.config.experimental.set_memory_growth(gpu, True)
+            tf.config.set_visible_devices(gpu, "GPU")
+            return f"GPU {gpu.name} (local rank {world.local_rank} of {len(gpus)} GPUs)"
+        affinity = len(os.sched_getaffinity(0))
+        count = threads or cpu_threads_per_rank(world.local_size, affinity, os.cpu_count() or 1)
+        tf.config.threading.set_intra_op_parallelism_threads(count)
+        tf.config.threading.set_inter_op_parallelism_threads(min(2, count))
+        return f"CPU, {count} thread(s) for this rank"
+    except RuntimeError:
+        # A second run in the same process (a notebook, a test): TensorFlow's runtime exists
+        # and keeps the placement the first run chose.
+        placed = tf.config.get_visible_devices("GPU") or ["CPU"]
+        return f"{placed[0]}, as placed by an earlier run in this process"
 
 
 def init_collectives(environ: dict[str, str] | None = None) -> Collectives:

@@ -12,22 +12,16 @@
 #   TRAINER ARGS      passed to 'python -m hvdtrain' (e.g. --model cnn --epochs 10)
 set -euo pipefail
 
-np=""; hosts=""; hostfile=""; iface=""; controller=""
-trainer_args=()
-usage() { sed -n '2,12p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; }
-while [ $# -gt 0 ]; do
+# shellcheck source=launch/common.sh
+source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
+controller=""
+wrapper_flag() {
   case "$1" in
-    -np|--np) np="$2"; shift 2 ;;
-    -H|--hosts) hosts="$2"; shift 2 ;;
-    --hostfile) hostfile="$2"; shift 2 ;;
-    --iface|--network-interface) iface="$2"; shift 2 ;;
-    --gloo|--mpi) controller="$1"; shift ;;
-    -h|--help) usage; exit 0 ;;
-    --) shift; trainer_args+=("$@"); break ;;
-    *) trainer_args+=("$1"); shift ;;
+    --gloo|--mpi) controller="$1"; consumed=1 ;;
+    *) return 1 ;;
   esac
-done
-[ -n "$np" ] || { echo "horovodrun.sh: -np N is required (try --help)" >&2; exit 2; }
+}
+parse_launcher_args "$@"
 
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 bin="${HVDTRAIN_VENV:-$repo/.venv}/bin"

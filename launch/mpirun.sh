@@ -15,22 +15,16 @@
 # Open MPI otherwise refuses.
 set -euo pipefail
 
-np=""; hosts=""; hostfile=""; iface=""; command=""
-trainer_args=()
-usage() { sed -n '2,15p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; }
-while [ $# -gt 0 ]; do
+# shellcheck source=launch/common.sh
+source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
+command=""
+wrapper_flag() {
   case "$1" in
-    -np|--np) np="$2"; shift 2 ;;
-    -H|--hosts) hosts="$2"; shift 2 ;;
-    --hostfile) hostfile="$2"; shift 2 ;;
-    --iface|--network-interface) iface="$2"; shift 2 ;;
-    --command) command="$2"; shift 2 ;;
-    -h|--help) usage; exit 0 ;;
-    --) shift; trainer_args+=("$@"); break ;;
-    *) trainer_args+=("$1"); shift ;;
+    --command) command="$2"; consumed=2 ;;
+    *) return 1 ;;
   esac
-done
-[ -n "$np" ] || { echo "mpirun.sh: -np N is required (try --help)" >&2; exit 2; }
+}
+parse_launcher_args "$@"
 
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 python="${HVDTRAIN_PYTHON:-$repo/.venv/bin/python}"

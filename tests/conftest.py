@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import shutil
+import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -131,3 +135,131 @@ def exact_runs(session_tmp):
         runs[loop, 1] = train(session_tmp, f"exact-{loop}-1", *EXACT, "--loop", loop,
                               "--batch-size", "32", "--learning-rate", "0.1", np=1)
     return runs
+
+
+# --- a real single-node Slurm cluster ----------------------------------------------------------
+
+IS_ROOT_WITH_APT = os.geteuid() == 0 and shutil.which("apt-get") is not None
+
+
+def run(command: list[str], timeout: int, **kwargs) -> subprocess.CompletedProcess:
+    return subprocess.run(command, text=True, capture_output=True, timeout=timeout,
+                          stdin=subprocess.DEVNULL, **kwargs)
+
+
+def ensure_debian_packages(*packages: str) -> None:
+    """Install what is missing with apt-get, or skip the test saying why it cannot."""
+    missing = [p for p in packages
+               if run(["dpkg-query", "-W", "-f=${Status}", p], 30).stdout
+               != "install ok installed"]
+    if not missing:
+        return
+    if not IS_ROOT_WITH_APT:
+        pytest.skip(f"needs Debian packages {' '.join(missing)} and root to install them")
+    env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
+    result = run(["apt-get", "install", "-y", "-q", *missing], 900, env=env)
+    if result.returncode != 0:
+        result = run(["bash", "-c", "apt-get update -q && apt-get install -y -q "
+                      + " ".join(missing)], 900, env=env)
+    if result.returncode != 0:
+        pytest.skip(f"apt-get could not install {' '.join(missing)}: {result.stderr[-300:]}")
+
+
+SLURM_CONF = """\
+ClusterName=hvdtrain-test
+SlurmctldHost={host}
+NodeName={host} CPUs={cpus} State=UNKNOWN
+PartitionName=test Nodes=ALL Default=YES MaxTime=INFINITE State=UP
+ProctrackType=proctrack/linuxproc
+TaskPlugin=task/none
+SelectType=select/cons_tres
+SelectTypeParameters=CR_Core
+SlurmUser=root
+AuthType=auth/munge
+ReturnToService=2
+MpiDefault=none
+StateSaveLocation={dir}/state
+SlurmdSpoolDir={dir}/spool
+SlurmctldPidFile={dir}/slurmctld.pid
+SlurmdPidFile={dir}/slurmd.pid
+SlurmctldLogFile={dir}/slurmctld.log
+SlurmdLogFile={dir}/slurmd.log
+"""
+FINAL_JOB_STATES = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY")
+
+
+def stop_daemon(pid_file: Path) -> None:
+    if pid_file.exists():
+        try:
+            os.kill(int(pid_file.read_text().strip()), 15)
+        except (ProcessLookupError, ValueError):
+            pass
+
+
+class SlurmCluster:
+    """Submit the shipped single-node batch script and read jobs back from scontrol."""
+
+    def __init__(self, env: dict[str, str], directory: Path) -> None:
+        self.env = env
+        self.directory = directory
+
+    def submit(self, *args: str, launcher: str = "srun") -> str:
+        job_env = rank_env(**self.env, HVDTRAIN_REPO=str(REPO), HVDTRAIN_LAUNCHER=launcher)
+        result = run(["sbatch", "--parsable", "--ntasks-per-node=2", "--cpus-per-task=1",
+                      f"--chdir={self.directory}", f"--output={self.directory}/job-%j.out",
+                      f"--error={self.directory}/job-%j.err",
+                      str(REPO / "launch" / "slurm" / "single_node.sbatch"), *args], 60,
+                     env=job_env)
+        assert result.returncode == 0, result.stderr
+        return result.stdout.strip().split(";")[0]
+
+    def finished(self, job: str) -> dict | None:
+        """The job's scontrol record once it has ended, else None."""
+        record = dict(re.findall(r"(\w+)=(\S+)", run(["scontrol", "show", "job", job], 30,
+                                                     env=self.env).stdout))
+        return record if record.get("JobState") in FINAL_JOB_STATES else None
+
+    def output(self, job: str) -> str:
+        return "".join((self.directory / f"job-{job}.{kind}").read_text()
+                       for kind in ("out", "err")
+                       if (self.directory / f"job-{job}.{kind}").exists())
+
+    def wait(self, job: str, timeout: int = 300) -> tuple[dict, str]:
+        deadline = time.time() + timeout
+        while (record := self.finished(job)) is None:
+            assert time.time() < deadline, f"job {job} did not end in {timeout} s"
+            time.sleep(1)
+        return record, self.output(job)
+
+
+@pytest.fixture(scope="session")
+def slurm(tmp_path_factory):
+    """A one-node Slurm cluster (munge, slurmctld, slurmd) on this machine, stopped after."""
+    ensure_debian_packages("munge", "slurmctld", "slurmd", "slurm-client")
+    directory = tmp_path_factory.mktemp("slurm")
+    for sub in ("state", "spool"):
+        (directory / sub).mkdir()
+    conf = directory / "slurm.conf"
+    conf.write_text(SLURM_CONF.format(host=socket.gethostname().split(".")[0],
+                                      cpus=os.cpu_count(), dir=directory))
+    started_munge = False
+    if run(["pgrep", "-x", "munged"], 10).returncode != 0:
+        Path("/run/munge").mkdir(exist_ok=True)
+        shutil.chown("/run/munge", "munge", "munge")
+        assert run(["munged", "--force"], 30).returncode == 0
+        started_munge = True
+    env = dict(os.environ, SLURM_CONF=str(conf))
+    try:
+        for daemon in ("slurmctld", "slurmd"):
+            result = run([daemon, "-f", str(conf)], 60, env=env)
+            assert result.returncode == 0, result.stderr
+        deadline = time.time() + 60
+        while run(["sinfo", "-h", "-o", "%T"], 30, env=env).stdout.strip() != "idle":
+            assert time.time() < deadline, (directory / "slurmctld.log").read_text()[-2000:]
+            time.sleep(1)
+        yield SlurmCluster(env, directory)
+    finally:
+        stop_daemon(directory / "slurmd.pid")
+        stop_daemon(directory / "slurmctld.pid")
+        if started_munge:
+            stop_daemon(Path("/run/munge/munged.pid"))

@@ -35,6 +35,7 @@ from hvdtrain.errors import UserError
 
 
 Parser = Callable[[tf.Tensor], tuple[tf.Tensor, tf.Tensor]]
+LABEL_RANGE_MESSAGE = "hvdtrain: label out of range"
 
 
 class FileDataError(UserError):
@@ -236,10 +237,23 @@ def tfrecord_split(config: DataConfig, pattern: str | None, what: str) -> tuple[
     if not num_classes:
         raise FileDataError("the number of classes is unknown; set --num-classes (or write the "
                             "files with 'hvdtrain convert')")
-    split = FileSplit(files, count_tfrecords(files, metadata), tf.data.TFRecordDataset,
-                      tfrecord_parser(config, shape, encoding), shape, config.shuffle_buffer,
-                      config.cache)
+    parse = checked_labels(tfrecord_parser(config, shape, encoding), int(num_classes))
+    split = FileSplit(files, count_tfrecords(files, metadata), tf.data.TFRecordDataset, parse,
+                      shape, config.shuffle_buffer, config.cache)
     return split, int(num_classes)
+
+
+def checked_labels(parse: Parser, num_classes: int) -> Parser:
+    """Fail on a label outside [0, num_classes) instead of training on garbage."""
+
+    def checked(record: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
+        features, label = parse(record)
+        in_range = tf.logical_and(label >= 0, label < num_classes)
+        with tf.control_dependencies([tf.debugging.Assert(in_range, [LABEL_RANGE_MESSAGE,
+                                                                     label])]):
+            return tf.identity(features), tf.identity(label)
+
+    return checked
 
 
 def csv_split(config: DataConfig, pattern: str | None, what: str) -> tuple[FileSplit, int]:
@@ -268,6 +282,8 @@ def csv_split(config: DataConfig, pattern: str | None, what: str) -> tuple[FileS
         return (tf.stack([columns[i] for i in features]),
                 tf.cast(columns[label_index], tf.int64))
 
-    split = FileSplit(files, tuple(counts), lambda f: tf.data.TextLineDataset(f).skip(1), parse,
-                      (len(features),), config.shuffle_buffer, config.cache)
-    return split, int(config.num_classes or labels_max + 1)
+    num_classes = int(config.num_classes or labels_max + 1)
+    split = FileSplit(files, tuple(counts), lambda f: tf.data.TextLineDataset(f).skip(1),
+                      checked_labels(parse, num_classes), (len(features),),
+                      config.shuffle_buffer, config.cache)
+    return split, num_classes

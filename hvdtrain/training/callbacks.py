@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import csv
 import json
+import math
 import sys
 import time
 from dataclasses import dataclass
@@ -19,7 +20,8 @@ from typing import Any, Callable
 import keras
 import tensorflow as tf
 
-from hvdtrain.checkpoint import CheckpointStore
+from hvdtrain.checkpoint import CheckpointStore, atomic_write_text
+from hvdtrain.errors import TrainingDiverged
 from hvdtrain.training.schedule import WarmupScaledRate
 from hvdtrain.training.step import StepMath
 from hvdtrain.world import Collectives, World
@@ -47,6 +49,34 @@ class EpochMetrics(keras.callbacks.Callback):
 
     def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
         logs.update(self.step.train_sums.global_means(self.collectives))
+
+
+class StopOnDivergence(keras.callbacks.Callback):
+    """Stop every rank at the step whose global-batch loss is NaN or infinite.
+
+    The step skipped that update on every rank, and no checkpoint is written for the epoch,
+    so the newest checkpoint on disk is the last good one.
+    """
+
+    def __init__(self, step: StepMath, store: CheckpointStore) -> None:
+        super().__init__()
+        self.step = step
+        self.store = store
+        self.epoch = 0
+
+    def on_epoch_begin(self, epoch: int, logs: dict | None = None) -> None:
+        self.epoch = epoch
+
+    def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
+        loss = float(self.step.global_loss.numpy())
+        if math.isfinite(loss):
+            return
+        latest = self.store.latest()
+        kept = f"the last good checkpoint {latest} is kept" if latest else "no checkpoint yet"
+        raise TrainingDiverged(
+            f"loss became {loss} at epoch {self.epoch + 1}, step {batch + 1}; stopped on every "
+            f"rank without applying it ({kept}); lower --learning-rate or check the data for "
+            "NaN/Inf")
 
 
 class Throughput(keras.callbacks.Callback):
@@ -204,6 +234,21 @@ class MetricsFiles(keras.callbacks.Callback):
                 writer.writeheader()
             writer.writerow(row)
 
+    def resume_at(self, epoch: int, checkpoint_metrics: dict[str, float]) -> None:
+        """Make the files end at ``epoch``, the resumed checkpoint's: drop rows of epochs
+        that were lost with the crash, and restore that epoch's row from the checkpoint if
+        the crash came between saving it and writing the row. No epoch appears twice."""
+        rows = []
+        if self.jsonl.exists():
+            rows = [json.loads(line) for line in self.jsonl.read_text().splitlines() if line]
+        rows = [row for row in rows if row["epoch"] <= epoch]
+        if checkpoint_metrics and (not rows or rows[-1]["epoch"] < epoch):
+            rows.append({"epoch": epoch, **checkpoint_metrics})
+        atomic_write_text(self.jsonl, "".join(json.dumps(row) + "\n" for row in rows))
+        if rows:
+            lines = [",".join(rows[0])] + [",".join(str(row[k]) for k in rows[0]) for row in rows]
+            atomic_write_text(self.csv, "\n".join(lines) + "\n")
+
 
 class Progress(keras.callbacks.Callback):
     """Rank 0: a progress bar with examples/second, then a one-line summary per epoch."""
@@ -279,6 +324,7 @@ def standard_callbacks(hooks: RunHooks) -> list[keras.callbacks.Callback]:
     ones every rank runs (they hold collectives), then rank 0's writers and its report."""
     model, optimizer = hooks.step.model, hooks.step.optimizer
     callbacks: list[keras.callbacks.Callback] = [
+        StopOnDivergence(hooks.step, hooks.store),
         Throughput(hooks.progress.steps, hooks.progress.global_batch),
         EpochMetrics(hooks.step, hooks.collectives),
         AverageBatchNormStatistics(model, hooks.collectives),

@@ -8,6 +8,7 @@ the same weights.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import re
@@ -23,13 +24,14 @@ import tensorflow as tf
 
 from hvdtrain.checkpoint import CheckpointStore, atomic_write_text
 from hvdtrain.config import Config
-from hvdtrain.data.files import FileSplit
+from hvdtrain.data.files import LABEL_RANGE_MESSAGE, FileSplit
 from hvdtrain.data.pipeline import ShardSpec
 from hvdtrain.data.sources import DataBundle, load_source
 from hvdtrain.errors import UserError
 from hvdtrain.models import build_model
 from hvdtrain.plots import plot_curves
-from hvdtrain.training.callbacks import PlateauDecay, Progress, RunHooks, standard_callbacks
+from hvdtrain.training.callbacks import (MetricsFiles, PlateauDecay, Progress, RunHooks,
+                                         standard_callbacks)
 from hvdtrain.training.loops import LOOPS
 from hvdtrain.training.schedule import WarmupScaledRate, make_optimizer, make_schedule
 from hvdtrain.training.step import Evaluation, StepMath, StepOptions
@@ -115,7 +117,8 @@ def _restore(config: Config, store: CheckpointStore, model: keras.Model,
         raise UserError(f"{latest} was trained with model '{state.get('model')}', not "
                         f"'{config.model.model}'; resume with the same --model")
     store.restore(latest, model, optimizer)
-    return {"epoch": int(state["epoch"]), "plateau": state.get("plateau")}
+    return {"epoch": int(state["epoch"]), "plateau": state.get("plateau"),
+            "metrics": state.get("metrics", {})}
 
 
 @dataclass
@@ -150,6 +153,34 @@ def float32_copy(config: Config, model: keras.Model, data: DataBundle) -> keras.
     return copy
 
 
+def check_input_shape(model: keras.Model, name: str, shape: tuple[int, ...]) -> None:
+    """Fail before training when the data's example shape cannot feed the model."""
+    expected = tuple(model.input_shape[1:]) if isinstance(model.input_shape, tuple) else None
+    if expected is not None and len(expected) == len(shape) and all(
+            e is None or e == s for e, s in zip(expected, shape)):
+        return
+    if expected is not None:
+        raise UserError(f"the data's examples have shape {shape} but model '{name}' expects "
+                        f"{expected}; build the model for the data's shape")
+
+
+@contextlib.contextmanager
+def data_errors_named(data: DataBundle):
+    """Turn TensorFlow's errors about bad records mid-run into one line naming the problem."""
+    try:
+        yield
+    except tf.errors.DataLossError as error:
+        raise UserError("a TFRecord file is corrupt or truncated "
+                        f"({str(error).splitlines()[0][:160]}); regenerate it with "
+                        "'hvdtrain convert'") from error
+    except tf.errors.InvalidArgumentError as error:
+        if LABEL_RANGE_MESSAGE not in str(error):
+            raise
+        raise UserError(f"a label lies outside [0, {data.num_classes - 1}] for "
+                        f"{data.num_classes} classes; fix the labels or set --num-classes") \
+            from error
+
+
 def train(config: Config) -> RunResult:
     """Run the configured training on this rank; return the final exact metrics."""
     launched = time.perf_counter()
@@ -167,8 +198,6 @@ def train(config: Config) -> RunResult:
     run_dir = Path(chief_decides(collectives, lambda: str(_usable_run_dir(config))))
     say(world, f"hvdtrain: {world.size} rank(s); rank 0 on {device}; run directory {run_dir}")
     say(world, "resolved config:\n" + config.to_yaml().rstrip())
-    if world.is_chief:
-        atomic_write_text(run_dir / "config.yaml", config.to_yaml())
 
     data = load_source(config.data, config.train.seed)
     batch, optim = config.train.batch_size, config.optim
@@ -185,8 +214,12 @@ def train(config: Config) -> RunResult:
         say(world, f"sharding {len(data.train.files)} file(s) across {world.size} rank(s) by "
                    f"{data.train.mode(world.size)}")
 
+    if data.train.num_examples < world.size:
+        raise UserError(f"{world.size} ranks but only {data.train.num_examples} training "
+                        "examples: every rank needs at least one; launch fewer ranks")
     trainable = build_trainable(config, data, world, steps // optim.accumulation_steps)
     model, optimizer = trainable.model, trainable.optimizer
+    check_input_shape(model, config.model.model, data.input_shape)
     plateau = (PlateauDecay(trainable.schedule, optim.lr_decay_factor, optim.plateau_patience)
                if optim.lr_schedule == "plateau" else None)
     store = CheckpointStore(run_dir, config.train.keep_checkpoints)
@@ -196,7 +229,11 @@ def train(config: Config) -> RunResult:
         initial_epoch = restored["epoch"]
         if plateau is not None and restored["plateau"]:
             plateau.load(restored["plateau"])
+        if world.is_chief:
+            MetricsFiles(run_dir).resume_at(initial_epoch, restored["metrics"])
         say(world, f"resuming after epoch {initial_epoch} from {store.latest()}")
+    if world.is_chief:   # only now: a rejected run must not overwrite a run's config
+        atomic_write_text(run_dir / "config.yaml", config.to_yaml())
     before_broadcast = collectives.allgather_object(weight_fingerprint(model))
     # One starting point for every rank: rank 0's weights and optimizer state (not the dropout
     # seeds: those stay rank-local so ranks drop different units).
@@ -222,7 +259,8 @@ def train(config: Config) -> RunResult:
                f"batch {spec.global_batch}, remainder policy '{config.data.remainder}'")
     started = time.perf_counter()
     if initial_epoch < epochs:
-        LOOPS[config.train.loop](step, dataset, epochs, initial_epoch, steps, callbacks)
+        with data_errors_named(data):
+            LOOPS[config.train.loop](step, dataset, epochs, initial_epoch, steps, callbacks)
     trained = time.perf_counter() - started
 
     metrics = evaluation.run(val_dataset)

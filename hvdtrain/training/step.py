@@ -15,6 +15,9 @@ Mixed precision: with ``mixed_float16`` the optimizer is a Keras ``LossScaleOpti
 scaled gradients are reduced across ranks first, so every rank sees the same sum, makes the same
 finite/non-finite decision and keeps the same loss scale.
 
+Divergence: the loss is summed across ranks with the gradients, so every rank knows the global
+batch's loss; when it is NaN or infinite every rank skips that update and the run stops there.
+
 Metrics are kept as local sums (loss, correct, count) and reduced across ranks once per epoch:
 the global accuracy is exactly global-correct / global-count, not a mean of per-rank means.
 """
@@ -88,26 +91,41 @@ class StepMath:
         self.options = options
         self.train_sums = MetricSums("train")
         self.loss_scaling = isinstance(optimizer, keras.optimizers.LossScaleOptimizer)
+        # The last update's loss over the whole global batch: equal on every rank, so every
+        # rank makes the same decision when it stops being finite.
+        self.global_loss = tf.Variable(0.0, trainable=False, dtype=tf.float32)
         self.accumulated: list[tf.Variable] = []
         if options.accumulation_steps > 1:
             self.accumulated = [tf.Variable(tf.zeros(v.shape, tf.float32), trainable=False)
                                 for v in model.trainable_variables]
+            self.accumulated_loss = tf.Variable(0.0, trainable=False, dtype=tf.float32)
             self.micro_steps = tf.Variable(0, trainable=False, dtype=tf.int64)
 
-    def _apply(self, gradients: list[tf.Tensor]) -> None:
+    def _apply(self, gradients: list[tf.Tensor], loss: tf.Tensor) -> None:
+        """Reduce across ranks and update, unless the global loss is not finite: then the
+        update is skipped on every rank and ``global_loss`` tells the caller to stop."""
+        self.global_loss.assign(self.collectives.allreduce_sum([loss])[0])
         gradients = self.collectives.reduce_gradients(
             gradients, adasum=self.options.adasum, fp16=self.options.fp16_compression)
-        self.optimizer.apply(gradients, self.model.trainable_variables)
 
-    def _accumulate(self, gradients: list[tf.Tensor]) -> None:
+        def update() -> tf.Tensor:
+            self.optimizer.apply(gradients, self.model.trainable_variables)
+            return tf.constant(True)
+
+        tf.cond(tf.math.is_finite(self.global_loss), update, lambda: tf.constant(False))
+
+    def _accumulate(self, gradients: list[tf.Tensor], loss: tf.Tensor) -> None:
         for total, gradient in zip(self.accumulated, gradients):
             total.assign_add(tf.cast(gradient, tf.float32))
+        self.accumulated_loss.assign_add(loss)
         self.micro_steps.assign_add(1)
 
         def apply_and_reset() -> tf.Tensor:
-            self._apply([tf.identity(total) for total in self.accumulated])
+            self._apply([tf.identity(total) for total in self.accumulated],
+                        tf.identity(self.accumulated_loss))
             for total in self.accumulated:
                 total.assign(tf.zeros_like(total))
+            self.accumulated_loss.assign(0.0)
             return tf.constant(True)
 
         tf.cond(self.micro_steps % self.options.accumulation_steps == 0, apply_and_reset,
@@ -121,15 +139,14 @@ class StepMath:
             if self.model.losses:
                 shares = self.collectives.world.size * self.options.accumulation_steps
                 loss += tf.cast(tf.add_n(self.model.losses), tf.float32) / shares
-            if self.loss_scaling:
-                loss = self.optimizer.scale_loss(loss)
-        gradients = tape.gradient(loss, variables)
+            scaled = self.optimizer.scale_loss(loss) if self.loss_scaling else loss
+        gradients = tape.gradient(scaled, variables)
         gradients = [tf.zeros_like(v) if g is None else tf.convert_to_tensor(g)
                      for g, v in zip(gradients, variables)]
         if self.accumulated:
-            self._accumulate(gradients)
+            self._accumulate(gradients, loss)
         else:
-            self._apply(gradients)
+            self._apply(gradients, loss)
         self.train_sums.add(per_example, correct, tf.cast(weights > 0, tf.float32))
         return self.train_sums.local_means()
 

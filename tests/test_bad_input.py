@@ -1,0 +1,210 @@
+"""Every user mistake: exit code 2, one line naming the problem and what to do, no traceback
+(unless --debug), and nothing already in the run directory overwritten or lost.
+
+Each row of the README's "Mistakes and their messages" table has a test here."""
+
+from __future__ import annotations
+
+import json
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from conftest import launch, train
+from hvdtrain.cli import main
+from hvdtrain.doctor import problems_in
+
+
+def fails_with(capsys, argv: list[str], message: str) -> str:
+    """Run the CLI in-process; it must exit 2 with exactly one stderr line containing
+    ``message``."""
+    code = main(argv)
+    err = capsys.readouterr().err
+    lines = err.strip().splitlines()
+    assert code == 2, err
+    assert len(lines) == 1 and lines[0].startswith("hvdtrain: error: "), err
+    assert message in lines[0], lines[0]
+    return lines[0]
+
+
+def snapshot(directory: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(directory)): p.read_bytes()
+            for p in sorted(directory.rglob("*")) if p.is_file()}
+
+
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory) -> Path:
+    """A finished 1-epoch mlp run to make mistakes against."""
+    tmp = tmp_path_factory.mktemp("bad")
+    return train(tmp, "done", "--epochs", "1", "--hidden-units", "16", np=1)
+
+
+def test_unknown_flag_suggests_the_closest(capsys, tmp_path):
+    fails_with(capsys, ["--epoch", "3"], "unrecognized arguments: --epoch 3; did you mean "
+                                         "--epochs?")
+
+
+def test_unknown_yaml_key_suggests_the_closest(capsys, tmp_path):
+    (tmp_path / "c.yaml").write_text("optim:\n  learnin_rate: 0.1\n")
+    fails_with(capsys, ["--config", str(tmp_path / "c.yaml")],
+               "unknown option 'optim.learnin_rate'; did you mean 'learning_rate'?")
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--batch-size", "abc"], "argument --batch-size: invalid int value: 'abc'"),
+    (["--batch-size", "0"], "'batch_size' must be at least 1, got 0"),
+    (["--epochs", "-2"], "'epochs' must be at least 1, got -2"),
+    (["--learning-rate", "0"], "'learning_rate' must be greater than 0, got 0.0"),
+    (["--learning-rate", "-0.1"], "'learning_rate' must be greater than 0, got -0.1"),
+])
+def test_wrong_type_or_out_of_range_values(capsys, argv, message):
+    fails_with(capsys, argv, message)
+
+
+def test_yaml_that_does_not_parse(capsys, tmp_path):
+    (tmp_path / "c.yaml").write_text("train:\n  epochs: [3\n")
+    fails_with(capsys, ["--config", str(tmp_path / "c.yaml")], "YAML does not parse at line")
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--model", "vgg"], "unknown model 'vgg'; choose one of mlp, cnn, resnet"),
+    (["--dataset", "imagenet"], "unknown dataset 'imagenet'; choose one of digits"),
+])
+def test_unknown_model_or_dataset(capsys, tmp_path, argv, message):
+    fails_with(capsys, [*argv, "--run-dir", str(tmp_path / "r")], message)
+
+
+def test_plugin_that_fails_to_import_or_returns_a_non_model(capsys, tmp_path, monkeypatch):
+    (tmp_path / "broken_plugin.py").write_text("import not_a_real_module\n")
+    (tmp_path / "wrong_plugin.py").write_text("def build(shape, classes):\n    return 42\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    fails_with(capsys, ["--model", "broken_plugin:build", "--run-dir", str(tmp_path / "a")],
+               "cannot import model module 'broken_plugin' (ModuleNotFoundError")
+    fails_with(capsys, ["--model", "wrong_plugin:build", "--run-dir", str(tmp_path / "b")],
+               "'wrong_plugin:build' returned int, not a keras.Model")
+
+
+def test_data_path_missing_or_empty(capsys, tmp_path):
+    fails_with(capsys, ["--dataset", "npz", "--data-path", str(tmp_path / "none.npz"),
+                        "--run-dir", str(tmp_path / "a")], "does not exist; check --data-path")
+    np.savez(tmp_path / "empty.npz", x=np.zeros((0, 3)), y=np.zeros(0, int))
+    fails_with(capsys, ["--dataset", "npz", "--data-path", str(tmp_path / "empty.npz"),
+                        "--run-dir", str(tmp_path / "b")], "'x' is empty")
+    fails_with(capsys, ["--dataset", "tfrecord", "--data-path", str(tmp_path / "no-*"),
+                        "--run-dir", str(tmp_path / "c")], "no files match --data-path")
+
+
+def test_corrupt_tfrecord_file(capsys, tmp_path):
+    (tmp_path / "train-0.tfrecord").write_bytes(b"this is not a tfrecord at all" * 10)
+    (tmp_path / "val-0.tfrecord").write_bytes(b"nor this" * 10)
+    fails_with(capsys, ["--dataset", "tfrecord", "--data-path", str(tmp_path / "train-*"),
+                        "--val-data-path", str(tmp_path / "val-*"), "--feature-shape", "4",
+                        "--num-classes", "2", "--run-dir", str(tmp_path / "r")],
+               "is not a valid TFRecord file (corrupt or truncated)")
+
+
+def test_corrupt_tfrecord_found_mid_run(capsys, tmp_path):
+    """With the converter's record counts no counting pass reads the file before training."""
+    from hvdtrain.convert import convert
+
+    rng = np.random.default_rng(0)
+    np.savez(tmp_path / "d.npz", x=rng.standard_normal((64, 4)).astype(np.float32),
+             y=rng.integers(0, 2, 64), x_val=np.zeros((8, 4), np.float32),
+             y_val=np.zeros(8, int))
+    convert(tmp_path / "d.npz", tmp_path / "rec", shards=1)
+    shard = next((tmp_path / "rec").glob("train-*"))
+    shard.write_bytes(shard.read_bytes()[:100])           # truncated mid-record
+    fails_with(capsys, ["--dataset", "tfrecord", "--data-path", str(shard),
+                        "--val-data-path", str(tmp_path / "rec" / "validation-*"),
+                        "--run-dir", str(tmp_path / "r"), "--no-progress"],
+               "a TFRecord file is corrupt or truncated")
+
+
+def test_features_that_do_not_fit_the_model(capsys, tmp_path, monkeypatch):
+    (tmp_path / "fixed_plugin.py").write_text(textwrap.dedent("""
+        import keras
+
+        def build(shape, classes):
+            return keras.Sequential([keras.Input(shape=(10,)),
+                                     keras.layers.Dense(classes, activation="softmax")])
+    """))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    fails_with(capsys, ["--model", "fixed_plugin:build", "--run-dir", str(tmp_path / "r")],
+               "the data's examples have shape (8, 8, 1) but model 'fixed_plugin:build' "
+               "expects (10,)")
+
+
+def test_labels_outside_the_class_range(capsys, tmp_path):
+    np.savez(tmp_path / "l.npz", x=np.zeros((10, 2)), y=np.arange(10) - 1)
+    fails_with(capsys, ["--dataset", "npz", "--data-path", str(tmp_path / "l.npz"),
+                        "--run-dir", str(tmp_path / "a")], "labels must lie in [0, 8]")
+    for name in ("train", "val"):
+        (tmp_path / f"{name}.csv").write_text("a,label\n" + "".join(
+            f"{i / 10},{i % 3}\n" for i in range(40)))
+    fails_with(capsys, ["--dataset", "csv", "--data-path", str(tmp_path / "train.csv"),
+                        "--val-data-path", str(tmp_path / "val.csv"), "--num-classes", "2",
+                        "--run-dir", str(tmp_path / "b"), "--no-progress"],
+               "a label lies outside [0, 1] for 2 classes")
+
+
+def test_more_ranks_than_examples(tmp_path):
+    np.savez(tmp_path / "one.npz", x=np.zeros((1, 2)), y=np.zeros(1, int),
+             x_val=np.zeros((1, 2)), y_val=np.zeros(1, int))
+    result = launch("horovodrun", 2, ["--dataset", "npz", "--data-path",
+                                      str(tmp_path / "one.npz"), "--run-dir",
+                                      str(tmp_path / "r")])
+    assert result.returncode != 0
+    assert "2 ranks but only 1 training examples: every rank needs at least one; launch " \
+           "fewer ranks" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_resume_with_another_model_or_an_unreadable_checkpoint(capsys, finished_run):
+    before = snapshot(finished_run)
+    fails_with(capsys, ["--run-dir", str(finished_run), "--resume", "--model", "cnn"],
+               "was trained with model 'mlp', not 'cnn'; resume with the same --model")
+    fails_with(capsys, ["--run-dir", str(finished_run), "--epochs", "2"],
+               "already holds a run; pass --resume to continue it")
+    assert snapshot(finished_run) == before              # nothing overwritten
+    state = next((finished_run / "checkpoints").glob("epoch-*")) / "state.json"
+    state.write_text("{not json")
+    fails_with(capsys, ["--run-dir", str(finished_run), "--resume", "--epochs", "2",
+                        "--hidden-units", "16"], "is unreadable")
+    state.write_text(json.dumps({"epoch": 1, "model": "mlp"}))
+    weights = state.parent / "model.weights.h5"
+    weights.write_bytes(b"garbage")
+    fails_with(capsys, ["--run-dir", str(finished_run), "--resume", "--epochs", "2",
+                        "--hidden-units", "16"], "does not fit this model or is unreadable")
+
+
+def test_resume_without_a_checkpoint(capsys, tmp_path):
+    fails_with(capsys, ["--run-dir", str(tmp_path / "fresh"), "--resume"],
+               "--resume: no checkpoint in")
+
+
+def test_run_dir_not_writable(capsys, tmp_path):
+    (tmp_path / "a-file").write_text("")
+    fails_with(capsys, ["--run-dir", str(tmp_path / "a-file" / "run")],
+               "is not writable (Not a directory); choose another --run-dir")
+
+
+def test_debug_shows_the_traceback(capsys):
+    assert main(["--batch-size", "0", "--debug"]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" in err and err.strip().endswith(
+        "hvdtrain: error: 'batch_size' must be at least 1, got 0")
+
+
+@pytest.mark.parametrize("horovod, message", [
+    ({"error": "ImportError: No module named 'horovod'"}, "Horovod cannot be used"),
+    ({"version": "0.28.1", "controllers": {"MPI": False, "Gloo": True},
+      "tensor_ops": {}}, "Horovod was built without MPI"),
+    ({"error": "Horovod's TensorFlow extension does not load (undefined symbol)"},
+     "run launch/setup.sh (it rebuilds Horovod against this TensorFlow)"),
+])
+def test_doctor_says_how_to_fix_a_broken_horovod(horovod, message):
+    report = {"horovod": horovod, "mpi": "Open MPI v4.1.4", "size": 2}
+    problems = problems_in(report, launched=True)
+    assert any(message in p for p in problems), problems

@@ -1,0 +1,204 @@
+"""Faults caused for real: a rank killed mid-epoch, a kill while a checkpoint is written, a
+kill and resume, and a loss that turns NaN. No job may hang and no checkpoint may be lost."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from conftest import (BIN, REPO, assert_same_weights, final_weights, rank_env, read_metrics,
+                      read_summary, train)
+from hvdtrain.checkpoint import CheckpointStore
+
+pytestmark = pytest.mark.distributed
+# A killed rank must end the whole job within this many seconds (measured: a few seconds).
+ABORT_BOUND_S = 30
+RANK_VARIABLES = ("OMPI_COMM_WORLD_RANK", "HOROVOD_RANK", "PMIX_RANK")
+
+
+def processes_mentioning(marker: str) -> dict[int, dict[str, str]]:
+    """pid -> environment of every process whose command line contains ``marker``."""
+    found = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            if marker not in (entry / "cmdline").read_bytes().decode(errors="replace"):
+                continue
+            raw = (entry / "environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        found[int(entry.name)] = dict(item.decode(errors="replace").split("=", 1)
+                                      for item in raw if b"=" in item)
+    return found
+
+
+def rank_pid(marker: str, rank: int) -> int | None:
+    for pid, env in processes_mentioning(marker).items():
+        if "hvdtrain" in Path(f"/proc/{pid}/cmdline").read_text(errors="replace") and any(
+                env.get(name) == str(rank) for name in RANK_VARIABLES):
+            return pid
+    return None
+
+
+def start(launcher: list[str], run_dir: Path, *args: str) -> subprocess.Popen:
+    return subprocess.Popen([*launcher, str(BIN / "python"), "-m", "hvdtrain", "--run-dir",
+                             str(run_dir), "--no-progress", *args],
+                            env=rank_env(), cwd=run_dir.parent, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, stdin=subprocess.DEVNULL)
+
+
+def wait_for(condition, timeout: float, every: float = 0.2):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        value = condition()
+        if value:
+            return value
+        time.sleep(every)
+    raise AssertionError(f"condition not met within {timeout} s")
+
+
+LAUNCHERS = {
+    "horovodrun": [str(BIN / "horovodrun"), "-np", "2"],
+    "mpirun": [str(REPO / "launch" / "mpirun.sh"), "-np", "2", "--command"],
+}
+
+
+@pytest.mark.parametrize("launcher", ["horovodrun", "mpirun"])
+def test_a_killed_rank_ends_the_job_quickly_and_leaves_nothing(tmp_path, launcher):
+    run_dir = tmp_path / f"killed-{launcher}"
+    if launcher == "mpirun":   # --command takes the whole program as one string
+        command = " ".join([str(BIN / "python"), "-m", "hvdtrain", "--run-dir", str(run_dir),
+                            "--no-progress", "--epochs", "500"])
+        job = subprocess.Popen([*LAUNCHERS[launcher], command], env=rank_env(), cwd=tmp_path,
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                               stdin=subprocess.DEVNULL)
+    else:
+        job = start(LAUNCHERS[launcher], run_dir, "--epochs", "500")
+    try:
+        wait_for(lambda: (run_dir / "metrics.jsonl").exists(), 180)   # training for real
+        victim = wait_for(lambda: rank_pid(str(run_dir), 1), 30)
+        os.kill(victim, signal.SIGKILL)
+        killed = time.time()
+        code = job.wait(timeout=ABORT_BOUND_S + 60)
+        took = time.time() - killed
+    finally:
+        if job.poll() is None:
+            job.kill()
+    output = job.stdout.read()
+    assert code != 0, output[-2000:]
+    assert took < ABORT_BOUND_S, f"the job took {took:.1f} s to end"
+    time.sleep(2)
+    assert processes_mentioning(str(run_dir)) == {}, "processes left behind"
+    assert CheckpointStore(run_dir, 1).latest() is not None    # what was saved is still there
+
+
+def test_a_killed_rank_fails_the_slurm_job(slurm):
+    run_dir = slurm.directory / "killed-slurm"
+    job = slurm.submit("--epochs", "500", "--no-progress", "--run-dir", str(run_dir))
+    wait_for(lambda: (run_dir / "metrics.jsonl").exists(), 180)
+    victim = wait_for(lambda: rank_pid(str(run_dir), 1), 30)
+    os.kill(victim, signal.SIGKILL)
+    killed = time.time()
+    record = wait_for(lambda: slurm.finished(job), ABORT_BOUND_S + 60, every=0.5)
+    assert time.time() - killed < ABORT_BOUND_S
+    assert record["JobState"] in ("FAILED", "CANCELLED") and record["ExitCode"] != "0:0"
+    time.sleep(2)
+    assert processes_mentioning(str(run_dir)) == {}
+
+
+def test_a_kill_during_a_checkpoint_write_keeps_the_previous_one(tmp_path):
+    """Large weights make each save take a while; rank 0 is killed while a partial checkpoint
+    directory exists, which proves the kill landed mid-write."""
+    run_dir = tmp_path / "mid-write"
+    args = ["--epochs", "40", "--hidden-units", "2048", "2048", "--batch-size", "256"]
+    for attempt in range(5):
+        job = start(LAUNCHERS["horovodrun"], run_dir, *args,
+                    *(["--resume"] if attempt else []))
+        try:
+            checkpoints = run_dir / "checkpoints"
+            wait_for(lambda: checkpoints.is_dir() and any(checkpoints.glob("epoch-*")), 240,
+                     every=0.05)
+            partial = wait_for(lambda: next(checkpoints.glob(".partial-*"), None), 240,
+                               every=0.002)
+            writer = wait_for(lambda: rank_pid(str(run_dir), 0), 10, every=0.01)
+            os.kill(writer, signal.SIGKILL)
+            job.wait(timeout=ABORT_BOUND_S + 60)
+        finally:
+            if job.poll() is None:
+                job.kill()
+        if partial.exists():       # killed mid-write: the case under test
+            break
+    else:
+        pytest.fail("never managed to kill rank 0 while it was writing a checkpoint")
+    store = CheckpointStore(run_dir, 3)
+    latest = store.latest()
+    state = store.read_state(latest)
+    assert not latest.name.startswith(".")
+    # The previous checkpoint loads: weights and optimizer state restore without error.
+    from hvdtrain.config import ModelConfig, OptimConfig
+    from hvdtrain.models import build_model
+    from hvdtrain.training.schedule import make_optimizer, make_schedule
+
+    model = build_model(ModelConfig(hidden_units=[2048, 2048]), (8, 8, 1), 10)
+    optimizer = make_optimizer(OptimConfig(), make_schedule(OptimConfig(), 2, 3, 40))
+    optimizer.build(model.trainable_variables)
+    store.restore(latest, model, optimizer)
+    assert int(optimizer.iterations.numpy()) > 0
+    # And --resume continues from it to the end, every epoch once.
+    resumed = train(tmp_path, "mid-write", *args[:1], str(state["epoch"] + 2), *args[2:],
+                    "--resume")
+    epochs = [row["epoch"] for row in read_metrics(resumed)]
+    assert epochs == list(range(1, state["epoch"] + 3))
+    assert not list((run_dir / "checkpoints").glob(".partial-*"))
+
+
+def test_kill_and_resume_matches_an_uninterrupted_run(tmp_path):
+    args = ["--epochs", "6", "--deterministic", "--hidden-units", "64", "--seed", "5"]
+    straight = train(tmp_path, "straight", *args)
+    run_dir = tmp_path / "interrupted"
+    job = start(LAUNCHERS["horovodrun"], run_dir, *args)
+    try:
+        wait_for(lambda: CheckpointStore(run_dir, 1).latest() is not None, 180, every=0.02)
+        time.sleep(float(np.random.default_rng().uniform(0.0, 0.6)))   # a random step
+        os.kill(wait_for(lambda: rank_pid(str(run_dir), 1), 10, every=0.01), signal.SIGKILL)
+        job.wait(timeout=ABORT_BOUND_S + 60)
+    finally:
+        if job.poll() is None:
+            job.kill()
+    done = read_metrics(run_dir) if (run_dir / "metrics.jsonl").exists() else []
+    assert len(done) < 6, "the kill came too late to interrupt the run"
+    train(tmp_path, "interrupted", *args, "--resume")
+    assert [row["epoch"] for row in read_metrics(run_dir)] == [1, 2, 3, 4, 5, 6]
+    assert_same_weights(final_weights(straight), final_weights(run_dir), atol=1e-6)
+    ours, theirs = read_summary(run_dir)["metrics"], read_summary(straight)["metrics"]
+    assert ours["val_accuracy"] == pytest.approx(theirs["val_accuracy"], abs=1e-6)
+
+
+def test_nan_loss_stops_every_rank_and_keeps_the_last_good_checkpoint(tmp_path):
+    """Two good epochs, then a resume at an absurd learning rate: the weights blow up and the
+    loss stops being finite during epoch 3."""
+    run_dir = train(tmp_path, "diverge", "--epochs", "2", "--hidden-units", "32")
+    checkpoint = CheckpointStore(run_dir, 1).latest()
+    before = {p.name: p.read_bytes() for p in checkpoint.iterdir()}
+    job = start(LAUNCHERS["horovodrun"], run_dir, "--epochs", "4", "--hidden-units", "32",
+                "--learning-rate", "1e12", "--resume")
+    output, _ = job.communicate(timeout=240)
+    assert job.returncode != 0
+    errors = [line.split("hvdtrain: error: ", 1)[1] for line in output.splitlines()
+              if "hvdtrain: error:" in line]
+    assert len(errors) == 2 and errors[0] == errors[1], output[-3000:]   # every rank, alike
+    assert re.match(r"loss became (nan|inf|-inf) at epoch 3, step \d+; stopped on every rank",
+                    errors[0]), errors[0]
+    assert f"the last good checkpoint {checkpoint} is kept" in errors[0]
+    assert "Traceback" not in output
+    assert CheckpointStore(run_dir, 1).latest() == checkpoint
+    assert {p.name: p.read_bytes() for p in checkpoint.iterdir()} == before
+    assert [row["epoch"] for row in read_metrics(run_dir)] == [1, 2]
