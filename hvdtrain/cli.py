@@ -101,7 +101,10 @@ def _run(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     argv = list(sys.argv[1:] if argv is None else argv)
-    args = build_parser().parse_args(_with_default_command(argv))
+    try:
+        args = build_parser().parse_args(_with_default_command(argv))
+    except SystemExit as exit_request:   # --help, --version, or a one-line usage error
+        return int(exit_request.code or 0)
     debug = getattr(args, "debug", False) or "--debug" in argv
     try:
         return _run(args)
