@@ -123,6 +123,10 @@ class TrainConfig:
     deterministic: bool = option(False, "enable TensorFlow op determinism (slower)")
     threads: int | None = option(None, "CPU threads per rank (default: cores / local ranks)",
                                  minimum=1)
+    elastic: bool = option(False, "elastic training: ranks may leave and join (launch with "
+                                  "horovodrun --min-np/--max-np/--host-discovery-script)")
+    commit_every: int = option(10, "elastic: steps between state commits (the most work a "
+                                   "lost rank can cost)", minimum=1)
     progress: bool = option(True, "show a progress bar on rank 0")
     debug: bool = option(False, "show full tracebacks for errors")
 

@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Any, Protocol, Sequence
+from typing import Any, Callable, Protocol, Sequence
 
 # Environment variables that a launcher sets in every rank it starts: horovodrun with Gloo,
 # Open MPI's mpirun (also used by horovodrun with MPI), PMIx (srun --mpi=pmix), MPICH/PMI2.
-LAUNCHER_VARIABLES = ("HOROVOD_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_RANK")
+LAUNCHER_VARIABLES = ("HOROVOD_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_RANK",
+                      "HOROVOD_ELASTIC")
 
 
 @dataclass(frozen=True)
@@ -119,6 +120,57 @@ class HorovodCollectives:
 
     def allgather_object(self, obj: Any) -> list[Any]:
         return list(self._hvd.allgather_object(obj))
+
+    def refresh_world(self) -> World:
+        """Re-read rank facts: elastic training re-initialises Horovod when the world changes."""
+        hvd = self._hvd
+        self.world = World(hvd.rank(), hvd.size(), hvd.local_rank(), hvd.local_size())
+        return self.world
+
+    def elastic_state(self, variables: Sequence[Any], **attributes: Any) -> Any:
+        """A Horovod elastic state over TensorFlow variables plus picklable attributes."""
+        return _keras_elastic_state_class()(variables, **attributes)
+
+    def elastic_run(self, function: Callable[..., Any]) -> Callable[..., Any]:
+        """Horovod's elastic retry loop: on a world change, reset, restore or sync, rerun."""
+        import horovod.tensorflow.elastic as hvd_elastic
+
+        return hvd_elastic.run(function)
+
+
+def _keras_elastic_state_class() -> type:
+    """Horovod elastic state for Keras 3 models.
+
+    Horovod's own TensorFlow states do not fit Keras 3: ``TensorFlowKerasState`` calls
+    ``optimizer.variables()`` (a list in Keras 3) and ``TensorFlowState`` never re-broadcasts
+    its variables in eager mode. This one keeps the underlying TensorFlow variables (model
+    weights, optimizer state including its step counter) in memory at every commit, restores
+    them after a failure, and broadcasts them from rank 0 whenever the world is re-formed.
+    """
+    import horovod.tensorflow as hvd
+    from horovod.common.elastic import ObjectState
+
+    class KerasElasticState(ObjectState):
+        def __init__(self, variables: Sequence[Any], **attributes: Any) -> None:
+            self.variables = list(variables)
+            self._values = [v.numpy() for v in self.variables]
+            super().__init__(bcast_object=hvd.broadcast_object, get_rank=hvd.rank, **attributes)
+
+        def save(self) -> None:
+            self._values = [v.numpy() for v in self.variables]
+            super().save()
+
+        def restore(self) -> None:
+            for variable, value in zip(self.variables, self._values):
+                variable.assign(value)
+            super().restore()
+
+        def sync(self) -> None:
+            hvd.broadcast_variables(self.variables, root_rank=0)
+            self._values = [v.numpy() for v in self.variables]
+            super().sync()
+
+    return KerasElasticState
 
 
 def launched_by_a_launcher(environ: dict[str, str] | None = None) -> bool:

@@ -50,6 +50,17 @@ def test_global_batches_match_one_process_with_the_larger_batch():
     assert np.array_equal(side_by_side, one[0][0])
 
 
+def test_an_epoch_resumed_with_another_world_size_is_still_a_partition():
+    """Elastic training: 3 global batches on 2 ranks, then the rest of the epoch on 3 ranks
+    from the offset: together every example exactly once."""
+    first = [epoch_plan(ShardSpec(101, World(r, 2), 5, "pad", True, 9), 4)[0].numpy()[:3]
+             for r in range(2)]
+    rest = [epoch_plan(ShardSpec(101, World(r, 3), 5, "pad", True, 9, offset=30), 4)[0].numpy()
+            for r in range(3)]
+    ids = np.concatenate([a.ravel() for a in first + rest])
+    assert sorted(ids[ids >= 0].tolist()) == list(range(101))
+
+
 def test_dataset_gathers_features_for_the_planned_ids():
     x = np.arange(10, dtype=np.float32)[:, None] * 10
     y = np.arange(10)

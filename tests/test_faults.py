@@ -3,6 +3,7 @@ kill and resume, and a loss that turns NaN. No job may hang and no checkpoint ma
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -202,3 +203,55 @@ def test_nan_loss_stops_every_rank_and_keeps_the_last_good_checkpoint(tmp_path):
     assert CheckpointStore(run_dir, 1).latest() == checkpoint
     assert {p.name: p.read_bytes() for p in checkpoint.iterdir()} == before
     assert [row["epoch"] for row in read_metrics(run_dir)] == [1, 2]
+
+
+def test_elastic_run_survives_a_slot_leaving_and_joining(tmp_path):
+    """Start on 2 slots, drop one mid-epoch, add it back: all epochs finish, the world-size
+    changes are logged, the rate follows the world size, and every epoch is a full pass."""
+    hosts = tmp_path / "hosts.txt"
+    hosts.write_text("localhost:2\n")
+    discover = tmp_path / "discover.sh"
+    discover.write_text(f"#!/bin/sh\ncat {hosts}\n")
+    discover.chmod(0o755)
+    run_dir = tmp_path / "elastic"
+    epochs = 8
+    job = subprocess.Popen(
+        [str(BIN / "horovodrun"), "-np", "2", "--min-np", "1", "--max-np", "2",
+         "--host-discovery-script", str(discover), "--network-interface", "lo",
+         str(BIN / "python"), "-m", "hvdtrain", "--elastic", "--run-dir", str(run_dir),
+         "--epochs", str(epochs), "--batch-size", "8", "--commit-every", "4",
+         "--warmup-epochs", "0", "--no-progress"],
+        env=rank_env(), cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        text=True, stdin=subprocess.DEVNULL)
+    segments = run_dir / "elastic.jsonl"
+
+    def logged() -> list[dict]:
+        if not segments.exists():
+            return []
+        return [json.loads(line) for line in segments.read_text().splitlines() if line]
+
+    try:
+        wait_for(lambda: any(s["epoch"] == 2 for s in logged()), 240)
+        time.sleep(1.0)                                  # into epoch 2
+        hosts.write_text("localhost:1\n")
+        wait_for(lambda: any(s["world_size"] == 1 for s in logged()), 120)
+        hosts.write_text("localhost:2\n")
+        wait_for(lambda: logged()[-1]["world_size"] == 2, 120)
+        output, _ = job.communicate(timeout=300)
+    finally:
+        if job.poll() is None:
+            job.kill()
+    assert job.returncode == 0, output[-3000:]
+    sizes = [s["world_size"] for s in logged()]
+    assert sizes[0] == 2 and 1 in sizes and sizes[-1] == 2
+    assert any(s["offset"] > 0 for s in logged()), "no world change came mid-epoch"
+    for epoch in range(1, epochs + 1):       # each epoch starts at 0 and only moves forward
+        offsets = [s["offset"] for s in logged() if s["epoch"] == epoch]
+        assert offsets[0] == 0 and offsets == sorted(offsets)
+    for segment in logged():                  # linear scaling follows the world size
+        assert segment["lr"] == pytest.approx(0.05 * segment["world_size"])
+    rows = read_metrics(run_dir)
+    assert [row["epoch"] for row in rows] == list(range(1, epochs + 1))
+    for row in rows:
+        assert row["lr"] == pytest.approx(0.05 * row["world_size"])
+    assert read_summary(run_dir)["weights_identical"]

@@ -42,6 +42,13 @@ class ShardSpec:
     shuffle: bool = True
     seed: int = 0
     accumulation_steps: int = 1
+    # Examples of this epoch's permutation already trained on (elastic training resumes an
+    # epoch mid-way, possibly with another world size): the plan covers the rest.
+    offset: int = 0
+
+    @property
+    def remaining(self) -> int:
+        return self.num_examples - self.offset
 
     @property
     def global_batch(self) -> int:
@@ -55,8 +62,8 @@ class ShardSpec:
     @property
     def updates_per_epoch(self) -> int:
         if self.remainder == "pad":
-            return math.ceil(self.num_examples / self.update_batch)
-        return self.num_examples // self.update_batch
+            return math.ceil(self.remaining / self.update_batch)
+        return self.remaining // self.update_batch
 
     @property
     def steps_per_epoch(self) -> int:
@@ -66,11 +73,12 @@ class ShardSpec:
 
 def epoch_plan(spec: ShardSpec, epoch: tf.Tensor | int) -> tuple[tf.Tensor, tf.Tensor]:
     """This rank's example ids ``[steps, batch]`` (-1 = padding) and their loss weights."""
-    steps, global_batch, n = spec.steps_per_epoch, spec.global_batch, spec.num_examples
-    order = tf.range(n, dtype=tf.int64)
+    steps, global_batch, n = spec.steps_per_epoch, spec.global_batch, spec.remaining
+    order = tf.range(spec.num_examples, dtype=tf.int64)
     if spec.shuffle:
         seed = tf.stack([tf.constant(spec.seed, tf.int64), tf.cast(epoch, tf.int64)])
         order = tf.random.experimental.stateless_shuffle(order, seed=seed)
+    order = order[spec.offset:]
     slots = steps * global_batch
     if slots > n:
         order = tf.concat([order, tf.fill([slots - n], tf.constant(PADDING_ID, tf.int64))], 0)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import os
 import re
 import sys
 import time
@@ -30,6 +31,7 @@ from hvdtrain.data.sources import DataBundle, load_source
 from hvdtrain.errors import UserError
 from hvdtrain.models import build_model
 from hvdtrain.plots import plot_curves
+from hvdtrain.training.elastic import ElasticRun, elastic_loop
 from hvdtrain.training.callbacks import (MetricsFiles, PlateauDecay, Progress, RunHooks,
                                          standard_callbacks)
 from hvdtrain.training.loops import LOOPS
@@ -153,6 +155,19 @@ def float32_copy(config: Config, model: keras.Model, data: DataBundle) -> keras.
     return copy
 
 
+def check_elastic(config: Config, collectives: Collectives) -> None:
+    """Elastic training needs Horovod's elastic launcher, a fixed run directory and in-memory
+    data (the offset into the epoch's permutation is what makes a resized epoch exact)."""
+    if not hasattr(collectives, "elastic_run") or os.environ.get("HOROVOD_ELASTIC") != "1":
+        raise UserError("--elastic needs Horovod's elastic launcher: horovodrun --min-np N "
+                        "--max-np M --host-discovery-script SCRIPT ... python -m hvdtrain "
+                        "--elastic")
+    if not config.train.run_dir:
+        raise UserError("--elastic needs --run-dir: ranks that join later must find the run")
+    if config.data.dataset in ("tfrecord", "csv") or config.optim.accumulation_steps != 1:
+        raise UserError("--elastic supports in-memory datasets without --accumulation-steps")
+
+
 def check_input_shape(model: keras.Model, name: str, shape: tuple[int, ...]) -> None:
     """Fail before training when the data's example shape cannot feed the model."""
     expected = tuple(model.input_shape[1:]) if isinstance(model.input_shape, tuple) else None
@@ -181,6 +196,72 @@ def data_errors_named(data: DataBundle):
             from error
 
 
+def _open_run_dir(config: Config, collectives: Collectives) -> Path:
+    """Checks that need the world size, then the run directory (decided on rank 0)."""
+    world = collectives.world
+    if config.optim.reduction == "adasum" and world.size & (world.size - 1):
+        raise UserError(f"--reduction adasum needs a power-of-two number of ranks, not "
+                        f"{world.size}; launch 2, 4, 8... ranks or use --reduction mean")
+    if not config.train.elastic:
+        return Path(chief_decides(collectives, lambda: str(_usable_run_dir(config))))
+    check_elastic(config, collectives)
+    # No collective before the elastic loop (a joining rank starts here): rank 0 alone
+    # checks the run directory.
+    return _usable_run_dir(config) if world.is_chief else Path(config.train.run_dir)
+
+
+def _plan(config: Config, data: DataBundle, world: World) -> tuple[ShardSpec, int, ShardSpec]:
+    """(training shard spec, steps per epoch, validation shard spec), or a one-line error."""
+    batch, optim = config.train.batch_size, config.optim
+    spec = ShardSpec(data.train.num_examples, world, batch, config.data.remainder, True,
+                     config.train.seed, optim.accumulation_steps)
+    steps = data.train.steps_per_epoch(spec)
+    if steps == 0:
+        raise UserError(f"{data.train.num_examples} training examples cannot fill one update of "
+                        f"{spec.update_batch} per rank group ({world.size} ranks x {batch} x "
+                        f"{optim.accumulation_steps} accumulation steps); lower --batch-size "
+                        "or use --remainder pad")
+    if data.train.num_examples < world.size:
+        raise UserError(f"{world.size} ranks but only {data.train.num_examples} training "
+                        "examples: every rank needs at least one; launch fewer ranks")
+    if isinstance(data.train, FileSplit):
+        say(world, f"sharding {len(data.train.files)} file(s) across {world.size} rank(s) by "
+                   f"{data.train.mode(world.size)}")
+    return spec, steps, ShardSpec(data.val.num_examples, world, batch, "pad", False)
+
+
+def _starting_point(config: Config, collectives: Collectives, run_dir: Path,
+                    store: CheckpointStore, trainable: Trainable,
+                    plateau: PlateauDecay | None) -> tuple[int, list[str]]:
+    """Restore on --resume, then give every rank rank 0's weights and optimizer state.
+
+    Returns the epoch to start from and each rank's weight fingerprint before the broadcast.
+    """
+    world, model, optimizer = collectives.world, trainable.model, trainable.optimizer
+    initial_epoch = 0
+    if config.train.resume and config.train.elastic:
+        # Rank 0 restores; the elastic state carries weights and epoch to the others.
+        if world.is_chief:
+            initial_epoch = _restore(config, store, model, optimizer)["epoch"]
+    elif config.train.resume:
+        restored = chief_decides(collectives, lambda: _restore(config, store, model, optimizer))
+        initial_epoch = restored["epoch"]
+        if plateau is not None and restored["plateau"]:
+            plateau.load(restored["plateau"])
+        if world.is_chief:
+            MetricsFiles(run_dir).resume_at(initial_epoch, restored["metrics"])
+        say(world, f"resuming after epoch {initial_epoch} from {store.latest()}")
+    if world.is_chief:   # only now: a rejected run must not overwrite a run's config
+        atomic_write_text(run_dir / "config.yaml", config.to_yaml())
+    if config.train.elastic:   # the elastic state broadcasts on every (re)start instead
+        return initial_epoch, []
+    before_broadcast = collectives.allgather_object(weight_fingerprint(model))
+    # One starting point for every rank: rank 0's weights and optimizer state (not the dropout
+    # seeds: those stay rank-local so ranks drop different units).
+    collectives.broadcast_variables(_tf_variables(model.weights + optimizer.variables))
+    return initial_epoch, before_broadcast
+
+
 def train(config: Config) -> RunResult:
     """Run the configured training on this rank; return the final exact metrics."""
     launched = time.perf_counter()
@@ -191,76 +272,48 @@ def train(config: Config) -> RunResult:
         tf.config.experimental.enable_op_determinism()
     # Ranks start from different seeds on purpose: the broadcast below must make them agree.
     keras.utils.set_random_seed(config.train.seed + world.rank)
-
-    if config.optim.reduction == "adasum" and world.size & (world.size - 1):
-        raise UserError(f"--reduction adasum needs a power-of-two number of ranks, not "
-                        f"{world.size}; launch 2, 4, 8... ranks or use --reduction mean")
-    run_dir = Path(chief_decides(collectives, lambda: str(_usable_run_dir(config))))
+    run_dir = _open_run_dir(config, collectives)
     say(world, f"hvdtrain: {world.size} rank(s); rank 0 on {device}; run directory {run_dir}")
     say(world, "resolved config:\n" + config.to_yaml().rstrip())
 
     data = load_source(config.data, config.train.seed)
-    batch, optim = config.train.batch_size, config.optim
-    spec = ShardSpec(data.train.num_examples, world, batch, config.data.remainder, True,
-                     config.train.seed, optim.accumulation_steps)
-    steps = data.train.steps_per_epoch(spec)
-    if steps == 0:
-        raise UserError(f"{data.train.num_examples} training examples cannot fill one update of "
-                        f"{spec.update_batch} per rank group ({world.size} ranks x {batch} x "
-                        f"{optim.accumulation_steps} accumulation steps); lower --batch-size "
-                        "or use --remainder pad")
-    val_spec = ShardSpec(data.val.num_examples, world, batch, "pad", False)
-    if isinstance(data.train, FileSplit):
-        say(world, f"sharding {len(data.train.files)} file(s) across {world.size} rank(s) by "
-                   f"{data.train.mode(world.size)}")
-
-    if data.train.num_examples < world.size:
-        raise UserError(f"{world.size} ranks but only {data.train.num_examples} training "
-                        "examples: every rank needs at least one; launch fewer ranks")
+    spec, steps, val_spec = _plan(config, data, world)
+    optim = config.optim
     trainable = build_trainable(config, data, world, steps // optim.accumulation_steps)
-    model, optimizer = trainable.model, trainable.optimizer
+    model = trainable.model
     check_input_shape(model, config.model.model, data.input_shape)
     plateau = (PlateauDecay(trainable.schedule, optim.lr_decay_factor, optim.plateau_patience)
                if optim.lr_schedule == "plateau" else None)
     store = CheckpointStore(run_dir, config.train.keep_checkpoints)
-    initial_epoch = 0
-    if config.train.resume:
-        restored = chief_decides(collectives, lambda: _restore(config, store, model, optimizer))
-        initial_epoch = restored["epoch"]
-        if plateau is not None and restored["plateau"]:
-            plateau.load(restored["plateau"])
-        if world.is_chief:
-            MetricsFiles(run_dir).resume_at(initial_epoch, restored["metrics"])
-        say(world, f"resuming after epoch {initial_epoch} from {store.latest()}")
-    if world.is_chief:   # only now: a rejected run must not overwrite a run's config
-        atomic_write_text(run_dir / "config.yaml", config.to_yaml())
-    before_broadcast = collectives.allgather_object(weight_fingerprint(model))
-    # One starting point for every rank: rank 0's weights and optimizer state (not the dropout
-    # seeds: those stay rank-local so ranks drop different units).
-    collectives.broadcast_variables(_tf_variables(model.weights + optimizer.variables))
+    initial_epoch, before_broadcast = _starting_point(config, collectives, run_dir, store,
+                                                      trainable, plateau)
 
     epochs = config.train.epochs
-    dataset = data.train.dataset(spec, initial_epoch, epochs)
     val_dataset = data.val.dataset(val_spec)
-    options = StepOptions(optim.accumulation_steps, optim.reduction == "adasum",
-                          optim.compression == "fp16")
-    step = StepMath(model, optimizer, collectives, options)
     evaluation = Evaluation(model, collectives)
     state = {"model": config.model.model, "dataset": config.data.dataset,
              "input_shape": list(data.input_shape), "num_classes": data.num_classes,
              "world_size": world.size, "config": config.to_dict()}
-    progress = Progress(epochs, steps, spec.global_batch, config.train.progress,
-                        interactive=sys.stdout.isatty() and world.size == 1)
-    callbacks = standard_callbacks(RunHooks(
-        world, collectives, step, lambda: evaluation.run(val_dataset), trainable.schedule,
-        store, state, run_dir, progress, plateau, config.train.tensorboard))
     say(world, f"training {config.model.model} on {config.data.dataset}: "
                f"{data.train.num_examples} examples, {steps} steps/epoch, global "
                f"batch {spec.global_batch}, remainder policy '{config.data.remainder}'")
     started = time.perf_counter()
-    if initial_epoch < epochs:
+    if config.train.elastic:
+        elastic_loop(ElasticRun(config, collectives, data, model, trainable.optimizer,
+                                trainable.schedule, lambda: evaluation.run(val_dataset), store,
+                                state, run_dir, plateau, initial_epoch))
+        world = collectives.world
+    elif initial_epoch < epochs:
+        step = StepMath(model, trainable.optimizer, collectives, StepOptions(
+            optim.accumulation_steps, optim.reduction == "adasum", optim.compression == "fp16"))
+        progress = Progress(epochs, steps, spec.global_batch, config.train.progress,
+                            interactive=sys.stdout.isatty() and world.size == 1)
+        callbacks = standard_callbacks(RunHooks(
+            world, collectives, step, lambda: evaluation.run(val_dataset), trainable.schedule,
+            store, state, run_dir, progress, plateau, config.train.tensorboard))
         with data_errors_named(data):
-            LOOPS[config.train.loop](step, dataset, epochs, initial_epoch, steps, callbacks)
+            LOOPS[config.train.loop](step, data.train.dataset(spec, initial_epoch, epochs),
+                                     epochs, initial_epoch, steps, callbacks)
     trained = time.perf_counter() - started
 
     metrics = evaluation.run(val_dataset)

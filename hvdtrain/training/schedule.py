@@ -45,22 +45,29 @@ class WarmupScaledRate(keras.optimizers.schedules.LearningRateSchedule):
         # Multiplied in by plateau decay; saved with checkpoints.
         self.plateau_scale = tf.Variable(1.0, trainable=False, dtype=tf.float32,
                                          name="plateau_scale")
+        # The world-size factor as a variable: elastic training changes it without retracing.
+        self.world_scale = tf.Variable(self.scale, trainable=False, dtype=tf.float32,
+                                       name="world_scale")
+
+    def set_world_scale(self, scale: float) -> None:
+        self.scale = float(scale)
+        self.world_scale.assign(self.scale)
 
     def _after_warmup(self, step: tf.Tensor) -> tf.Tensor:
-        target = self.base * self.scale
+        target = self.base * self.world_scale
         if self.decay == "cosine":
             span = max(1, self.total_steps - self.warmup_steps)
             progress = tf.clip_by_value((step - self.warmup_steps) / span, 0.0, 1.0)
             return target * 0.5 * (1.0 + tf.cos(math.pi * progress))
         if self.decay == "step" and self.decay_steps > 0:
             return target * tf.pow(self.decay_factor, tf.floor(step / self.decay_steps))
-        return tf.constant(target, tf.float32)
+        return target
 
     def __call__(self, step):
         step = tf.cast(step, tf.float32)
         if self.warmup_steps > 0:
             progress = tf.minimum(1.0, step / self.warmup_steps)
-            warm = self.base + (self.base * self.scale - self.base) * progress
+            warm = self.base + (self.base * self.world_scale - self.base) * progress
             rate = tf.where(step < self.warmup_steps, warm, self._after_warmup(step))
         else:
             rate = self._after_warmup(step)

@@ -1,0 +1,115 @@
+"""Elastic training: ranks may leave and join while the job runs (Horovod elastic, Gloo).
+
+Launch: ``horovodrun -np 2 --min-np 1 --max-np 4 --host-discovery-script discover.sh
+--network-interface eth0 python -m hvdtrain --elastic --run-dir DIR``.
+
+How the guarantees hold when the world changes:
+
+* **State.** Model weights, optimizer state (with its step counter), the epoch and the number of
+  the epoch's examples already trained on (``offset``) are committed every ``--commit-every``
+  steps and at each epoch end. A lost rank costs at most the steps since the last commit: the
+  survivors restore the commit and redo them. A joining rank receives the state from rank 0.
+* **Data.** Global batches are contiguous chunks of the epoch's seeded permutation, so the
+  examples trained on so far are exactly its first ``offset`` entries. After a change the new
+  world shards the rest, ``permutation[offset:]``: each epoch is still a full partition.
+* **Learning rate.** The world-size factor of the schedule is re-applied after every change, so
+  the rate follows the number of ranks.
+* **No stray collectives.** A joining rank starts hvdtrain from the top, so nothing before the
+  elastic loop talks to other ranks: rank 0 alone checks the run directory (which must be
+  given), and everything else is synchronised by the elastic state.
+
+Rank 0 records every (re)start of an epoch segment in ``elastic.jsonl`` (epoch, offset, world
+size) and the metrics rows carry ``world_size``. Training loss and accuracy of an epoch cover
+the part after its last change; validation is always exact over the whole validation set.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import keras
+import tensorflow as tf
+
+from hvdtrain.config import Config
+from hvdtrain.data.pipeline import ShardSpec
+from hvdtrain.data.sources import DataBundle
+from hvdtrain.training.callbacks import PlateauDecay, Progress, RunHooks, standard_callbacks
+from hvdtrain.training.schedule import WarmupScaledRate, scale_factor
+from hvdtrain.training.step import StepMath
+from hvdtrain.checkpoint import CheckpointStore
+from hvdtrain.world import Collectives
+
+
+@dataclass
+class ElasticRun:
+    """Everything the elastic loop needs; built once per process, before the loop."""
+
+    config: Config
+    collectives: Collectives
+    data: DataBundle
+    model: keras.Model
+    optimizer: keras.optimizers.Optimizer
+    schedule: WarmupScaledRate
+    evaluate: Callable[[], dict[str, float]]
+    store: CheckpointStore
+    state: dict[str, Any]
+    run_dir: Path
+    plateau: PlateauDecay | None
+    initial_epoch: int
+
+
+def _log_segment(run_dir: Path, epoch: int, offset: int, world_size: int, lr: float) -> None:
+    with open(run_dir / "elastic.jsonl", "a") as handle:
+        handle.write(json.dumps({"epoch": epoch + 1, "offset": offset,
+                                 "world_size": world_size, "lr": lr}) + "\n")
+    print(f"elastic: epoch {epoch + 1} continues at example {offset} on {world_size} rank(s), "
+          f"learning rate {lr:.5g}", flush=True)
+
+
+def elastic_loop(run: ElasticRun) -> None:
+    """Train epochs ``[initial_epoch, epochs)`` through Horovod's elastic retry loop."""
+    config, collectives, data = run.config, run.collectives, run.data
+    variables = [getattr(v, "value", v) for v in run.model.weights + run.optimizer.variables]
+    state = collectives.elastic_state(variables, epoch=run.initial_epoch, offset=0)
+    policy = "none" if config.optim.reduction == "adasum" else config.optim.lr_scaling
+
+    @collectives.elastic_run
+    def train(state: Any) -> None:
+        world = collectives.refresh_world()
+        run.schedule.set_world_scale(scale_factor(policy, world.size))
+        step = StepMath(run.model, run.optimizer, collectives)   # traced for this world
+        train_step = tf.function(step.train_step, jit_compile=False)
+        while state.epoch < config.train.epochs:
+            spec = ShardSpec(data.train.num_examples, world, config.train.batch_size,
+                             config.data.remainder, True, config.train.seed, 1, state.offset)
+            steps = spec.steps_per_epoch
+            if world.is_chief:
+                lr = float(run.schedule(run.optimizer.iterations))
+                _log_segment(run.run_dir, state.epoch, state.offset, world.size, lr)
+            progress = Progress(config.train.epochs, steps, spec.global_batch,
+                                config.train.progress, interactive=False)
+            hooks = keras.callbacks.CallbackList(standard_callbacks(RunHooks(
+                world, collectives, step, run.evaluate, run.schedule, run.store, run.state,
+                run.run_dir, progress, run.plateau, config.train.tensorboard)),
+                add_history=False, add_progbar=False)
+            hooks.on_epoch_begin(state.epoch)
+            logs: dict = {}
+            remaining = spec.remaining
+            for index, (features, labels, weights) in enumerate(
+                    data.train.dataset(spec, state.epoch, state.epoch + 1)):
+                logs = train_step(features, labels, weights)
+                state.offset += min(spec.global_batch, remaining - index * spec.global_batch)
+                hooks.on_train_batch_end(index, logs)
+                if (index + 1) % config.train.commit_every == 0:
+                    state.commit()
+            logs = {name: float(value) for name, value in logs.items()}
+            logs["world_size"] = float(world.size)
+            hooks.on_epoch_end(state.epoch, logs)
+            state.epoch += 1
+            state.offset = 0
+            state.commit()
+
+    train(state)
