@@ -15,11 +15,11 @@ import sys
 import traceback
 from typing import NoReturn
 
-from hvdtrain import __version__, convert, inference
+from hvdtrain import __version__, benchmark, convert, inference
 from hvdtrain.config import add_arguments, config_from_args
 from hvdtrain.errors import UserError
 
-SUBCOMMANDS = ("train", "doctor", "evaluate", "predict", "convert")
+SUBCOMMANDS = ("train", "doctor", "evaluate", "predict", "convert", "benchmark")
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -68,6 +68,9 @@ def build_parser() -> argparse.ArgumentParser:
     inference.add_predict_arguments(commands.add_parser(
         "predict", help="class predictions of a finished run's model for a few inputs",
         description="Predict classes for the examples in a .npz or .npy file."))
+    benchmark.add_arguments(commands.add_parser(
+        "benchmark", help="training throughput on synthetic data",
+        description="Time hvdtrain's training step on synthetic data, warm-up excluded."))
     convert.add_arguments(commands.add_parser(
         "convert", help="write a .npz or an image folder as sharded TFRecord files",
         description="Convert data into sharded TFRecord files for --dataset tfrecord."))
@@ -89,6 +92,8 @@ def _run(args: argparse.Namespace) -> int:
         return getattr(inference, args.command)(args)
     if args.command == "convert":
         return convert.main(args)
+    if args.command == "benchmark":
+        return benchmark.main(args)
     config = config_from_args(args)
     # Run directories and checkpoints stay private to the user on a shared cluster.
     os.umask(0o077)

@@ -126,11 +126,11 @@ def test_run_directory_holds_what_a_user_needs(resume_runs):
     straight, _ = resume_runs
     names = {p.name for p in straight.iterdir()}
     assert {"config.yaml", "metrics.jsonl", "metrics.csv", "model.keras", "summary.json",
-            "checkpoints"} <= names
+            "checkpoints", "tensorboard", "curves.png"} <= names
     assert [p.name for p in sorted((straight / "checkpoints").iterdir())] == [
         "epoch-0002", "epoch-0003", "epoch-0004"]
     header = (straight / "metrics.csv").read_text().splitlines()[0]
-    assert header == "epoch,loss,accuracy,val_loss,val_accuracy,lr"
+    assert header == "epoch,loss,accuracy,val_loss,val_accuracy,lr,examples_per_second"
     assert oct(straight.stat().st_mode & 0o777) == "0o700"
 
 

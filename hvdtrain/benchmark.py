@@ -1,0 +1,131 @@
+"""``hvdtrain benchmark``: training throughput on synthetic data, through hvdtrain's own step.
+
+Synthetic batches held on the device (no input pipeline in the way), warm-up steps excluded,
+several timed repeats: prints per-rank and total examples/second and the step time (median and
+spread over repeats) on rank 0, and writes them as JSON. Launch it like training:
+``horovodrun -np 2 python -m hvdtrain benchmark --model cnn``. ``resnet50`` is Keras' ResNet-50
+at 224x224 (for GPUs); ``mlp``, ``cnn`` and ``resnet`` suit CPUs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+DEFAULT_SHAPES = {"mlp": (28, 28, 1), "cnn": (28, 28, 1), "resnet": (32, 32, 3),
+                  "resnet50": (224, 224, 3)}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default="cnn", choices=sorted(DEFAULT_SHAPES),
+                        help="model to time (default: cnn)")
+    parser.add_argument("--batch-size", type=int, default=64, help="per rank (default: 64)")
+    parser.add_argument("--loop", default="custom", choices=("custom", "fit"),
+                        help="training path (default: custom)")
+    parser.add_argument("--warmup-steps", type=int, default=10,
+                        help="untimed steps first (tracing, allocation; default: 10)")
+    parser.add_argument("--steps", type=int, default=30, help="steps per repeat (default: 30)")
+    parser.add_argument("--repeats", type=int, default=5, help="timed repeats (default: 5)")
+    parser.add_argument("--output", type=Path, help="write the result as JSON here (rank 0)")
+
+
+def _model(name: str, shape: tuple[int, ...], classes: int):
+    import keras
+
+    from hvdtrain.config import ModelConfig
+    from hvdtrain.models import build_model
+
+    if name == "resnet50":
+        return keras.applications.ResNet50(weights=None, input_shape=shape, classes=classes)
+    return build_model(ModelConfig(model=name), shape, classes)
+
+
+def time_steps(run_step, batch, warmup: int, steps: int, repeats: int) -> list[float]:
+    """Seconds per step for each repeat (one host sync per repeat, not per step)."""
+    for _ in range(warmup):
+        run_step(*batch)
+    float(run_step(*batch)["loss"])
+    times = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        for _ in range(steps):
+            logs = run_step(*batch)
+        float(logs["loss"])                      # wait for the last step to finish
+        times.append((time.perf_counter() - started) / steps)
+    return times
+
+
+def _fit_step(step, batch):
+    """The Keras fit path's compiled step (the function fit itself would run)."""
+    import tensorflow as tf
+
+    from hvdtrain.training.loops import DataParallelModel
+
+    model = DataParallelModel(step.model, step)
+    model.compile(optimizer=step.optimizer, jit_compile=False)
+    model.make_train_function()
+    iterator = iter(tf.data.Dataset.from_tensors(batch).repeat())
+    return lambda *_: model.train_function(iterator)
+
+
+def run(args: argparse.Namespace) -> tuple[bool, dict[str, Any]]:
+    """(is this rank 0, the result gathered from every rank)."""
+    import numpy as np
+    import tensorflow as tf
+
+    from hvdtrain.config import OptimConfig
+    from hvdtrain.training.schedule import make_optimizer, make_schedule
+    from hvdtrain.training.step import StepMath
+    from hvdtrain.world import init_collectives, place_devices
+
+    collectives = init_collectives()
+    world = collectives.world
+    place_devices(world)
+    shape, classes = DEFAULT_SHAPES[args.model], 1000 if args.model == "resnet50" else 10
+    model = _model(args.model, shape, classes)
+    optimizer = make_optimizer(OptimConfig(warmup_epochs=0),
+                               make_schedule(OptimConfig(warmup_epochs=0), world.size, 1, 1))
+    optimizer.build(model.trainable_variables)
+    collectives.broadcast_variables([getattr(v, "value", v)
+                                     for v in model.weights + optimizer.variables])
+    rng = np.random.default_rng(world.rank)
+    batch = (tf.constant(rng.standard_normal((args.batch_size, *shape), dtype=np.float32)),
+             tf.constant(rng.integers(0, classes, args.batch_size)),
+             tf.fill([args.batch_size], 1.0 / (args.batch_size * world.size)))
+    step = StepMath(model, optimizer, collectives)
+    run_step = (_fit_step(step, batch) if args.loop == "fit"
+                else tf.function(step.train_step, jit_compile=False))
+    times = time_steps(run_step, batch, args.warmup_steps, args.steps, args.repeats)
+    rank_result = {"rank": world.rank, "step_seconds": times,
+                   "examples_per_second": args.batch_size / statistics.median(times)}
+    everyone = collectives.allgather_object(rank_result)
+    medians = [statistics.median(r["step_seconds"]) for r in everyone]
+    return world.is_chief, {
+        "model": args.model, "loop": args.loop, "world_size": world.size,
+        "batch_size_per_rank": args.batch_size, "input_shape": list(shape),
+        "warmup_steps": args.warmup_steps, "steps": args.steps, "repeats": args.repeats,
+        "step_seconds_median": max(medians),
+        "step_seconds_spread": max(max(r["step_seconds"]) - min(r["step_seconds"])
+                                   for r in everyone),
+        "examples_per_second_total": args.batch_size * world.size / max(medians),
+        "per_rank": everyone,
+    }
+
+
+def main(args: argparse.Namespace) -> int:
+    is_chief, result = run(args)
+    if is_chief:
+        for each in result["per_rank"]:
+            print(f"rank {each['rank']}: {each['examples_per_second']:,.1f} examples/s")
+        print(f"{result['model']} ({result['loop']}), {result['world_size']} rank(s) x batch "
+              f"{result['batch_size_per_rank']}: {result['examples_per_second_total']:,.1f} "
+              f"examples/s in total; step {result['step_seconds_median'] * 1e3:.2f} ms median, "
+              f"spread {result['step_seconds_spread'] * 1e3:.2f} ms over "
+              f"{result['repeats']} repeats")
+        if args.output:
+            args.output.write_text(json.dumps(result, indent=2) + "\n")
+    return 0
