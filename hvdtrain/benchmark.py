@@ -33,7 +33,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--output", type=Path, help="write the result as JSON here (rank 0)")
 
 
-def _model(name: str, shape: tuple[int, ...], classes: int):
+def build_benchmark_model(name: str, shape: tuple[int, ...], classes: int):
+    """The benchmarked model, built the same way for hvdtrain and for every baseline."""
     import keras
 
     from hvdtrain.config import ModelConfig
@@ -86,7 +87,7 @@ def run(args: argparse.Namespace) -> tuple[bool, dict[str, Any]]:
     world = collectives.world
     place_devices(world)
     shape, classes = DEFAULT_SHAPES[args.model], 1000 if args.model == "resnet50" else 10
-    model = _model(args.model, shape, classes)
+    model = build_benchmark_model(args.model, shape, classes)
     optimizer = make_optimizer(OptimConfig(warmup_epochs=0),
                                make_schedule(OptimConfig(warmup_epochs=0), world.size, 1, 1))
     optimizer.build(model.trainable_variables)

@@ -13,13 +13,12 @@ import os
 import re
 import sys
 import traceback
-from typing import NoReturn
+from dataclasses import dataclass
+from typing import Callable, NoReturn
 
 from hvdtrain import __version__, benchmark, convert, inference
 from hvdtrain.config import add_arguments, config_from_args
 from hvdtrain.errors import UserError
-
-SUBCOMMANDS = ("train", "doctor", "evaluate", "predict", "convert", "benchmark")
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -48,6 +47,51 @@ class OneLineParser(argparse.ArgumentParser):
         return actions
 
 
+def _train(args: argparse.Namespace) -> int:
+    config = config_from_args(args)
+    # Run directories and checkpoints stay private to the user on a shared cluster.
+    os.umask(0o077)
+    from hvdtrain.training.run import train
+
+    train(config)
+    return 0
+
+
+def _doctor(args: argparse.Namespace) -> int:
+    from hvdtrain import doctor
+
+    return doctor.main()
+
+
+@dataclass(frozen=True)
+class Command:
+    help: str
+    description: str
+    add_arguments: Callable[[argparse.ArgumentParser], None] | None
+    run: Callable[[argparse.Namespace], int]
+
+
+COMMANDS = {
+    "train": Command("train a model (the default command)",
+                     "Train a model data-parallel across the ranks.", add_arguments, _train),
+    "doctor": Command("check the installation on every rank",
+                      "Print versions, Horovod's build, MPI and rank facts on every rank, and "
+                      "a verdict.", None, _doctor),
+    "evaluate": Command("exact (distributed) evaluation of a finished run",
+                        "Evaluate a run's final model on its validation split or a given set.",
+                        inference.add_evaluate_arguments, inference.evaluate),
+    "predict": Command("class predictions of a finished run's model for a few inputs",
+                       "Predict classes for the examples in a .npz or .npy file.",
+                       inference.add_predict_arguments, inference.predict),
+    "benchmark": Command("training throughput on synthetic data",
+                         "Time hvdtrain's training step on synthetic data, warm-up excluded.",
+                         benchmark.add_arguments, benchmark.main),
+    "convert": Command("write a .npz or an image folder as sharded TFRecord files",
+                       "Convert data into sharded TFRecord files for --dataset tfrecord.",
+                       convert.add_arguments, convert.main),
+}
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = OneLineParser(
         prog="hvdtrain",
@@ -56,51 +100,17 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"hvdtrain {__version__}")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND",
                                      parser_class=OneLineParser)
-    train = commands.add_parser("train", help="train a model (the default command)",
-                                description="Train a model data-parallel across the ranks.")
-    add_arguments(train)
-    commands.add_parser("doctor", help="check the installation on every rank",
-                        description="Print versions, Horovod's build, MPI and rank facts on "
-                                    "every rank, and a verdict.")
-    inference.add_evaluate_arguments(commands.add_parser(
-        "evaluate", help="exact (distributed) evaluation of a finished run",
-        description="Evaluate a run's final model on its validation split or a given set."))
-    inference.add_predict_arguments(commands.add_parser(
-        "predict", help="class predictions of a finished run's model for a few inputs",
-        description="Predict classes for the examples in a .npz or .npy file."))
-    benchmark.add_arguments(commands.add_parser(
-        "benchmark", help="training throughput on synthetic data",
-        description="Time hvdtrain's training step on synthetic data, warm-up excluded."))
-    convert.add_arguments(commands.add_parser(
-        "convert", help="write a .npz or an image folder as sharded TFRecord files",
-        description="Convert data into sharded TFRecord files for --dataset tfrecord."))
+    for name, command in COMMANDS.items():
+        sub = commands.add_parser(name, help=command.help, description=command.description)
+        if command.add_arguments is not None:
+            command.add_arguments(sub)
     return parser
 
 
 def _with_default_command(argv: list[str]) -> list[str]:
-    if argv and (argv[0] in SUBCOMMANDS or argv[0] in ("-h", "--help", "--version")):
+    if argv and (argv[0] in COMMANDS or argv[0] in ("-h", "--help", "--version")):
         return argv
     return ["train", *argv]
-
-
-def _run(args: argparse.Namespace) -> int:
-    if args.command == "doctor":
-        from hvdtrain import doctor
-
-        return doctor.main()
-    if args.command in ("evaluate", "predict"):
-        return getattr(inference, args.command)(args)
-    if args.command == "convert":
-        return convert.main(args)
-    if args.command == "benchmark":
-        return benchmark.main(args)
-    config = config_from_args(args)
-    # Run directories and checkpoints stay private to the user on a shared cluster.
-    os.umask(0o077)
-    from hvdtrain.training.run import train
-
-    train(config)
-    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -112,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
         return int(exit_request.code or 0)
     debug = getattr(args, "debug", False) or "--debug" in argv
     try:
-        return _run(args)
+        return COMMANDS[args.command].run(args)
     except UserError as error:
         if debug:
             traceback.print_exc()

@@ -74,10 +74,19 @@ def _podman(conf: Path, *args: str, timeout: int) -> subprocess.CompletedProcess
 
 
 def _debian_mirror() -> str:
-    sources = " ".join(p.read_text() for p in Path("/etc/apt").rglob("*.sources")) + " ".join(
-        p.read_text() for p in Path("/etc/apt").rglob("*.list") if p.is_file())
-    found = re.search(r"(https?://\S+/debian)\b", sources)
-    return found.group(1) if found else "http://deb.debian.org/debian"
+    """The Debian archive this machine's apt uses (deb822 'URIs:' or one-line 'deb' entries;
+    comments and the security archive skipped)."""
+    for path in sorted(Path("/etc/apt").rglob("*")):
+        if not path.is_file() or path.suffix not in (".sources", ".list"):
+            continue
+        for line in path.read_text().splitlines():
+            words = line.split()
+            if not words or words[0] not in ("URIs:", "deb"):
+                continue
+            for uri in words[1:]:
+                if "://" in uri and uri.rstrip("/").endswith("/debian"):
+                    return uri.rstrip("/")
+    return "http://deb.debian.org/debian"
 
 
 @pytest.mark.slow

@@ -1,0 +1,220 @@
+"""``python -m hvdtrain.compare``: hvdtrain against its alternatives, back to back, as ratios.
+
+On one machine, same model, same per-rank batch, same world size, same CPU threads per rank:
+
+1. hvdtrain's custom loop and Keras ``fit`` path (``hvdtrain benchmark``, horovodrun);
+2. the floor: a minimal hand-written Horovod + Keras 3 loop (``baselines.minimal_horovod``);
+3. TensorFlow's ``MultiWorkerMirroredStrategy`` (``baselines.multiworker``, TF_CONFIG on
+   localhost);
+4. one process without distribution (for scaling efficiency);
+5. the allreduce sweep, hvdtrain's path against mpi4py (``hvdtrain.bench_comm``);
+6. the input pipeline alone (examples/second of each built-in source and TFRecord) against the
+   training rate.
+
+Writes ``compare.json`` and ``compare.png`` to ``--output-dir`` and prints the table of ratios.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _python() -> str:
+    return sys.executable
+
+
+def _env(threads: int) -> dict[str, str]:
+    """Every variant gets the same CPU threads per process and the same quiet TensorFlow."""
+    return dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", CUDA_VISIBLE_DEVICES=os.environ.get(
+        "CUDA_VISIBLE_DEVICES", ""), TF_NUM_INTRAOP_THREADS=str(threads),
+        TF_NUM_INTEROP_THREADS=str(min(2, threads)),
+        PATH=f"{Path(_python()).parent}{os.pathsep}{os.environ.get('PATH', '')}")
+
+
+def _run(command: list[str], env: dict[str, str], timeout: int = 1200) -> None:
+    result = subprocess.run(command, env=env, text=True, capture_output=True,
+                            timeout=timeout, stdin=subprocess.DEVNULL)
+    if result.returncode != 0:
+        raise RuntimeError(f"{' '.join(command[:6])}... failed:\n{result.stderr[-3000:]}")
+
+
+def _free_ports(count: int) -> list[int]:
+    sockets = [socket.socket() for _ in range(count)]
+    for s in sockets:
+        s.bind(("localhost", 0))
+    ports = [s.getsockname()[1] for s in sockets]
+    for s in sockets:
+        s.close()
+    return ports
+
+
+def run_multiworker(common: list[str], np: int, env: dict[str, str], output: Path) -> None:
+    ports = _free_ports(np)
+    cluster = {"worker": [f"localhost:{p}" for p in ports]}
+    configs = [json.dumps({"cluster": cluster, "task": {"type": "worker", "index": i}})
+               for i in range(np)]
+    workers = [subprocess.Popen(
+        [_python(), "-m", "hvdtrain.baselines.multiworker", *common, "--output", str(output)],
+        env=dict(env, TF_CONFIG=config), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+        text=True, stdin=subprocess.DEVNULL) for config in configs]
+    for worker in workers:
+        _, err = worker.communicate(timeout=1200)
+        if worker.returncode != 0:
+            raise RuntimeError(f"MultiWorkerMirroredStrategy worker failed:\n{err[-3000:]}")
+
+
+def input_pipeline_sweep(batch: int, steps: int = 200) -> list[dict]:
+    """Data-only examples/second of every built-in in-memory source and of TFRecord."""
+    import numpy as np
+
+    from hvdtrain.config import DataConfig
+    from hvdtrain.convert import convert
+    from hvdtrain.data.pipeline import ShardSpec
+    from hvdtrain.data.sources import load_source
+    from hvdtrain.world import World
+
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        rng = np.random.default_rng(0)
+        x = (rng.random((4096, 28, 28, 1)) * 255).astype(np.uint8)
+        np.savez(Path(tmp) / "d.npz", x=x, y=rng.integers(0, 10, 4096), x_val=x[:64],
+                 y_val=np.zeros(64, int))
+        convert(Path(tmp) / "d.npz", Path(tmp) / "rec", shards=4)
+        sources = {
+            "digits": DataConfig(),
+            "synthetic": DataConfig(dataset="synthetic", synthetic_shape=[28, 28, 1]),
+            "npz": DataConfig(dataset="npz", data_path=str(Path(tmp) / "d.npz")),
+            "tfrecord": DataConfig(dataset="tfrecord", data_path=str(Path(tmp) / "rec/train-*"),
+                                   val_data_path=str(Path(tmp) / "rec/validation-*")),
+        }
+        for name, config in sources.items():
+            split = load_source(config, 0).train
+            spec = ShardSpec(split.num_examples, World(), batch)
+            dataset = split.dataset(spec, 0, 10_000).take(steps)
+            for _ in dataset.take(5):
+                pass
+            started = time.perf_counter()
+            count = sum(int(b[0].shape[0]) for b in dataset)
+            rows.append({"source": name,
+                         "examples_per_second": count / (time.perf_counter() - started)})
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="cnn")
+    parser.add_argument("--batch-size", type=int, default=64, help="per rank")
+    parser.add_argument("--np", type=int, default=2, help="ranks / workers")
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--comm-repeats", type=int, default=20)
+    parser.add_argument("--output-dir", type=Path, default=Path("bench"))
+    args = parser.parse_args(argv)
+    out = args.output_dir
+    out.mkdir(parents=True, exist_ok=True)
+    threads = max(1, (os.cpu_count() or 1) // args.np)
+    env = _env(threads)
+    common = ["--model", args.model, "--batch-size", str(args.batch_size), "--steps",
+              str(args.steps), "--repeats", str(args.repeats)]
+    horovodrun = [str(Path(_python()).with_name("horovodrun")), "-np", str(args.np)]
+    print(f"comparing on {args.np} rank(s) x batch {args.batch_size}, {threads} thread(s) "
+          f"each, model {args.model}", flush=True)
+    for loop in ("custom", "fit"):
+        _run([*horovodrun, _python(), "-m", "hvdtrain", "benchmark", *common, "--loop", loop,
+              "--output", str(out / f"hvdtrain-{loop}.json")], env)
+    _run([*horovodrun, _python(), "-m", "hvdtrain.baselines.minimal_horovod", *common,
+          "--output", str(out / "minimal.json")], env)
+    run_multiworker(common, args.np, env, out / "multiworker.json")
+    _run([_python(), "-m", "hvdtrain", "benchmark", *common, "--output",
+          str(out / "single.json")], _env(os.cpu_count() or 1))
+    _run([str(REPO / "launch" / "mpirun.sh"), "-np", str(args.np), "--command",
+          f"{_python()} -m hvdtrain.bench_comm --repeats {args.comm_repeats} --output "
+          f"{out / 'comm.json'}"], env)
+    report = summarize(out, args, input_pipeline_sweep(args.batch_size))
+    (out / "compare.json").write_text(json.dumps(report, indent=2) + "\n")
+    draw(report, out / "compare.png")
+    print_table(report)
+    return 0
+
+
+def summarize(out: Path, args: argparse.Namespace, pipeline: list[dict]) -> dict:
+    def load(name: str):
+        return json.loads((out / f"{name}.json").read_text())
+
+    runs = {name: load(name) for name in ("hvdtrain-custom", "hvdtrain-fit", "minimal",
+                                          "multiworker", "single")}
+    step = {name: run["step_seconds_median"] for name, run in runs.items()}
+    rate = {name: run["examples_per_second_total"] for name, run in runs.items()}
+    training_rate = rate["hvdtrain-custom"] / args.np     # per rank, what the input must feed
+    return {
+        "machine": {"cpus": os.cpu_count(), "np": args.np},
+        "config": {"model": args.model, "batch_size_per_rank": args.batch_size},
+        "examples_per_second": rate,
+        "step_seconds_median": step,
+        "ratios": {
+            "custom_step_vs_minimal": step["hvdtrain-custom"] / step["minimal"],
+            "fit_step_vs_minimal": step["hvdtrain-fit"] / step["minimal"],
+            "custom_throughput_vs_multiworker": rate["hvdtrain-custom"] / rate["multiworker"],
+            "fit_throughput_vs_multiworker": rate["hvdtrain-fit"] / rate["multiworker"],
+            "scaling_efficiency": rate["hvdtrain-custom"] / (args.np * rate["single"]),
+        },
+        "allreduce": load("comm"),
+        "input_pipeline": [{**row, "ratio_to_training": row["examples_per_second"]
+                            / training_rate} for row in pipeline],
+    }
+
+
+def print_table(report: dict) -> None:
+    for name, value in report["ratios"].items():
+        print(f"{name:36s} {value:6.3f}")
+    for row in report["allreduce"]:
+        print(f"allreduce {row['bytes'] / 1024:>8,.0f} KiB  hvdtrain/MPI {row['ratio']:.3f}")
+    for row in report["input_pipeline"]:
+        print(f"input {row['source']:10s} {row['examples_per_second']:>12,.0f} ex/s  "
+              f"{row['ratio_to_training']:.1f}x training")
+
+
+def draw(report: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, (left, middle, right) = plt.subplots(1, 3, figsize=(15, 4))
+    names = list(report["examples_per_second"])
+    left.bar(names, [report["examples_per_second"][n] for n in names])
+    left.set_title("training throughput")
+    left.set_ylabel("examples / second (all ranks)")
+    left.tick_params(axis="x", rotation=30)
+    sizes = [row["bytes"] / 2 ** 20 for row in report["allreduce"]]
+    middle.semilogx(sizes, [row["mpi_bus_gbps"] for row in report["allreduce"]], "o-",
+                    label="mpi4py Allreduce")
+    middle.semilogx(sizes, [row["hvdtrain_bus_gbps"] for row in report["allreduce"]], "o-",
+                    label="hvdtrain (Horovod)")
+    middle.set_title("allreduce bus bandwidth")
+    middle.set_xlabel("message (MiB)")
+    middle.set_ylabel("GB/s")
+    middle.legend()
+    sources = [row["source"] for row in report["input_pipeline"]]
+    right.bar(sources, [row["ratio_to_training"] for row in report["input_pipeline"]])
+    right.axhline(5, color="red", linestyle="--", label="target 5x")
+    right.set_title("input pipeline / training rate")
+    right.set_ylabel("ratio")
+    right.legend()
+    figure.tight_layout()
+    figure.savefig(path, dpi=100)
+    plt.close(figure)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,42 @@
+"""The comparison harness at a tiny size, so it never rots. Benchmarks assert no times."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from conftest import REPO, rank_env
+
+pytestmark = pytest.mark.distributed
+
+
+def test_compare_harness_writes_every_field(tmp_path):
+    out = tmp_path / "bench"
+    result = subprocess.run(
+        [sys.executable, "-m", "hvdtrain.compare", "--model", "mlp", "--batch-size", "8",
+         "--steps", "3", "--repeats", "2", "--comm-repeats", "2", "--output-dir", str(out)],
+        cwd=REPO, env=rank_env(), text=True, capture_output=True, timeout=900,
+        stdin=subprocess.DEVNULL)
+    assert result.returncode == 0, result.stdout + result.stderr
+    report = json.loads((out / "compare.json").read_text())
+    assert set(report["examples_per_second"]) == {"hvdtrain-custom", "hvdtrain-fit", "minimal",
+                                                  "multiworker", "single"}
+    assert all(v > 0 for v in report["examples_per_second"].values())
+    assert set(report["ratios"]) == {"custom_step_vs_minimal", "fit_step_vs_minimal",
+                                     "custom_throughput_vs_multiworker",
+                                     "fit_throughput_vs_multiworker", "scaling_efficiency"}
+    assert [row["bytes"] for row in report["allreduce"]] == [
+        4 << 10, 64 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20]
+    for row in report["allreduce"]:
+        assert {"mpi_seconds", "hvdtrain_seconds", "mpi_bus_gbps", "hvdtrain_bus_gbps",
+                "ratio"} <= set(row)
+    assert [row["source"] for row in report["input_pipeline"]] == [
+        "digits", "synthetic", "npz", "tfrecord"]
+    hvdtrain = json.loads((out / "hvdtrain-custom.json").read_text())
+    assert {"step_seconds_median", "step_seconds_spread", "examples_per_second_total",
+            "per_rank", "world_size"} <= set(hvdtrain) and hvdtrain["world_size"] == 2
+    assert (out / "compare.png").read_bytes()[:4] == b"\x89PNG"
+    assert "custom_step_vs_minimal" in result.stdout
