@@ -34,9 +34,12 @@ def _python() -> str:
 
 
 def _env(threads: int) -> dict[str, str]:
-    """Every variant gets the same CPU threads per process and the same quiet TensorFlow."""
+    """Every variant gets the same CPU threads per process, the same quiet TensorFlow and the
+    same MPI polling (hvdtrain's CPU default, which the hand-written loop could set too), so
+    the ratios measure code, not environment."""
     return dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", CUDA_VISIBLE_DEVICES=os.environ.get(
-        "CUDA_VISIBLE_DEVICES", ""), TF_NUM_INTRAOP_THREADS=str(threads),
+        "CUDA_VISIBLE_DEVICES", ""), OMPI_MCA_mpi_yield_when_idle=os.environ.get(
+        "OMPI_MCA_mpi_yield_when_idle", "1"), TF_NUM_INTRAOP_THREADS=str(threads),
         TF_NUM_INTEROP_THREADS=str(min(2, threads)),
         PATH=f"{Path(_python()).parent}{os.pathsep}{os.environ.get('PATH', '')}")
 

@@ -86,6 +86,11 @@ class HorovodCollectives:
         # Horovod warns after 60 s and shuts the job down after 120 s, so no allocation burns.
         os.environ.setdefault("HOROVOD_STALL_CHECK_TIME_SECONDS", "60")
         os.environ.setdefault("HOROVOD_STALL_SHUTDOWN_TIME_SECONDS", "120")
+        if not _gpus_visible():
+            # CPU training keeps every core busy computing; Open MPI's default busy-polling
+            # while a rank waits steals those cores (measured: 1.45x throughput when it yields,
+            # 2 ranks on 2 cores). Read by MPI_Init, so it must be set before hvd.init().
+            os.environ.setdefault("OMPI_MCA_mpi_yield_when_idle", "1")
         import horovod.tensorflow as hvd
 
         hvd.init()
@@ -171,6 +176,12 @@ def _keras_elastic_state_class() -> type:
             super().sync()
 
     return KerasElasticState
+
+
+def _gpus_visible() -> bool:
+    import tensorflow as tf
+
+    return bool(tf.config.list_physical_devices("GPU"))
 
 
 def launched_by_a_launcher(environ: dict[str, str] | None = None) -> bool:

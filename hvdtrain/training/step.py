@@ -104,9 +104,14 @@ class StepMath:
     def _apply(self, gradients: list[tf.Tensor], loss: tf.Tensor) -> None:
         """Reduce across ranks and update, unless the global loss is not finite: then the
         update is skipped on every rank and ``global_loss`` tells the caller to stop."""
-        self.global_loss.assign(self.collectives.allreduce_sum([loss])[0])
-        gradients = self.collectives.reduce_gradients(
-            gradients, adasum=self.options.adasum, fp16=self.options.fp16_compression)
+        if self.options.adasum or self.options.fp16_compression:
+            self.global_loss.assign(self.collectives.allreduce_sum([loss])[0])
+            gradients = self.collectives.reduce_gradients(
+                gradients, adasum=self.options.adasum, fp16=self.options.fp16_compression)
+        else:   # one collective per step: the loss rides in the gradients' grouped allreduce
+            *gradients, global_loss = self.collectives.reduce_gradients(
+                [*gradients, tf.cast(loss, tf.float32)], adasum=False, fp16=False)
+            self.global_loss.assign(global_loss)
 
         def update() -> tf.Tensor:
             self.optimizer.apply(gradients, self.model.trainable_variables)
