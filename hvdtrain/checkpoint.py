@@ -14,6 +14,7 @@ import json
 import os
 import re
 import shutil
+import zipfile
 from pathlib import Path
 from typing import Any
 
@@ -76,8 +77,7 @@ class CheckpointStore:
         self.directory.mkdir(parents=True, exist_ok=True)
         final = self.directory / f"epoch-{state['epoch']:04d}"
         partial = self.directory / f".partial-{final.name}-{os.getpid()}"
-        for leftover in [*self.directory.glob(".partial-*"), *self.directory.glob(".stale-*")]:
-            shutil.rmtree(leftover, ignore_errors=True)   # from a crash mid-write
+        self._recover_leftovers()
         partial.mkdir()
         model.save_weights(partial / WEIGHTS_FILE)
         arrays = {f"v{i:04d}": v.numpy() for i, v in enumerate(optimizer.variables)}
@@ -96,6 +96,19 @@ class CheckpointStore:
             shutil.rmtree(old)
         return final
 
+    def _recover_leftovers(self) -> None:
+        """After a crash mid-write: drop partial checkpoints; put back a replaced checkpoint
+        whose replacement never landed (a crash between the two renames of a swap)."""
+        for partial in self.directory.glob(".partial-*"):
+            shutil.rmtree(partial, ignore_errors=True)
+        for stale in self.directory.glob(".stale-*"):
+            name = CHECKPOINT_NAME.search(stale.name)
+            original = self.directory / name.group(0) if name else None
+            if original is not None and not original.exists():
+                os.rename(stale, original)
+            else:
+                shutil.rmtree(stale, ignore_errors=True)
+
     @staticmethod
     def read_state(path: Path) -> dict[str, Any]:
         try:
@@ -112,7 +125,7 @@ class CheckpointStore:
             model.load_weights(path / WEIGHTS_FILE)
             with np.load(path / OPTIMIZER_FILE, allow_pickle=False) as archive:
                 arrays = [archive[key] for key in sorted(archive.files)]
-        except (OSError, ValueError) as error:
+        except (OSError, ValueError, zipfile.BadZipFile) as error:
             raise CheckpointError(f"checkpoint {path} does not fit this model or is unreadable "
                                   f"({error}); check --model or start a new --run-dir") from error
         variables = optimizer.variables

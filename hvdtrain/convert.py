@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import zipfile
 from pathlib import Path
 
 import numpy as np
@@ -57,8 +58,13 @@ def write_shards(features: list, labels: np.ndarray, output: Path, prefix: str,
 
 
 def _npz_parts(path: Path) -> tuple[dict[str, tuple[list, np.ndarray]], dict]:
-    with np.load(path, allow_pickle=False) as archive:
-        arrays = {key: archive[key] for key in archive.files}
+    try:
+        with np.load(path, allow_pickle=False) as archive:
+            arrays = {key: archive[key] for key in archive.files}
+    except (OSError, ValueError, zipfile.BadZipFile) as error:
+        raise ConvertError(f"{path} is not a readable .npz file ({error})") from error
+    if ("x_val" in arrays) != ("y_val" in arrays):
+        raise ConvertError(f"{path} has only one of 'x_val' and 'y_val'; give both or neither")
     if "x" not in arrays or "y" not in arrays:
         raise ConvertError(f"{path} needs arrays 'x' and 'y'; write it with "
                            "numpy.savez(path, x=..., y=...)")
@@ -120,8 +126,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def main(args: argparse.Namespace) -> int:
     metadata = convert(args.input, args.output, args.shards, args.seed)
     total = sum(metadata["counts"].values())
+    has_validation = any(name.startswith("validation-") for name in metadata["counts"])
+    validation = (f"--val-data-path '{args.output}/validation-*'" if has_validation else
+                  "--val-data-path (validation files of your own: none were converted)")
     print(f"wrote {total} examples in {len(metadata['counts'])} files to {args.output} "
           f"(shape {metadata['shape']}, {metadata['encoding']}, {metadata['num_classes']} "
           f"classes); train with --dataset tfrecord --data-path '{args.output}/train-*' "
-          f"--val-data-path '{args.output}/validation-*'")
+          f"{validation}")
     return 0

@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import zipfile
 from pathlib import Path
 
 import numpy as np
 
 from hvdtrain.config import ConfigError, build_config, load_yaml
 from hvdtrain.errors import UserError
+from hvdtrain.models import check_input_shape
 
 
 def load_run(run_dir: Path):
@@ -36,12 +38,12 @@ def load_run(run_dir: Path):
 
 
 def _arrays_from(path: Path) -> dict[str, np.ndarray]:
-    if path.suffix == ".npy":
-        return {"x": np.load(path, allow_pickle=False)}
     try:
+        if path.suffix == ".npy":
+            return {"x": np.load(path, allow_pickle=False)}
         with np.load(path, allow_pickle=False) as archive:
             return {key: archive[key] for key in archive.files}
-    except (OSError, ValueError) as error:
+    except (OSError, ValueError, zipfile.BadZipFile) as error:
         raise UserError(f"{path} is not a readable .npz or .npy file ({error})") from error
 
 
@@ -60,6 +62,7 @@ def evaluate(args: argparse.Namespace) -> int:
         if "x" not in arrays or "y" not in arrays:
             raise UserError(f"{args.data_path} needs arrays 'x' and 'y' to evaluate on")
         split = ArraySplit(arrays["x"].astype(np.float32), arrays["y"].astype(np.int64))
+        check_input_shape(model, str(args.run_dir), split.input_shape)
         where = str(args.data_path)
     else:
         split = load_source(config.data, config.train.seed).val
@@ -78,10 +81,7 @@ def predict(args: argparse.Namespace) -> int:
     x = _arrays_from(args.input).get("x")
     if x is None:
         raise UserError(f"{args.input} has no array 'x' to predict on")
-    expected = tuple(model.input_shape[1:])
-    if tuple(x.shape[1:]) != expected:
-        raise UserError(f"{args.input}: examples have shape {tuple(x.shape[1:])}, the model "
-                        f"expects {expected}")
+    check_input_shape(model, str(args.run_dir), tuple(x.shape[1:]))
     probabilities = model.predict(x.astype(np.float32), verbose=0)
     classes = probabilities.argmax(axis=1)
     for index in range(min(len(x), args.show)):

@@ -143,6 +143,11 @@ class HorovodCollectives:
         return hvd_elastic.run(function)
 
 
+def tf_variables(variables: Sequence[Any]) -> list[Any]:
+    """The TensorFlow variables behind Keras 3 variables (what Horovod's broadcast assigns)."""
+    return [getattr(v, "value", v) for v in variables]
+
+
 def _keras_elastic_state_class() -> type:
     """Horovod elastic state for Keras 3 models.
 

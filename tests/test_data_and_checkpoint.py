@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 
@@ -156,3 +158,16 @@ def test_checkpoints_are_pruned_to_the_newest(tmp_path):
         store.save(model, optimizer, {"epoch": epoch})
     assert [p.name for p in store.complete()] == ["epoch-0002", "epoch-0003"]
     assert store.read_state(store.latest())["epoch"] == 3
+
+
+def test_a_crash_between_the_renames_of_a_swap_loses_nothing(tmp_path):
+    """Replacing epoch-0001 renames it aside first; a crash before the new one lands leaves only
+    the aside copy, which the next save puts back."""
+    model, optimizer = _tiny_model_and_optimizer()
+    store = CheckpointStore(tmp_path, keep=1)
+    first = store.save(model, optimizer, {"epoch": 1})
+    os.rename(first, first.parent / ".stale-epoch-0001-4242")       # the crash point
+    assert store.latest() is None
+    store.save(model, optimizer, {"epoch": 2})
+    assert [p.name for p in store.complete()] == ["epoch-0002"]       # keep=1 after recovery
+    assert not list((tmp_path / "checkpoints").glob(".stale-*"))

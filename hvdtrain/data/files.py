@@ -21,7 +21,7 @@ import csv
 import glob
 import json
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
@@ -53,7 +53,6 @@ class FileSplit:
     input_shape: tuple[int, ...]
     shuffle_buffer: int = 4096
     cache: bool = False
-    label_dtype: tf.DType = field(default=tf.int64)
 
     @property
     def num_examples(self) -> int:
@@ -139,7 +138,7 @@ class FileSplit:
         cached = None
         if self.cache:
             cached = self._records(spec, self._assignment(spec, 0)[0]).cache()
-        zeros = (tf.zeros(self.input_shape, tf.float32), tf.zeros([], self.label_dtype),
+        zeros = (tf.zeros(self.input_shape, tf.float32), tf.zeros([], tf.int64),
                  tf.constant(0.0))
 
         def epoch_batches(epoch: tf.Tensor) -> tf.data.Dataset:
@@ -270,8 +269,12 @@ def csv_split(config: DataConfig, pattern: str | None, what: str) -> tuple[FileS
         with open(name, newline="") as handle:
             rows = list(csv.reader(handle))[1:]
         counts.append(len(rows))
-        if rows:
-            labels_max = max(labels_max, max(int(float(row[label_index])) for row in rows))
+        try:
+            labels = [int(float(row[label_index])) for row in rows]
+        except (ValueError, IndexError) as error:
+            raise FileDataError(f"{name}: a row has no numeric '{config.label_column}' "
+                                f"({error}); every row needs every column") from error
+        labels_max = max([labels_max, *labels])
     if sum(counts) == 0:
         raise FileDataError(f"the CSV files matching '{pattern}' hold no rows")
     defaults = [tf.constant(0.0)] * len(header)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import gzip
 import io
 import pickle
+import zipfile
 from pathlib import Path
 
 import numpy as np
@@ -84,7 +85,8 @@ def load(name: str, data_dir: str | None) -> Arrays:
     if data_dir:
         try:
             return READERS[name](Path(data_dir))
-        except (OSError, KeyError, ValueError, IndexError, pickle.UnpicklingError) as error:
+        except (OSError, KeyError, ValueError, IndexError, pickle.UnpicklingError,
+                zipfile.BadZipFile) as error:
             raise DatasetFilesError(f"--data-dir {data_dir} does not hold the standard {name} "
                                     f"files ({STANDARD_FILES[name]}): {error}") from error
     import keras

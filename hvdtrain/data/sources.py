@@ -8,6 +8,7 @@ epoch and the dataset of (features, labels, weights) batches, so training treats
 
 from __future__ import annotations
 
+import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -121,7 +122,7 @@ def load_npz(config: DataConfig, seed: int) -> DataBundle:
     try:
         with np.load(path, allow_pickle=False) as archive:
             arrays = {key: archive[key] for key in archive.files}
-    except (OSError, ValueError) as error:
+    except (OSError, ValueError, zipfile.BadZipFile) as error:
         raise DataError(f"{path} is not a readable .npz file ({error}); write it with "
                         "numpy.savez(path, x=..., y=...)") from error
     for key in ("x", "y"):
@@ -137,6 +138,9 @@ def load_npz(config: DataConfig, seed: int) -> DataBundle:
                         f"{labels.min()}..{labels.max()}")
     if has_val:
         x_val, y_val = _checked_pair(arrays, "x_val", "y_val", path)
+        if x_val.shape[1:] != x.shape[1:]:
+            raise DataError(f"{path}: 'x_val' examples have shape {x_val.shape[1:]} but 'x' has "
+                            f"{x.shape[1:]}; they must match")
         return _arrays(x, y, x_val, y_val, num_classes)
     return split_arrays(x, y, config.validation_split, seed, num_classes)
 

@@ -116,3 +116,14 @@ def build_model(config: ModelConfig, input_shape: tuple[int, ...],
         raise ModelError(f"'{config.model}' returned {type(model).__name__}, not a keras.Model; "
                          "return the model from your build function")
     return model
+
+
+def check_input_shape(model: keras.Model, name: str, shape: tuple[int, ...]) -> None:
+    """Fail before training when the data's example shape cannot feed the model."""
+    expected = tuple(model.input_shape[1:]) if isinstance(model.input_shape, tuple) else None
+    if expected is not None and len(expected) == len(shape) and all(
+            e is None or e == s for e, s in zip(expected, shape)):
+        return
+    if expected is not None:
+        raise ModelError(f"the data's examples have shape {shape} but model '{name}' expects "
+                         f"{expected}; build the model for the data's shape")

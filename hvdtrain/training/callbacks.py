@@ -9,6 +9,7 @@ that hold collectives, in the same order, so no allreduce is left waiting.
 from __future__ import annotations
 
 import csv
+import io
 import json
 import math
 import sys
@@ -246,8 +247,11 @@ class MetricsFiles(keras.callbacks.Callback):
             rows.append({"epoch": epoch, **checkpoint_metrics})
         atomic_write_text(self.jsonl, "".join(json.dumps(row) + "\n" for row in rows))
         if rows:
-            lines = [",".join(rows[0])] + [",".join(str(row[k]) for k in rows[0]) for row in rows]
-            atomic_write_text(self.csv, "\n".join(lines) + "\n")
+            text = io.StringIO()
+            writer = csv.DictWriter(text, fieldnames=list(rows[0]), extrasaction="ignore")
+            writer.writeheader()
+            writer.writerows(rows)
+            atomic_write_text(self.csv, text.getvalue())
 
 
 class Progress(keras.callbacks.Callback):

@@ -20,7 +20,10 @@ How the guarantees hold when the world changes:
 
 Rank 0 records every (re)start of an epoch segment in ``elastic.jsonl`` (epoch, offset, world
 size) and the metrics rows carry ``world_size``. Training loss and accuracy of an epoch cover
-the part after its last change; validation is always exact over the whole validation set.
+the part after its last change; validation is always exact over the whole validation set
+(sharded for the current world). Not supported with elastic: plateau decay (its state would not
+reach joining ranks). Schedule lengths (warmup, cosine, step decay) count optimizer updates as
+sized for the starting world.
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import keras
 import tensorflow as tf
@@ -36,11 +39,11 @@ import tensorflow as tf
 from hvdtrain.config import Config
 from hvdtrain.data.pipeline import ShardSpec
 from hvdtrain.data.sources import DataBundle
-from hvdtrain.training.callbacks import PlateauDecay, Progress, RunHooks, standard_callbacks
-from hvdtrain.training.schedule import WarmupScaledRate, scale_factor
-from hvdtrain.training.step import StepMath
 from hvdtrain.checkpoint import CheckpointStore
-from hvdtrain.world import Collectives
+from hvdtrain.training.callbacks import Progress, RunHooks, standard_callbacks
+from hvdtrain.training.schedule import WarmupScaledRate, world_scale
+from hvdtrain.training.step import Evaluation, StepMath, StepOptions
+from hvdtrain.world import Collectives, tf_variables
 
 
 @dataclass
@@ -53,11 +56,10 @@ class ElasticRun:
     model: keras.Model
     optimizer: keras.optimizers.Optimizer
     schedule: WarmupScaledRate
-    evaluate: Callable[[], dict[str, float]]
+    evaluation: Evaluation
     store: CheckpointStore
     state: dict[str, Any]
     run_dir: Path
-    plateau: PlateauDecay | None
     initial_epoch: int
 
 
@@ -72,16 +74,20 @@ def _log_segment(run_dir: Path, epoch: int, offset: int, world_size: int, lr: fl
 def elastic_loop(run: ElasticRun) -> None:
     """Train epochs ``[initial_epoch, epochs)`` through Horovod's elastic retry loop."""
     config, collectives, data = run.config, run.collectives, run.data
-    variables = [getattr(v, "value", v) for v in run.model.weights + run.optimizer.variables]
-    state = collectives.elastic_state(variables, epoch=run.initial_epoch, offset=0)
-    policy = "none" if config.optim.reduction == "adasum" else config.optim.lr_scaling
+    state = collectives.elastic_state(
+        tf_variables(run.model.weights + run.optimizer.variables), epoch=run.initial_epoch,
+        offset=0)
+    optim = config.optim
+    options = StepOptions(1, optim.reduction == "adasum", optim.compression == "fp16")
 
     @collectives.elastic_run
     def train(state: Any) -> None:
         world = collectives.refresh_world()
-        run.schedule.set_world_scale(scale_factor(policy, world.size))
-        step = StepMath(run.model, run.optimizer, collectives)   # traced for this world
+        run.schedule.set_world_scale(world_scale(optim, world.size))
+        step = StepMath(run.model, run.optimizer, collectives, options)   # for this world
         train_step = tf.function(step.train_step, jit_compile=False)
+        val_dataset = data.val.dataset(ShardSpec(data.val.num_examples, world,
+                                                 config.train.batch_size, "pad", False))
         while state.epoch < config.train.epochs:
             spec = ShardSpec(data.train.num_examples, world, config.train.batch_size,
                              config.data.remainder, True, config.train.seed, 1, state.offset)
@@ -92,8 +98,8 @@ def elastic_loop(run: ElasticRun) -> None:
             progress = Progress(config.train.epochs, steps, spec.global_batch,
                                 config.train.progress, interactive=False)
             hooks = keras.callbacks.CallbackList(standard_callbacks(RunHooks(
-                world, collectives, step, run.evaluate, run.schedule, run.store, run.state,
-                run.run_dir, progress, run.plateau, config.train.tensorboard)),
+                world, collectives, step, lambda: run.evaluation.run(val_dataset), run.schedule,
+                run.store, run.state, run.run_dir, progress, None, config.train.tensorboard)),
                 add_history=False, add_progbar=False)
             hooks.on_epoch_begin(state.epoch)
             logs: dict = {}
@@ -108,6 +114,7 @@ def elastic_loop(run: ElasticRun) -> None:
             logs = {name: float(value) for name, value in logs.items()}
             logs["world_size"] = float(world.size)
             hooks.on_epoch_end(state.epoch, logs)
+            hooks.on_train_end()            # closes this epoch's TensorBoard writer
             state.epoch += 1
             state.offset = 0
             state.commit()

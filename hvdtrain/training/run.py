@@ -29,7 +29,7 @@ from hvdtrain.data.files import LABEL_RANGE_MESSAGE, FileSplit
 from hvdtrain.data.pipeline import ShardSpec
 from hvdtrain.data.sources import DataBundle, load_source
 from hvdtrain.errors import UserError
-from hvdtrain.models import build_model
+from hvdtrain.models import build_model, check_input_shape
 from hvdtrain.plots import plot_curves
 from hvdtrain.training.elastic import ElasticRun, elastic_loop
 from hvdtrain.training.callbacks import (MetricsFiles, PlateauDecay, Progress, RunHooks,
@@ -37,7 +37,8 @@ from hvdtrain.training.callbacks import (MetricsFiles, PlateauDecay, Progress, R
 from hvdtrain.training.loops import LOOPS
 from hvdtrain.training.schedule import WarmupScaledRate, make_optimizer, make_schedule
 from hvdtrain.training.step import Evaluation, StepMath, StepOptions
-from hvdtrain.world import Collectives, World, init_collectives, place_devices
+from hvdtrain.world import (Collectives, World, init_collectives, place_devices,
+                            tf_variables)
 
 
 @dataclass(frozen=True)
@@ -105,11 +106,6 @@ def weight_fingerprint(model: keras.Model) -> str:
     return digest.hexdigest()[:16]
 
 
-def _tf_variables(variables: list) -> list[tf.Variable]:
-    """The TensorFlow variables behind Keras 3 variables (what Horovod's broadcast assigns)."""
-    return [getattr(v, "value", v) for v in variables]
-
-
 def _restore(config: Config, store: CheckpointStore, model: keras.Model,
              optimizer: keras.optimizers.Optimizer) -> dict[str, Any]:
     """Rank 0: load the newest checkpoint into model and optimizer; return its state."""
@@ -166,17 +162,9 @@ def check_elastic(config: Config, collectives: Collectives) -> None:
         raise UserError("--elastic needs --run-dir: ranks that join later must find the run")
     if config.data.dataset in ("tfrecord", "csv") or config.optim.accumulation_steps != 1:
         raise UserError("--elastic supports in-memory datasets without --accumulation-steps")
-
-
-def check_input_shape(model: keras.Model, name: str, shape: tuple[int, ...]) -> None:
-    """Fail before training when the data's example shape cannot feed the model."""
-    expected = tuple(model.input_shape[1:]) if isinstance(model.input_shape, tuple) else None
-    if expected is not None and len(expected) == len(shape) and all(
-            e is None or e == s for e, s in zip(expected, shape)):
-        return
-    if expected is not None:
-        raise UserError(f"the data's examples have shape {shape} but model '{name}' expects "
-                        f"{expected}; build the model for the data's shape")
+    if config.optim.lr_schedule == "plateau":
+        raise UserError("--elastic does not support --lr-schedule plateau (its state would not "
+                        "reach joining ranks); use constant, cosine or step")
 
 
 @contextlib.contextmanager
@@ -242,7 +230,9 @@ def _starting_point(config: Config, collectives: Collectives, run_dir: Path,
     if config.train.resume and config.train.elastic:
         # Rank 0 restores; the elastic state carries weights and epoch to the others.
         if world.is_chief:
-            initial_epoch = _restore(config, store, model, optimizer)["epoch"]
+            restored = _restore(config, store, model, optimizer)
+            initial_epoch = restored["epoch"]
+            MetricsFiles(run_dir).resume_at(initial_epoch, restored["metrics"])
     elif config.train.resume:
         restored = chief_decides(collectives, lambda: _restore(config, store, model, optimizer))
         initial_epoch = restored["epoch"]
@@ -258,7 +248,7 @@ def _starting_point(config: Config, collectives: Collectives, run_dir: Path,
     before_broadcast = collectives.allgather_object(weight_fingerprint(model))
     # One starting point for every rank: rank 0's weights and optimizer state (not the dropout
     # seeds: those stay rank-local so ranks drop different units).
-    collectives.broadcast_variables(_tf_variables(model.weights + optimizer.variables))
+    collectives.broadcast_variables(tf_variables(model.weights + optimizer.variables))
     return initial_epoch, before_broadcast
 
 
@@ -300,9 +290,11 @@ def train(config: Config) -> RunResult:
     started = time.perf_counter()
     if config.train.elastic:
         elastic_loop(ElasticRun(config, collectives, data, model, trainable.optimizer,
-                                trainable.schedule, lambda: evaluation.run(val_dataset), store,
-                                state, run_dir, plateau, initial_epoch))
-        world = collectives.world
+                                trainable.schedule, evaluation, store, state, run_dir,
+                                initial_epoch))
+        world = collectives.world   # the world the job ended with: validate on its shards
+        val_dataset = data.val.dataset(ShardSpec(data.val.num_examples, world,
+                                                 config.train.batch_size, "pad", False))
     elif initial_epoch < epochs:
         step = StepMath(model, trainable.optimizer, collectives, StepOptions(
             optim.accumulation_steps, optim.reduction == "adasum", optim.compression == "fp16"))

@@ -79,13 +79,18 @@ class WarmupScaledRate(keras.optimizers.schedules.LearningRateSchedule):
                 "decay_steps": self.decay_steps, "decay_factor": self.decay_factor}
 
 
+def world_scale(config: OptimConfig, world_size: int) -> float:
+    """The rate's factor for this world. Adasum combines gradients so that the single-rank rate
+    stays right (Horovod's guidance), so it is never scaled."""
+    return scale_factor("none" if config.reduction == "adasum" else config.lr_scaling,
+                        world_size)
+
+
 def make_schedule(config: OptimConfig, world_size: int, updates_per_epoch: int,
                   epochs: int) -> WarmupScaledRate:
-    # Adasum combines gradients so that the single-rank rate stays right (Horovod's guidance).
-    policy = "none" if config.reduction == "adasum" else config.lr_scaling
     return WarmupScaledRate(
         base=config.learning_rate,
-        scale=scale_factor(policy, world_size),
+        scale=world_scale(config, world_size),
         warmup_steps=int(round(config.warmup_epochs * updates_per_epoch)),
         decay=config.lr_schedule,
         total_steps=epochs * updates_per_epoch,

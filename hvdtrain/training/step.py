@@ -15,8 +15,9 @@ Mixed precision: with ``mixed_float16`` the optimizer is a Keras ``LossScaleOpti
 scaled gradients are reduced across ranks first, so every rank sees the same sum, makes the same
 finite/non-finite decision and keeps the same loss scale.
 
-Divergence: the loss is summed across ranks with the gradients, so every rank knows the global
-batch's loss; when it is NaN or infinite every rank skips that update and the run stops there.
+Divergence: the loss is summed across ranks in the gradients' grouped allreduce (a separate one
+with fp16 compression or Adasum), so every rank knows the global batch's loss; when it is NaN or
+infinite every rank skips that update and the run stops there.
 
 Metrics are kept as local sums (loss, correct, count) and reduced across ranks once per epoch:
 the global accuracy is exactly global-correct / global-count, not a mean of per-rank means.
