@@ -230,13 +230,17 @@ def test_elastic_run_survives_a_slot_leaving_and_joining(tmp_path):
             return []
         return [json.loads(line) for line in segments.read_text().splitlines() if line]
 
+    def while_running(condition, timeout: float) -> None:
+        wait_for(lambda: job.poll() is not None or condition(), timeout)
+        assert job.poll() is None, f"the job ended early:\n{job.stdout.read()[-3000:]}"
+
     try:
-        wait_for(lambda: any(s["epoch"] == 2 for s in logged()), 240)
+        while_running(lambda: any(s["epoch"] == 2 for s in logged()), 240)
         time.sleep(1.0)                                  # into epoch 2
         hosts.write_text("localhost:1\n")
-        wait_for(lambda: any(s["world_size"] == 1 for s in logged()), 120)
+        while_running(lambda: any(s["world_size"] == 1 for s in logged()), 120)
         hosts.write_text("localhost:2\n")
-        wait_for(lambda: logged()[-1]["world_size"] == 2, 120)
+        while_running(lambda: logged()[-1]["world_size"] == 2, 120)
         output, _ = job.communicate(timeout=300)
     finally:
         if job.poll() is None:

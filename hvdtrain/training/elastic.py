@@ -101,6 +101,7 @@ def elastic_loop(run: ElasticRun) -> None:
                 world, collectives, step, lambda: run.evaluation.run(val_dataset), run.schedule,
                 run.store, run.state, run.run_dir, progress, None, config.train.tensorboard)),
                 add_history=False, add_progbar=False)
+            hooks.on_train_begin()
             hooks.on_epoch_begin(state.epoch)
             logs: dict = {}
             remaining = spec.remaining
