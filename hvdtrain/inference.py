@@ -15,6 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
+from hvdtrain.checkpoint import atomic_write_text
 from hvdtrain.config import ConfigError, build_config, load_yaml
 from hvdtrain.errors import UserError
 from hvdtrain.models import check_input_shape
@@ -47,12 +48,20 @@ def _arrays_from(path: Path) -> dict[str, np.ndarray]:
         raise UserError(f"{path} is not a readable .npz or .npy file ({error})") from error
 
 
+def _check_output_dir(output: Path | None) -> None:
+    """Fail before the work, not after it, when a result could not be written."""
+    if output is not None and not output.parent.is_dir():
+        raise UserError(f"--output {output}: directory {output.parent} does not exist; "
+                        "create it or choose another path")
+
+
 def evaluate(args: argparse.Namespace) -> int:
     from hvdtrain.data.pipeline import ShardSpec
     from hvdtrain.data.sources import ArraySplit, load_source
     from hvdtrain.training.step import Evaluation
     from hvdtrain.world import init_collectives, place_devices
 
+    _check_output_dir(args.output)
     collectives = init_collectives()
     world = collectives.world
     place_devices(world)
@@ -72,11 +81,16 @@ def evaluate(args: argparse.Namespace) -> int:
     if world.is_chief:
         print(f"accuracy {metrics['accuracy']:.4f}  loss {metrics['loss']:.4f}  on "
               f"{split.num_examples} examples of {where} ({world.size} rank(s))", flush=True)
-        print(json.dumps({"examples": split.num_examples, **metrics}), flush=True)
+        if args.output:
+            report = {"examples": split.num_examples, "ranks": world.size, "data": where,
+                      **metrics}
+            atomic_write_text(args.output, json.dumps(report, indent=2) + "\n")
+            print(f"wrote the metrics to {args.output}", flush=True)
     return 0
 
 
 def predict(args: argparse.Namespace) -> int:
+    _check_output_dir(args.output)
     _, model = load_run(args.run_dir)
     x = _arrays_from(args.input).get("x")
     if x is None:
@@ -97,6 +111,9 @@ def add_evaluate_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--data-path", type=Path,
                         help=".npz with x and y to evaluate on (default: the run's validation "
                              "split)")
+    parser.add_argument("--output", type=Path,
+                        help="also write the metrics as JSON to this file (rank 0; the stdout "
+                             "of several ranks can interleave under horovodrun)")
 
 
 def add_predict_arguments(parser: argparse.ArgumentParser) -> None:

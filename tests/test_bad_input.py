@@ -194,6 +194,15 @@ def test_run_dir_not_writable(capsys, tmp_path):
                "is not writable (Not a directory); choose another --run-dir")
 
 
+@pytest.mark.parametrize("command", ["evaluate", "predict"])
+def test_output_into_a_missing_directory(capsys, finished_run, tmp_path, command):
+    np.save(tmp_path / "x.npy", np.zeros((2, 64), np.float32))
+    inputs = ["--input", str(tmp_path / "x.npy")] if command == "predict" else []
+    fails_with(capsys, [command, str(finished_run), *inputs, "--output",
+                        str(tmp_path / "missing" / "out")],
+               "does not exist; create it or choose another path")
+
+
 def test_debug_shows_the_traceback(capsys):
     assert main(["--batch-size", "0", "--debug"]) == 2
     err = capsys.readouterr().err

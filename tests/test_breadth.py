@@ -241,12 +241,12 @@ def test_tensorboard_events_and_curves_png(resnet_run):
 
 @pytest.mark.distributed
 def test_evaluate_is_exact_on_two_ranks_and_predict_prints_classes(resnet_run, tmp_path):
-    result = launch("horovodrun", 2, ["evaluate", str(resnet_run)])
+    report = tmp_path / "evaluation.json"
+    result = launch("horovodrun", 2, ["evaluate", str(resnet_run), "--output", str(report)])
     assert result.returncode == 0, result.stdout + result.stderr
-    line = next(x for x in result.stdout.splitlines() if '"examples"' in x)
-    reported = json.loads(line.split("<stdout>:", 1)[-1])
+    reported = json.loads(report.read_text())
     summary = read_summary(resnet_run)["metrics"]
-    assert reported["examples"] == 64
+    assert (reported["examples"], reported["ranks"]) == (64, 2)
     assert reported["accuracy"] == pytest.approx(summary["val_accuracy"], abs=1e-9)
     assert reported["loss"] == pytest.approx(summary["val_loss"], rel=1e-5)
     np.save(tmp_path / "inputs.npy", np.zeros((3, 16, 16, 3), np.float32))
