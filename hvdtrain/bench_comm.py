@@ -2,10 +2,13 @@
 mpi4py's ``MPI.Allreduce`` on the same ranks, 4 KB to 64 MB of float32.
 
 Run under a launcher with the MPI controller: ``launch/mpirun.sh -np 2 --command "python -m
-hvdtrain.bench_comm --output comm.json"``. Both paths run in the same processes, alternating per
-message size, so they see the same machine state. Reported per size: median seconds over the
-repeats, bus bandwidth (2 (n-1)/n x bytes / time, the usual allreduce convention) and the ratio
-hvdtrain / MPI.
+hvdtrain.bench_comm --output comm.json"``. The same processes time MPI first, before Horovod
+starts (its background thread polls MPI every cycle and would slow a raw MPI call made beside
+it), then hvdtrain's path on the MPI that Horovod adopts. Both run under hvdtrain's runtime
+defaults (``world.apply_runtime_defaults``), both write into a preallocated-or-allocator-reused
+output, and a Horovod call is timed to its result being ready, not to a copy into NumPy.
+Reported per size: median seconds over the repeats, bus bandwidth (2 (n-1)/n x bytes / time,
+the usual allreduce convention) and the ratio hvdtrain / MPI.
 """
 
 from __future__ import annotations
@@ -15,11 +18,12 @@ import json
 import statistics
 import time
 from pathlib import Path
+from typing import Callable
 
 SIZES = [4 << 10, 64 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20]
 
 
-def _timed(run, repeats: int) -> float:
+def _timed(run: Callable[[], object], repeats: int) -> float:
     run()                                                  # warm-up (and tracing)
     times = []
     for _ in range(repeats):
@@ -29,36 +33,49 @@ def _timed(run, repeats: int) -> float:
     return statistics.median(times)
 
 
-def sweep(repeats: int) -> list[dict]:
-    import mpi4py
-
-    mpi4py.rc.initialize = False                           # Horovod owns MPI_Init
+def mpi_sweep(comm, repeats: int) -> list[float]:
+    """Median seconds of ``MPI.Allreduce`` (sum, out of place) for each size."""
     import numpy as np
-    import tensorflow as tf
-
-    from hvdtrain.world import HorovodCollectives
-
-    collectives = HorovodCollectives()
     from mpi4py import MPI
 
-    comm, size = MPI.COMM_WORLD, collectives.world.size
-    rows = []
+    seconds = []
     for nbytes in SIZES:
-        count = nbytes // 4
-        send = np.ones(count, np.float32)
+        send = np.ones(nbytes // 4, np.float32)
         receive = np.empty_like(send)
-        tensor = tf.ones([count], tf.float32)
-        reduce = tf.function(lambda t: collectives.reduce_gradients([t], adasum=False,
-                                                                    fp16=False)[0])
+        comm.Barrier()
+        seconds.append(_timed(lambda: comm.Allreduce(send, receive, op=MPI.SUM), repeats))
+    return seconds
 
-        def mpi_allreduce() -> None:
-            comm.Allreduce(send, receive, op=MPI.SUM)
 
-        def horovod_allreduce() -> None:
-            reduce(tensor).numpy()
+def hvdtrain_sweep(collectives, repeats: int) -> list[float]:
+    """Median seconds of hvdtrain's gradient reduction (one grouped allreduce) for each size."""
+    import tensorflow as tf
 
-        mpi_s = _timed(mpi_allreduce, repeats)
-        hvd_s = _timed(horovod_allreduce, repeats)
+    reduce = tf.function(lambda t: collectives.reduce_gradients([t], adasum=False,
+                                                                fp16=False)[0])
+    seconds = []
+    for nbytes in SIZES:
+        tensor = tf.ones([nbytes // 4], tf.float32)
+        # Eager execution returns once the allreduce has completed on this rank.
+        seconds.append(_timed(lambda: reduce(tensor), repeats))
+    return seconds
+
+
+def sweep(repeats: int) -> list[dict]:
+    from hvdtrain.world import apply_runtime_defaults
+
+    apply_runtime_defaults(gpus_visible=False)
+    from mpi4py import MPI                                 # MPI_Init, thread level multiple
+
+    comm = MPI.COMM_WORLD
+    mpi_seconds = mpi_sweep(comm, repeats)
+    from hvdtrain.world import HorovodCollectives
+
+    collectives = HorovodCollectives()                     # adopts the initialised MPI
+    hvdtrain_seconds = hvdtrain_sweep(collectives, repeats)
+    size = collectives.world.size
+    rows = []
+    for nbytes, mpi_s, hvd_s in zip(SIZES, mpi_seconds, hvdtrain_seconds):
         bus = 2 * (size - 1) / size * nbytes
         rows.append({"bytes": nbytes, "mpi_seconds": mpi_s, "hvdtrain_seconds": hvd_s,
                      "mpi_bus_gbps": bus / mpi_s / 1e9, "hvdtrain_bus_gbps": bus / hvd_s / 1e9,

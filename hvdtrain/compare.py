@@ -9,7 +9,9 @@ On one machine, same model, same per-rank batch, same world size, same CPU threa
 4. one process without distribution (for scaling efficiency);
 5. the allreduce sweep, hvdtrain's path against mpi4py (``hvdtrain.bench_comm``);
 6. the input pipeline alone (examples/second of each built-in source and TFRecord) against the
-   training rate.
+   training rate;
+7. startup: seconds from the launch command to the end of the first training step (the README's
+   main job, one epoch).
 
 Writes ``compare.json`` and ``compare.png`` to ``--output-dir`` and prints the table of ratios.
 """
@@ -19,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -34,14 +37,16 @@ def _python() -> str:
 
 
 def _env(threads: int) -> dict[str, str]:
-    """Every variant gets the same CPU threads per process, the same quiet TensorFlow and the
-    same MPI polling (hvdtrain's CPU default, which the hand-written loop could set too), so
-    the ratios measure code, not environment."""
-    return dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", CUDA_VISIBLE_DEVICES=os.environ.get(
-        "CUDA_VISIBLE_DEVICES", ""), OMPI_MCA_mpi_yield_when_idle=os.environ.get(
-        "OMPI_MCA_mpi_yield_when_idle", "1"), TF_NUM_INTRAOP_THREADS=str(threads),
-        TF_NUM_INTEROP_THREADS=str(min(2, threads)),
-        PATH=f"{Path(_python()).parent}{os.pathsep}{os.environ.get('PATH', '')}")
+    """Every variant gets the same CPU threads per process, the same quiet TensorFlow and
+    hvdtrain's runtime defaults for Horovod and MPI (which a hand-written loop could set too),
+    so the ratios measure code, not environment. The harness runs on CPUs only."""
+    from hvdtrain.world import runtime_defaults
+
+    return {**runtime_defaults(gpus_visible=False), **os.environ, "TF_CPP_MIN_LOG_LEVEL": "2",
+            "CUDA_VISIBLE_DEVICES": os.environ.get("CUDA_VISIBLE_DEVICES", ""),
+            "TF_NUM_INTRAOP_THREADS": str(threads), "TF_NUM_INTEROP_THREADS":
+            str(min(2, threads)),
+            "PATH": f"{Path(_python()).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
 
 
 def _run(command: list[str], env: dict[str, str], timeout: int = 1200) -> None:
@@ -74,6 +79,19 @@ def run_multiworker(common: list[str], np: int, env: dict[str, str], output: Pat
         _, err = worker.communicate(timeout=1200)
         if worker.returncode != 0:
             raise RuntimeError(f"MultiWorkerMirroredStrategy worker failed:\n{err[-3000:]}")
+
+
+def launch_to_first_step(horovodrun: list[str], env: dict[str, str], out: Path) -> dict:
+    """Time the default job from its launch command to the end of its first training step."""
+    run_dir = out / "startup-run"
+    shutil.rmtree(run_dir, ignore_errors=True)
+    launched = time.time()
+    _run([*horovodrun, _python(), "-m", "hvdtrain", "--epochs", "1", "--run-dir", str(run_dir)],
+         env)
+    summary = json.loads((run_dir / "summary.json").read_text())
+    return {"launch_to_first_step_seconds": summary["first_step_unix_time"] - launched,
+            "process_start_to_first_step_seconds": summary["first_step_seconds"],
+            "setup_seconds": summary["setup_seconds"]}
 
 
 def input_pipeline_sweep(batch: int, steps: int = 200) -> list[dict]:
@@ -143,14 +161,16 @@ def main(argv: list[str] | None = None) -> int:
     _run([str(REPO / "launch" / "mpirun.sh"), "-np", str(args.np), "--command",
           f"{_python()} -m hvdtrain.bench_comm --repeats {args.comm_repeats} --output "
           f"{out / 'comm.json'}"], env)
-    report = summarize(out, args, input_pipeline_sweep(args.batch_size))
+    startup = launch_to_first_step(horovodrun, env, out)
+    report = summarize(out, args, input_pipeline_sweep(args.batch_size), startup)
     (out / "compare.json").write_text(json.dumps(report, indent=2) + "\n")
     draw(report, out / "compare.png")
     print_table(report)
     return 0
 
 
-def summarize(out: Path, args: argparse.Namespace, pipeline: list[dict]) -> dict:
+def summarize(out: Path, args: argparse.Namespace, pipeline: list[dict],
+              startup: dict) -> dict:
     def load(name: str):
         return json.loads((out / f"{name}.json").read_text())
 
@@ -174,6 +194,7 @@ def summarize(out: Path, args: argparse.Namespace, pipeline: list[dict]) -> dict
         "allreduce": load("comm"),
         "input_pipeline": [{**row, "ratio_to_training": row["examples_per_second"]
                             / training_rate} for row in pipeline],
+        "startup": startup,
     }
 
 
@@ -185,6 +206,11 @@ def print_table(report: dict) -> None:
     for row in report["input_pipeline"]:
         print(f"input {row['source']:10s} {row['examples_per_second']:>12,.0f} ex/s  "
               f"{row['ratio_to_training']:.1f}x training")
+    startup = report["startup"]
+    print(f"startup: launch to end of first training step "
+          f"{startup['launch_to_first_step_seconds']:.1f} s "
+          f"(process start to first step {startup['process_start_to_first_step_seconds']:.1f} s, "
+          f"of which setup {startup['setup_seconds']:.1f} s)")
 
 
 def draw(report: dict, path: Path) -> None:

@@ -15,10 +15,8 @@ from pathlib import Path
 
 import numpy as np
 
-from hvdtrain.checkpoint import atomic_write_text
 from hvdtrain.config import ConfigError, build_config, load_yaml
 from hvdtrain.errors import UserError
-from hvdtrain.models import check_input_shape
 
 
 def load_run(run_dir: Path):
@@ -56,8 +54,10 @@ def _check_output_dir(output: Path | None) -> None:
 
 
 def evaluate(args: argparse.Namespace) -> int:
+    from hvdtrain.checkpoint import atomic_write_text
     from hvdtrain.data.pipeline import ShardSpec
     from hvdtrain.data.sources import ArraySplit, load_source
+    from hvdtrain.models import check_input_shape
     from hvdtrain.training.step import Evaluation
     from hvdtrain.world import init_collectives, place_devices
 
@@ -90,6 +90,8 @@ def evaluate(args: argparse.Namespace) -> int:
 
 
 def predict(args: argparse.Namespace) -> int:
+    from hvdtrain.models import check_input_shape
+
     _check_output_dir(args.output)
     _, model = load_run(args.run_dir)
     x = _arrays_from(args.input).get("x")

@@ -30,14 +30,13 @@ repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 python="${HVDTRAIN_PYTHON:-$repo/.venv/bin/python}"
 [ -x "$python" ] || python="$(command -v python3)"
 
-args=(-np "$np" --bind-to none --map-by slot
-      -x LD_LIBRARY_PATH -x PATH -x PYTHONPATH -x TF_CPP_MIN_LOG_LEVEL
-      -mca pml ob1 -mca btl ^openib)
+args=(-np "$np" --bind-to none --map-by slot -mca pml ob1 -mca btl ^openib)
 [ "$(id -u)" -eq 0 ] && args+=(--allow-run-as-root)
 [ -n "$hosts" ] && args+=(-H "$hosts")
 [ -n "$hostfile" ] && args+=(--hostfile "$hostfile")
 [ -n "$iface" ] && args+=(-mca btl_tcp_if_include "$iface" -x NCCL_SOCKET_IFNAME="$iface")
-for var in $(compgen -e | grep -E '^(HOROVOD_|HVDTRAIN_|NCCL_|CUDA_VISIBLE_DEVICES$)' || true); do
+# Only variables that are set: mpirun warns about every -x name it cannot find.
+for var in $(compgen -e | grep -E '^(HOROVOD_|HVDTRAIN_|NCCL_|TF_|OMPI_MCA_|CUDA_VISIBLE_DEVICES$|LD_LIBRARY_PATH$|PATH$|PYTHONPATH$)' || true); do
   args+=(-x "$var")
 done
 

@@ -35,6 +35,9 @@ def test_compare_harness_writes_every_field(tmp_path):
                 "ratio"} <= set(row)
     assert [row["source"] for row in report["input_pipeline"]] == [
         "digits", "synthetic", "npz", "tfrecord"]
+    startup = report["startup"]
+    assert (0 < startup["setup_seconds"] < startup["process_start_to_first_step_seconds"]
+            < startup["launch_to_first_step_seconds"] < 600)
     hvdtrain = json.loads((out / "hvdtrain-custom.json").read_text())
     assert {"step_seconds_median", "step_seconds_spread", "examples_per_second_total",
             "per_rank", "world_size"} <= set(hvdtrain) and hvdtrain["world_size"] == 2

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import re
+import subprocess
+import sys
 
 import pytest
 
@@ -33,6 +35,17 @@ def test_doctor_without_a_launcher_is_a_world_of_one():
 def test_version_flag():
     result = launch("none", 1, ["--version"])
     assert result.returncode == 0 and re.fullmatch(r"hvdtrain \d+\.\d+\.\d+\n", result.stdout)
+
+
+def test_version_help_and_a_mistake_answer_without_loading_tensorflow():
+    """The CLI imports TensorFlow and Keras only for a command that needs them (seconds saved
+    on every --version, --help and mistyped flag)."""
+    probe = ("import sys\nfrom hvdtrain.cli import main\n"
+             "codes = [main(['--version']), main(['--epoch', '3'])]\n"
+             "print(codes, sorted({'tensorflow', 'keras', 'horovod'} & set(sys.modules)))")
+    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                            timeout=60, stdin=subprocess.DEVNULL)
+    assert result.stdout.splitlines()[-1] == "[0, 2] []", result.stdout + result.stderr
 
 
 def test_launcher_detection_from_environment():

@@ -152,3 +152,6 @@ def test_embedded_default_reaches_the_stated_accuracy(session_tmp):
     assert accuracy >= 0.95
     assert accuracy == pytest.approx(read_summary(run_dir)["metrics"]["val_accuracy"], abs=1e-4)
     assert "epoch 20/20" in result.stdout and "ex/s" in result.stdout
+    summary = read_summary(run_dir)
+    assert 0 < summary["setup_seconds"] < summary["first_step_seconds"] < 600
+    assert "startup: the first training step ended" in result.stdout

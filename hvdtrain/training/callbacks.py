@@ -23,6 +23,7 @@ import tensorflow as tf
 
 from hvdtrain.checkpoint import CheckpointStore, atomic_write_text
 from hvdtrain.errors import TrainingDiverged
+from hvdtrain.startup import process_age_seconds
 from hvdtrain.training.schedule import WarmupScaledRate
 from hvdtrain.training.step import StepMath
 from hvdtrain.world import Collectives, World
@@ -78,6 +79,21 @@ class StopOnDivergence(keras.callbacks.Callback):
             f"loss became {loss} at epoch {self.epoch + 1}, step {batch + 1}; stopped on every "
             f"rank without applying it ({kept}); lower --learning-rate or check the data for "
             "NaN/Inf")
+
+
+class FirstStepClock(keras.callbacks.Callback):
+    """Note when this process's first training step ended: seconds since the process started,
+    and the wall-clock (Unix) time, which a launching harness compares with its own start.
+    Placed after ``StopOnDivergence``, whose loss read waits for the step to finish."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seconds: float | None = None
+        self.unix_time: float | None = None
+
+    def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
+        if self.seconds is None:
+            self.seconds, self.unix_time = process_age_seconds(), time.time()
 
 
 class Throughput(keras.callbacks.Callback):
@@ -321,6 +337,7 @@ class RunHooks:
     progress: Progress
     plateau: PlateauDecay | None
     tensorboard: bool
+    first_step: FirstStepClock | None = None
 
 
 def standard_callbacks(hooks: RunHooks) -> list[keras.callbacks.Callback]:
@@ -329,6 +346,7 @@ def standard_callbacks(hooks: RunHooks) -> list[keras.callbacks.Callback]:
     model, optimizer = hooks.step.model, hooks.step.optimizer
     callbacks: list[keras.callbacks.Callback] = [
         StopOnDivergence(hooks.step, hooks.store),
+        *([hooks.first_step] if hooks.first_step is not None else []),
         Throughput(hooks.progress.steps, hooks.progress.global_batch),
         EpochMetrics(hooks.step, hooks.collectives),
         AverageBatchNormStatistics(model, hooks.collectives),

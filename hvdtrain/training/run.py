@@ -32,8 +32,8 @@ from hvdtrain.errors import UserError
 from hvdtrain.models import build_model, check_input_shape
 from hvdtrain.plots import plot_curves
 from hvdtrain.training.elastic import ElasticRun, elastic_loop
-from hvdtrain.training.callbacks import (MetricsFiles, PlateauDecay, Progress, RunHooks,
-                                         standard_callbacks)
+from hvdtrain.training.callbacks import (FirstStepClock, MetricsFiles, PlateauDecay, Progress,
+                                         RunHooks, standard_callbacks)
 from hvdtrain.training.loops import LOOPS
 from hvdtrain.training.schedule import WarmupScaledRate, make_optimizer, make_schedule
 from hvdtrain.training.step import Evaluation, StepMath, StepOptions
@@ -288,6 +288,7 @@ def train(config: Config) -> RunResult:
                f"{data.train.num_examples} examples, {steps} steps/epoch, global "
                f"batch {spec.global_batch}, remainder policy '{config.data.remainder}'")
     started = time.perf_counter()
+    first_step = FirstStepClock()
     if config.train.elastic:
         elastic_loop(ElasticRun(config, collectives, data, model, trainable.optimizer,
                                 trainable.schedule, evaluation, store, state, run_dir,
@@ -302,7 +303,7 @@ def train(config: Config) -> RunResult:
                             interactive=sys.stdout.isatty() and world.size == 1)
         callbacks = standard_callbacks(RunHooks(
             world, collectives, step, lambda: evaluation.run(val_dataset), trainable.schedule,
-            store, state, run_dir, progress, plateau, config.train.tensorboard))
+            store, state, run_dir, progress, plateau, config.train.tensorboard, first_step))
         with data_errors_named(data):
             LOOPS[config.train.loop](step, data.train.dataset(spec, initial_epoch, epochs),
                                      epochs, initial_epoch, steps, callbacks)
@@ -316,6 +317,8 @@ def train(config: Config) -> RunResult:
                    "fingerprints": fingerprints,
                    "fingerprints_before_broadcast": before_broadcast,
                    "train_seconds": trained, "setup_seconds": started - launched,
+                   "first_step_seconds": first_step.seconds,
+                   "first_step_unix_time": first_step.unix_time,
                    "validation_examples": data.val.num_examples}
         _finish(run_dir, float32_copy(config, model, data), summary)
     return RunResult(run_dir, metrics, fingerprints)
@@ -333,6 +336,10 @@ def _finish(run_dir: Path, model: keras.Model, summary: dict[str, Any]) -> None:
     agreement = ("identical on all ranks" if summary["weights_identical"] else
                  "DIFFER across ranks: " + ", ".join(fingerprints))
     print(f"weights {agreement} (fingerprint {fingerprints[0]})", flush=True)
+    if summary["first_step_seconds"] is not None:
+        print(f"startup: the first training step ended {summary['first_step_seconds']:.1f} s "
+              f"after rank 0's process started ({summary['setup_seconds']:.1f} s of it in "
+              "setup: Horovod, data, model, restore)", flush=True)
     print(f"held-out accuracy: {metrics['val_accuracy']:.4f} on "
           f"{summary['validation_examples']} examples "
           f"(loss {metrics['val_loss']:.4f}); model saved to {run_dir / 'model.keras'}",
