@@ -9,6 +9,11 @@ defaults (``world.apply_runtime_defaults``), both write into a preallocated-or-a
 output, and a Horovod call is timed to its result being ready, not to a copy into NumPy.
 Reported per size: median seconds over the repeats, bus bandwidth (2 (n-1)/n x bytes / time,
 the usual allreduce convention) and the ratio hvdtrain / MPI.
+
+Where Horovod's time goes: run the sweep with ``HOROVOD_TIMELINE=tl.json`` set, then
+``python -m hvdtrain.bench_comm --breakdown tl.json --repeats N`` (the same N) prints, per size,
+the median negotiation time, the time inside ``MPI_Allreduce`` and the time from one call's
+start to the next (timeline on, so slightly slower than the sweep's own figures).
 """
 
 from __future__ import annotations
@@ -83,11 +88,54 @@ def sweep(repeats: int) -> list[dict]:
     return rows if collectives.world.is_chief else []
 
 
+def _timeline_events(path: Path) -> list[dict]:
+    """A Horovod timeline's events (the file of a job that ended may lack its closing ``]``)."""
+    text = path.read_text().rstrip().rstrip(",")
+    return json.loads(text if text.endswith("]") else text + "]")
+
+
+def timeline_breakdown(path: Path, repeats: int) -> list[dict]:
+    """Median milliseconds per size of a timed sweep (warm-up call excluded): negotiation,
+    ``MPI_Allreduce`` inside Horovod, and the period from one call's start to the next."""
+    spans: dict[str, list[tuple[float, float]]] = {}
+    open_spans: dict[int, list[tuple[str, float]]] = {}
+    for event in _timeline_events(path):
+        if event.get("ph") == "B":
+            open_spans.setdefault(event["pid"], []).append((event["name"], event["ts"]))
+        elif event.get("ph") == "E" and open_spans.get(event["pid"]):
+            name, began = open_spans[event["pid"]].pop()
+            spans.setdefault(name, []).append((began, event["ts"] - began))
+    negotiations, reductions = spans["NEGOTIATE_ALLREDUCE"], spans["MPI_ALLREDUCE"]
+    per_size = repeats + 1
+    if len(negotiations) != len(SIZES) * per_size:
+        raise ValueError(f"{path} holds {len(negotiations)} allreduces, not "
+                         f"{len(SIZES)} sizes x {per_size} calls; give the sweep's --repeats")
+    rows = []
+    for index, nbytes in enumerate(SIZES):
+        timed = slice(index * per_size + 1, (index + 1) * per_size)
+        starts = [began for began, _ in negotiations[timed]]
+        rows.append({
+            "bytes": nbytes,
+            "negotiate_ms": statistics.median(d for _, d in negotiations[timed]) / 1e3,
+            "mpi_allreduce_ms": statistics.median(d for _, d in reductions[timed]) / 1e3,
+            "period_ms": statistics.median(b - a for a, b in zip(starts, starts[1:])) / 1e3,
+        })
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--output", type=Path)
+    parser.add_argument("--breakdown", type=Path, metavar="TIMELINE",
+                        help="only analyse the Horovod timeline of an earlier sweep")
     args = parser.parse_args(argv)
+    if args.breakdown:
+        for row in timeline_breakdown(args.breakdown, args.repeats):
+            print(f"{row['bytes'] / 1024:>8,.0f} KiB  negotiate {row['negotiate_ms']:7.3f} ms  "
+                  f"MPI_Allreduce {row['mpi_allreduce_ms']:8.3f} ms  per call "
+                  f"{row['period_ms']:8.3f} ms")
+        return 0
     rows = sweep(args.repeats)
     for row in rows:
         print(f"{row['bytes'] / 1024:>8,.0f} KiB  MPI {row['mpi_seconds'] * 1e3:8.3f} ms "

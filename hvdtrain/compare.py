@@ -23,6 +23,7 @@ import json
 import os
 import shutil
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -138,6 +139,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--np", type=int, default=2, help="ranks / workers")
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="run every training variant this many times, interleaved; "
+                             "report the median over rounds")
     parser.add_argument("--comm-repeats", type=int, default=20)
     parser.add_argument("--output-dir", type=Path, default=Path("bench"))
     args = parser.parse_args(argv)
@@ -150,14 +154,17 @@ def main(argv: list[str] | None = None) -> int:
     horovodrun = [str(Path(_python()).with_name("horovodrun")), "-np", str(args.np)]
     print(f"comparing on {args.np} rank(s) x batch {args.batch_size}, {threads} thread(s) "
           f"each, model {args.model}", flush=True)
-    for loop in ("custom", "fit"):
-        _run([*horovodrun, _python(), "-m", "hvdtrain", "benchmark", *common, "--loop", loop,
-              "--output", str(out / f"hvdtrain-{loop}.json")], env)
-    _run([*horovodrun, _python(), "-m", "hvdtrain.baselines.minimal_horovod", *common,
-          "--output", str(out / "minimal.json")], env)
-    run_multiworker(common, args.np, env, out / "multiworker.json")
-    _run([_python(), "-m", "hvdtrain", "benchmark", *common, "--output",
-          str(out / "single.json")], _env(os.cpu_count() or 1))
+    for round_ in range(1, args.rounds + 1):
+        # Every variant once per round, in the same order: a slow spell of the machine hits
+        # all of them alike, and the median over rounds discards it.
+        for loop in ("custom", "fit"):
+            _run([*horovodrun, _python(), "-m", "hvdtrain", "benchmark", *common, "--loop",
+                  loop, "--output", str(out / f"hvdtrain-{loop}-{round_}.json")], env)
+        _run([*horovodrun, _python(), "-m", "hvdtrain.baselines.minimal_horovod", *common,
+              "--output", str(out / f"minimal-{round_}.json")], env)
+        run_multiworker(common, args.np, env, out / f"multiworker-{round_}.json")
+        _run([_python(), "-m", "hvdtrain", "benchmark", *common, "--output",
+              str(out / f"single-{round_}.json")], _env(os.cpu_count() or 1))
     _run([str(REPO / "launch" / "mpirun.sh"), "-np", str(args.np), "--command",
           f"{_python()} -m hvdtrain.bench_comm --repeats {args.comm_repeats} --output "
           f"{out / 'comm.json'}"], env)
@@ -174,13 +181,17 @@ def summarize(out: Path, args: argparse.Namespace, pipeline: list[dict],
     def load(name: str):
         return json.loads((out / f"{name}.json").read_text())
 
-    runs = {name: load(name) for name in ("hvdtrain-custom", "hvdtrain-fit", "minimal",
-                                          "multiworker", "single")}
-    step = {name: run["step_seconds_median"] for name, run in runs.items()}
-    rate = {name: run["examples_per_second_total"] for name, run in runs.items()}
+    def over_rounds(name: str, field: str) -> float:
+        return statistics.median(load(f"{name}-{round_}")[field]
+                                 for round_ in range(1, args.rounds + 1))
+
+    names = ("hvdtrain-custom", "hvdtrain-fit", "minimal", "multiworker", "single")
+    step = {name: over_rounds(name, "step_seconds_median") for name in names}
+    rate = {name: over_rounds(name, "examples_per_second_total") for name in names}
     training_rate = rate["hvdtrain-custom"] / args.np     # per rank, what the input must feed
     return {
         "machine": {"cpus": os.cpu_count(), "np": args.np},
+        "rounds": args.rounds,
         "config": {"model": args.model, "batch_size_per_rank": args.batch_size},
         "examples_per_second": rate,
         "step_seconds_median": step,

@@ -17,7 +17,8 @@ def test_compare_harness_writes_every_field(tmp_path):
     out = tmp_path / "bench"
     result = subprocess.run(
         [sys.executable, "-m", "hvdtrain.compare", "--model", "mlp", "--batch-size", "8",
-         "--steps", "3", "--repeats", "2", "--comm-repeats", "2", "--output-dir", str(out)],
+         "--steps", "3", "--repeats", "2", "--rounds", "2", "--comm-repeats", "2",
+         "--output-dir", str(out)],
         cwd=REPO, env=rank_env(), text=True, capture_output=True, timeout=900,
         stdin=subprocess.DEVNULL)
     assert result.returncode == 0, result.stdout + result.stderr
@@ -38,8 +39,36 @@ def test_compare_harness_writes_every_field(tmp_path):
     startup = report["startup"]
     assert (0 < startup["setup_seconds"] < startup["process_start_to_first_step_seconds"]
             < startup["launch_to_first_step_seconds"] < 600)
-    hvdtrain = json.loads((out / "hvdtrain-custom.json").read_text())
+    assert report["rounds"] == 2
+    hvdtrain = json.loads((out / "hvdtrain-custom-2.json").read_text())
     assert {"step_seconds_median", "step_seconds_spread", "examples_per_second_total",
             "per_rank", "world_size"} <= set(hvdtrain) and hvdtrain["world_size"] == 2
     assert (out / "compare.png").read_bytes()[:4] == b"\x89PNG"
     assert "custom_step_vs_minimal" in result.stdout
+
+
+def test_timeline_breakdown_reads_a_horovod_timeline(tmp_path):
+    """Per size: the warm-up call is dropped, then medians of negotiation, MPI and period."""
+    from hvdtrain.bench_comm import SIZES, timeline_breakdown
+
+    events, clock = [{"name": "process_name", "ph": "M", "pid": 1, "args": {}}], 0
+    for index, _ in enumerate(SIZES):
+        for call in range(3):                      # the warm-up and --repeats 2
+            negotiate = 999 if call == 0 else 10 * (index + 1)
+            events += [{"ph": "B", "name": "NEGOTIATE_ALLREDUCE", "ts": clock, "pid": 1},
+                       {"ph": "E", "ts": clock + negotiate, "pid": 1},
+                       {"ph": "B", "name": "ALLREDUCE", "ts": clock + 1000, "pid": 1},
+                       {"ph": "B", "name": "MPI_ALLREDUCE", "ts": clock + 1000, "pid": 1},
+                       {"ph": "E", "ts": clock + 1000 + 500 * (index + 1), "pid": 1},
+                       {"ph": "E", "ts": clock + 1000 + 500 * (index + 1), "pid": 1}]
+            clock += 2000 * (index + 1) + 1000
+    path = tmp_path / "tl.json"
+    path.write_text("[\n" + ",\n".join(json.dumps(e) for e in events) + ",")   # unterminated
+    rows = timeline_breakdown(path, repeats=2)
+    assert [row["bytes"] for row in rows] == SIZES
+    for index, row in enumerate(rows):
+        assert row["negotiate_ms"] == pytest.approx(0.01 * (index + 1))
+        assert row["mpi_allreduce_ms"] == pytest.approx(0.5 * (index + 1))
+        assert row["period_ms"] == pytest.approx(2.0 * (index + 1) + 1.0)
+    with pytest.raises(ValueError, match="give the sweep's --repeats"):
+        timeline_breakdown(path, repeats=3)
