@@ -5,8 +5,9 @@ Run under a launcher with the MPI controller: ``launch/mpirun.sh -np 2 --command
 hvdtrain.bench_comm --output comm.json"``. The same processes time MPI first, before Horovod
 starts (its background thread polls MPI every cycle and would slow a raw MPI call made beside
 it), then hvdtrain's path on the MPI that Horovod adopts. Both run under hvdtrain's runtime
-defaults (``world.apply_runtime_defaults``), both write into a preallocated-or-allocator-reused
-output, and a Horovod call is timed to its result being ready, not to a copy into NumPy.
+defaults (``world.apply_runtime_defaults``); MPI reuses one receive buffer while Horovod's op
+allocates its output each call, as it does in training; a Horovod call is timed to its result
+being ready, not to a copy into NumPy.
 Reported per size: median seconds over the repeats, bus bandwidth (2 (n-1)/n x bytes / time,
 the usual allreduce convention) and the ratio hvdtrain / MPI.
 
