@@ -16,7 +16,9 @@ import traceback
 from dataclasses import dataclass
 from typing import Callable, NoReturn
 
-from hvdtrain import __version__, benchmark, convert, inference
+from hvdtrain import __version__, inference
+from hvdtrain.bench import benchmark
+from hvdtrain.data import convert
 from hvdtrain.config import add_arguments, config_from_args
 from hvdtrain.errors import UserError
 
@@ -58,7 +60,7 @@ def _train(args: argparse.Namespace) -> int:
 
 
 def _doctor(args: argparse.Namespace) -> int:
-    from hvdtrain import doctor
+    from hvdtrain.install import doctor
 
     return doctor.main()
 

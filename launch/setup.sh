@@ -82,5 +82,5 @@ fi
 # --- 3. Horovod, built against this TensorFlow (cached wheel), then verified ---------------
 build_args=()
 [ "$gpu" = 1 ] && build_args+=(--gpu)
-"$vpy" -m hvdtrain.horovod_build "${build_args[@]}" || die "Horovod build or check failed (see above)"
+"$vpy" -m hvdtrain.install.horovod_build "${build_args[@]}" || die "Horovod build or check failed (see above)"
 say "done: activate with 'source $venv/bin/activate'"

@@ -14,7 +14,7 @@ import pytest
 
 from conftest import launch, train
 from hvdtrain.cli import main
-from hvdtrain.doctor import problems_in
+from hvdtrain.install.doctor import problems_in
 
 
 def fails_with(capsys, argv: list[str], message: str) -> str:
@@ -111,7 +111,7 @@ def test_corrupt_tfrecord_file(capsys, tmp_path):
 
 def test_corrupt_tfrecord_found_mid_run(capsys, tmp_path):
     """With the converter's record counts no counting pass reads the file before training."""
-    from hvdtrain.convert import convert
+    from hvdtrain.data.convert import convert
 
     rng = np.random.default_rng(0)
     np.savez(tmp_path / "d.npz", x=rng.standard_normal((64, 4)).astype(np.float32),

@@ -16,7 +16,7 @@ pytestmark = pytest.mark.distributed
 def test_compare_harness_writes_every_field(tmp_path):
     out = tmp_path / "bench"
     result = subprocess.run(
-        [sys.executable, "-m", "hvdtrain.compare", "--model", "mlp", "--batch-size", "8",
+        [sys.executable, "-m", "hvdtrain.bench.compare", "--model", "mlp", "--batch-size", "8",
          "--steps", "3", "--repeats", "2", "--rounds", "2", "--comm-repeats", "2",
          "--output-dir", str(out)],
         cwd=REPO, env=rank_env(), text=True, capture_output=True, timeout=900,
@@ -49,7 +49,7 @@ def test_compare_harness_writes_every_field(tmp_path):
 
 def test_timeline_breakdown_reads_a_horovod_timeline(tmp_path):
     """Per size: the warm-up call is dropped, then medians of negotiation, MPI and period."""
-    from hvdtrain.bench_comm import SIZES, timeline_breakdown
+    from hvdtrain.bench.comm import SIZES, timeline_breakdown
 
     events, clock = [{"name": "process_name", "ph": "M", "pid": 1, "args": {}}], 0
     for index, _ in enumerate(SIZES):

@@ -16,7 +16,7 @@ import tensorflow as tf
 from conftest import (EXACT, assert_partition, assert_same_weights, final_weights, launch,
                       probe_shards, read_metrics, read_summary, train)
 from hvdtrain.config import DataConfig, OptimConfig
-from hvdtrain.convert import convert
+from hvdtrain.data.convert import convert
 from hvdtrain.data.files import tfrecord_split
 from hvdtrain.data.keras_files import FASHION_FILES
 from hvdtrain.data.sources import load_source

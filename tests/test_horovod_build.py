@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from hvdtrain import horovod_build as hb
+from hvdtrain.install import horovod_build as hb
 
 CMAKELISTS = """\
 set(TF_SOURCES "${PROJECT_SOURCE_DIR}/horovod/tensorflow/mpi_ops.cc"

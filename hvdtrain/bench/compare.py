@@ -1,4 +1,4 @@
-"""``python -m hvdtrain.compare``: hvdtrain against its alternatives, back to back, as ratios.
+"""``python -m hvdtrain.bench.compare``: hvdtrain against its alternatives, back to back, as ratios.
 
 On one machine, same model, same per-rank batch, same world size, same CPU threads per rank:
 
@@ -7,7 +7,7 @@ On one machine, same model, same per-rank batch, same world size, same CPU threa
 3. TensorFlow's ``MultiWorkerMirroredStrategy`` (``baselines.multiworker``, TF_CONFIG on
    localhost);
 4. one process without distribution (for scaling efficiency);
-5. the allreduce sweep, hvdtrain's path against mpi4py (``hvdtrain.bench_comm``);
+5. the allreduce sweep, hvdtrain's path against mpi4py (``hvdtrain.bench.comm``);
 6. the input pipeline alone (examples/second of each built-in source and TFRecord) against the
    training rate;
 7. startup: seconds from the launch command to the end of the first training step (the README's
@@ -30,7 +30,7 @@ import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def _python() -> str:
@@ -73,7 +73,7 @@ def run_multiworker(common: list[str], np: int, env: dict[str, str], output: Pat
     configs = [json.dumps({"cluster": cluster, "task": {"type": "worker", "index": i}})
                for i in range(np)]
     workers = [subprocess.Popen(
-        [_python(), "-m", "hvdtrain.baselines.multiworker", *common, "--output", str(output)],
+        [_python(), "-m", "hvdtrain.bench.baselines.multiworker", *common, "--output", str(output)],
         env=dict(env, TF_CONFIG=config), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
         text=True, stdin=subprocess.DEVNULL) for config in configs]
     for worker in workers:
@@ -100,7 +100,7 @@ def input_pipeline_sweep(batch: int, steps: int = 200) -> list[dict]:
     import numpy as np
 
     from hvdtrain.config import DataConfig
-    from hvdtrain.convert import convert
+    from hvdtrain.data.convert import convert
     from hvdtrain.data.pipeline import ShardSpec
     from hvdtrain.data.sources import load_source
     from hvdtrain.world import World
@@ -160,13 +160,13 @@ def main(argv: list[str] | None = None) -> int:
         for loop in ("custom", "fit"):
             _run([*horovodrun, _python(), "-m", "hvdtrain", "benchmark", *common, "--loop",
                   loop, "--output", str(out / f"hvdtrain-{loop}-{round_}.json")], env)
-        _run([*horovodrun, _python(), "-m", "hvdtrain.baselines.minimal_horovod", *common,
+        _run([*horovodrun, _python(), "-m", "hvdtrain.bench.baselines.minimal_horovod", *common,
               "--output", str(out / f"minimal-{round_}.json")], env)
         run_multiworker(common, args.np, env, out / f"multiworker-{round_}.json")
         _run([_python(), "-m", "hvdtrain", "benchmark", *common, "--output",
               str(out / f"single-{round_}.json")], _env(os.cpu_count() or 1))
     _run([str(REPO / "launch" / "mpirun.sh"), "-np", str(args.np), "--command",
-          f"{_python()} -m hvdtrain.bench_comm --repeats {args.comm_repeats} --output "
+          f"{_python()} -m hvdtrain.bench.comm --repeats {args.comm_repeats} --output "
           f"{out / 'comm.json'}"], env)
     startup = launch_to_first_step(horovodrun, env, out)
     report = summarize(out, args, input_pipeline_sweep(args.batch_size), startup)

@@ -29,7 +29,7 @@ def main(argv: list[str] | None = None) -> int:
     import numpy as np
     import tensorflow as tf
 
-    from hvdtrain.benchmark import DEFAULT_SHAPES, build_benchmark_model, time_steps
+    from hvdtrain.bench.benchmark import DEFAULT_SHAPES, build_benchmark_model, time_steps
 
     hvd.init()
     shape, classes = DEFAULT_SHAPES[args.model], 1000 if args.model == "resnet50" else 10

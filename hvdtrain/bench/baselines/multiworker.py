@@ -1,7 +1,7 @@
 """TensorFlow's own data parallelism: ``MultiWorkerMirroredStrategy``, the custom-loop recipe
 from TensorFlow's guide (``strategy.run`` of a step that averages the loss over the global
 batch; the optimizer all-reduces the gradients). One process per worker, each told its place by
-``TF_CONFIG``; ``hvdtrain.compare`` starts them on localhost. Timed with the same synthetic batch
+``TF_CONFIG``; ``hvdtrain.bench.compare`` starts them on localhost. Timed with the same synthetic batch
 shape and the same timing loop as ``hvdtrain benchmark``.
 """
 
@@ -28,7 +28,7 @@ def main(argv: list[str] | None = None) -> int:
     import numpy as np
     import tensorflow as tf
 
-    from hvdtrain.benchmark import DEFAULT_SHAPES, build_benchmark_model, time_steps
+    from hvdtrain.bench.benchmark import DEFAULT_SHAPES, build_benchmark_model, time_steps
 
     strategy = tf.distribute.MultiWorkerMirroredStrategy()
     workers = strategy.num_replicas_in_sync
