@@ -12,6 +12,7 @@ from hvdtrain.config import DataConfig, ModelConfig, OptimConfig
 from hvdtrain.data.pipeline import ShardSpec, array_dataset, epoch_plan
 from hvdtrain.data.sources import DataError, load_source
 from hvdtrain.models import ModelError, build_model
+from hvdtrain.plugins import PluginError
 from hvdtrain.training.schedule import make_schedule, scale_factor
 from hvdtrain.world import World
 
@@ -68,7 +69,7 @@ def test_dataset_gathers_features_for_the_planned_ids():
     y = np.arange(10)
     spec = ShardSpec(10, World(1, 2), 3, "pad", True, 1)
     ids, _ = epoch_plan(spec, 0)
-    for (features, labels, weights), row in zip(array_dataset(x, y, spec), ids.numpy()):
+    for (features, labels, _, weights), row in zip(array_dataset(x, y, spec), ids.numpy()):
         real = row >= 0
         assert np.array_equal(labels.numpy()[real], row[real])
         assert np.array_equal(features.numpy()[real, 0], row[real] * 10)
@@ -88,7 +89,7 @@ def test_sources_split_and_report_shapes(tmp_path):
 @pytest.mark.parametrize("arrays, message", [
     ({"x": np.zeros((3, 2))}, "has no array 'y'"),
     ({"x": np.zeros((3, 2)), "y": np.zeros(2, int)}, "'x' has 3 examples but 'y' has 2"),
-    ({"x": np.zeros((3, 2)), "y": np.zeros(3)}, "labels 'y' must be integers"),
+    ({"x": np.zeros((3, 2)), "y": np.array(["a", "b", "c"])}, "'y': targets must be numbers"),
     ({"x": np.zeros((3, 2)), "y": np.array([0, 1, 5]), "num_classes": 3},
      r"labels must lie in \[0, 2\]"),
 ])
@@ -106,7 +107,7 @@ def test_missing_data_file_and_unknown_names(tmp_path):
         load_source(DataConfig(dataset="imagenet"), 0)
     with pytest.raises(ModelError, match="unknown model 'vgg'"):
         build_model(ModelConfig(model="vgg"), (4,), 2)
-    with pytest.raises(ModelError, match="cannot import model module 'no_such_module'"):
+    with pytest.raises(PluginError, match="cannot import model module 'no_such_module'"):
         build_model(ModelConfig(model="no_such_module:build"), (4,), 2)
 
 
