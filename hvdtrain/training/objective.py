@@ -247,12 +247,19 @@ class MetricState:
                         "for an exact global value; use a metric whose state is additive")
 
     def _leaf_metrics(self) -> list[keras.metrics.Metric]:
-        leaves = [self.loss, *self.output_losses]
+        """Every metric that holds state itself (Keras groups an output's metrics in lists)."""
+        def leaves(metric: keras.metrics.Metric) -> list[keras.metrics.Metric]:
+            inner = getattr(metric, "metrics", None)
+            if isinstance(inner, (list, tuple)) and inner and inner[0] is not metric:
+                return [leaf for child in inner for leaf in leaves(child)]
+            return [metric]
+
+        found = [self.loss, *self.output_losses]
         if self.compiled_metrics is not None:
             flat = getattr(self.compiled_metrics, "_flat_metrics", []) + getattr(
                 self.compiled_metrics, "_flat_weighted_metrics", [])
-            leaves += [m for m in flat if m is not None]
-        return leaves
+            found += [leaf for metric in flat if metric is not None for leaf in leaves(metric)]
+        return found
 
     def reset(self) -> None:
         for metric in self.metrics:
@@ -260,14 +267,15 @@ class MetricState:
 
     def update(self, y_true: Any, y_pred: Any, total: tf.Tensor, parts: list[tf.Tensor],
                sample_weight: tf.Tensor, valid: tf.Tensor) -> None:
-        """Add a batch; padding rows (``valid`` false) are left out of every metric."""
+        """Add a batch; padding rows (``valid`` false) are left out of every metric. Losses are
+        reported as Keras does: the sample-weighted sum over the examples' count."""
         def real(values: Any) -> Any:
             return tf.nest.map_structure(lambda v: tf.boolean_mask(v, valid), values)
 
         weight = real(sample_weight)
-        self.loss.update_state(real(total), sample_weight=weight)
+        self.loss.update_state(real(total) * weight)
         for metric, part in zip(self.output_losses, parts):
-            metric.update_state(real(part), sample_weight=weight)
+            metric.update_state(real(part) * weight)
         if self.compiled_metrics is not None:
             predictions = tf.nest.map_structure(lambda v: tf.cast(v, tf.float32), y_pred)
             self.compiled_metrics.update_state(real(y_true), real(predictions), weight)
