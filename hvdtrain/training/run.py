@@ -449,6 +449,11 @@ def train(config: Config) -> RunResult:
 
 def _finish(run_dir: Path, model: keras.Model, summary: RunSummary) -> None:
     """Rank 0: save the final model, the summary and the curves, and report."""
+    compiled_optimizer = getattr(model, "optimizer", None)
+    if compiled_optimizer is not None and not compiled_optimizer.built:
+        # The optimizer a user compiled with is saved with the model; built (untrained, since
+        # hvdtrain trained with its own), it loads back without Keras' mismatch warning.
+        compiled_optimizer.build(model.trainable_variables)
     partial = run_dir / ".model.partial.keras"
     model.save(partial)
     partial.replace(run_dir / "model.keras")
