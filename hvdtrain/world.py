@@ -7,8 +7,10 @@ here lets ``python -m hvdtrain`` and most tests run without MPI.
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass
+from types import ModuleType
 from typing import Any, Callable, Protocol, Sequence
 
 # Environment variables that a launcher sets in every rank it starts: horovodrun with Gloo,
@@ -32,6 +34,31 @@ class World:
         return self.rank == 0
 
 
+@dataclass(frozen=True)
+class GradientReduction:
+    """How gradients are combined across ranks: the one description that the trainer's step and
+    the Horovod drop-in (``hvdtrain.keras.DistributedOptimizer``,
+    ``hvdtrain.tensorflow.DistributedGradientTape``) hand to ``reduce_gradients``.
+
+    ``op`` is "sum", "average" (Horovod divides by the current world size, so it follows an
+    elastic world) or "adasum". Each rank's tensors are multiplied by ``prescale`` before they
+    are combined and the result by ``postscale`` (Horovod's ``gradient_predivide_factor`` f is
+    prescale 1/f, postscale f). ``fp16`` halves the bytes on the wire. Sparse gradients
+    (``tf.IndexedSlices``, e.g. of an embedding) are gathered, not summed, unless
+    ``sparse_as_dense`` turns them into dense tensors first.
+    """
+
+    op: str = "sum"
+    fp16: bool = False
+    prescale: float = 1.0
+    postscale: float = 1.0
+    sparse_as_dense: bool = False
+
+    def __post_init__(self) -> None:
+        if self.op not in ("sum", "average", "adasum"):
+            raise ValueError(f"gradient reduction op must be sum, average or adasum, not {self.op}")
+
+
 class Collectives(Protocol):
     """The collective operations a data-parallel run needs, for any backend."""
 
@@ -40,13 +67,13 @@ class Collectives(Protocol):
     def allreduce_sum(self, tensors: Sequence[Any]) -> list[Any]:
         """Sum each tensor across ranks (grouped into one fused ring-allreduce; graph-safe)."""
 
-    def reduce_gradients(self, tensors: Sequence[Any], adasum: bool,
-                         fp16: bool) -> list[Any]:
-        """Combine gradients across ranks in one grouped allreduce: summed (each rank's are
-        already weighted by the global batch) or by Adasum; optionally fp16 on the wire."""
+    def reduce_gradients(self, tensors: Sequence[Any],
+                         reduction: GradientReduction = GradientReduction()) -> list[Any]:
+        """Combine gradients across ranks as ``reduction`` says, dense ones in one grouped
+        allreduce; a None gradient stays None (graph-safe)."""
 
     def broadcast_variables(self, variables: Sequence[Any], root_rank: int = 0) -> None:
-        """Overwrite every rank's TensorFlow variables with the root rank's values."""
+        """Overwrite every rank's variables (TensorFlow or Keras 3) with the root rank's."""
 
     def broadcast_object(self, obj: Any, root_rank: int = 0) -> Any:
         """Return the root rank's picklable object on every rank."""
@@ -64,9 +91,11 @@ class LocalCollectives:
     def allreduce_sum(self, tensors: Sequence[Any]) -> list[Any]:
         return list(tensors)
 
-    def reduce_gradients(self, tensors: Sequence[Any], adasum: bool,
-                         fp16: bool) -> list[Any]:
-        return list(tensors)
+    def reduce_gradients(self, tensors: Sequence[Any],
+                         reduction: GradientReduction = GradientReduction()) -> list[Any]:
+        # Sum, average and Adasum of one tensor are that tensor.
+        scale = reduction.prescale * reduction.postscale
+        return [t if t is None or scale == 1.0 else t * scale for t in tensors]
 
     def broadcast_variables(self, variables: Sequence[Any], root_rank: int = 0) -> None:
         return None
@@ -81,11 +110,12 @@ class LocalCollectives:
 class HorovodCollectives:
     """Collectives over Horovod (MPI or Gloo controller; CPU, MPI or NCCL tensor ops)."""
 
-    def __init__(self) -> None:
+    def __init__(self, **init_arguments: Any) -> None:
+        """Start Horovod (``init_arguments`` are Horovod's ``init`` arguments: comm,
+        process_sets) with hvdtrain's runtime defaults."""
         apply_runtime_defaults(_gpus_visible())
-        import horovod.tensorflow as hvd
-
-        hvd.init()
+        hvd = horovod_tensorflow()
+        hvd.init(**init_arguments)
         self._hvd = hvd
         self.world = World(hvd.rank(), hvd.size(), hvd.local_rank(), hvd.local_size())
 
@@ -94,23 +124,44 @@ class HorovodCollectives:
             return []
         return list(self._hvd.grouped_allreduce(list(tensors), op=self._hvd.Sum))
 
-    def reduce_gradients(self, tensors: Sequence[Any], adasum: bool,
-                         fp16: bool) -> list[Any]:
-        compression = self._hvd.Compression.fp16 if fp16 else self._hvd.Compression.none
-        if not adasum:
-            return list(self._hvd.grouped_allreduce(list(tensors), op=self._hvd.Sum,
-                                                    compression=compression))
-        # Adasum is scale-equivariant: combine each rank's own mean gradient (its weighted
-        # sum times the world size), as Horovod's Adasum expects. One allreduce per tensor
-        # (Horovod's tensor fusion still batches them): grouped_allreduce with Adasum fails in
-        # Horovod 0.28.1 (it reads an unbound variable on its Adasum branch).
-        size = float(self.world.size)
-        return [self._hvd.allreduce(t * size, op=self._hvd.Adasum, compression=compression)
-                for t in tensors]
+    def reduce_gradients(self, tensors: Sequence[Any],
+                         reduction: GradientReduction = GradientReduction()) -> list[Any]:
+        import tensorflow as tf
+
+        hvd = self._hvd
+        compression = hvd.Compression.fp16 if reduction.fp16 else hvd.Compression.none
+        reduced = list(tensors)
+        dense, sparse = [], []
+        for index, tensor in enumerate(tensors):
+            if isinstance(tensor, tf.IndexedSlices) and (reduction.sparse_as_dense
+                                                         or reduction.op == "adasum"):
+                reduced[index] = tensor = tf.convert_to_tensor(tensor)
+            if isinstance(tensor, tf.IndexedSlices):
+                sparse.append(index)
+            elif tensor is not None:
+                dense.append(index)
+        op = {"sum": hvd.Sum, "average": hvd.Average, "adasum": hvd.Adasum}[reduction.op]
+        if reduction.op == "adasum":
+            # One allreduce per tensor (Horovod's tensor fusion still batches them):
+            # grouped_allreduce with Adasum fails in Horovod 0.28.1 (it reads an unbound
+            # variable on its Adasum branch).
+            for index in dense:
+                reduced[index] = hvd.allreduce(reduced[index] * reduction.prescale, op=op,
+                                               compression=compression) * reduction.postscale
+        elif dense:
+            combined = hvd.grouped_allreduce(
+                [reduced[i] for i in dense], op=op, compression=compression,
+                prescale_factor=reduction.prescale, postscale_factor=reduction.postscale)
+            for index, tensor in zip(dense, combined):
+                reduced[index] = tensor
+        for index in sparse:
+            reduced[index] = _sum_duplicate_rows(hvd.allreduce(reduced[index], op=op),
+                                                 reduction.prescale * reduction.postscale)
+        return reduced
 
     def broadcast_variables(self, variables: Sequence[Any], root_rank: int = 0) -> None:
         if variables:
-            self._hvd.broadcast_variables(list(variables), root_rank=root_rank)
+            self._hvd.broadcast_variables(tf_variables(variables), root_rank=root_rank)
 
     def broadcast_object(self, obj: Any, root_rank: int = 0) -> Any:
         return self._hvd.broadcast_object(obj, root_rank=root_rank)
@@ -126,13 +177,30 @@ class HorovodCollectives:
 
     def elastic_state(self, variables: Sequence[Any], **attributes: Any) -> Any:
         """A Horovod elastic state over TensorFlow variables plus picklable attributes."""
-        return _keras_elastic_state_class()(variables, **attributes)
+        return keras_elastic_state_class()(variables, **attributes)
 
     def elastic_run(self, function: Callable[..., Any]) -> Callable[..., Any]:
         """Horovod's elastic retry loop: on a world change, reset, restore or sync, rerun."""
-        import horovod.tensorflow.elastic as hvd_elastic
+        return self._hvd.elastic.run(function)
 
-        return hvd_elastic.run(function)
+
+def horovod_tensorflow() -> ModuleType:
+    """The ``horovod.tensorflow`` module: the trainer's collectives use it, and the drop-in API
+    (``hvdtrain.tensorflow``, ``hvdtrain.keras``) re-exports its unchanged names from here."""
+    import horovod.tensorflow as hvd
+
+    return hvd
+
+
+def _sum_duplicate_rows(gathered: Any, scale: float) -> Any:
+    """One row per index in Horovod's gathered sparse gradient (every rank's rows, repeated
+    indices included): Keras 3 optimizers apply ``IndexedSlices`` row by row (RMSprop squares
+    each row), so a repeated row must be summed first to make the update of the dense sum."""
+    import tensorflow as tf
+
+    indices, positions = tf.unique(gathered.indices)
+    values = tf.math.unsorted_segment_sum(gathered.values, positions, tf.shape(indices)[0])
+    return tf.IndexedSlices(values * scale, indices, gathered.dense_shape)
 
 
 def runtime_defaults(gpus_visible: bool) -> dict[str, str]:
@@ -165,11 +233,15 @@ def apply_runtime_defaults(gpus_visible: bool) -> None:
 
 
 def tf_variables(variables: Sequence[Any]) -> list[Any]:
-    """The TensorFlow variables behind Keras 3 variables (what Horovod's broadcast assigns)."""
-    return [getattr(v, "value", v) for v in variables]
+    """The TensorFlow variables behind Keras 3 variables (what Horovod's broadcast assigns);
+    TensorFlow variables pass through."""
+    import keras
+
+    return [v.value if isinstance(v, keras.Variable) else v for v in variables]
 
 
-def _keras_elastic_state_class() -> type:
+@functools.cache
+def keras_elastic_state_class() -> type:
     """Horovod elastic state for Keras 3 models.
 
     Horovod's own TensorFlow states do not fit Keras 3: ``TensorFlowKerasState`` calls
@@ -178,8 +250,9 @@ def _keras_elastic_state_class() -> type:
     weights, optimizer state including its step counter) in memory at every commit, restores
     them after a failure, and broadcasts them from rank 0 whenever the world is re-formed.
     """
-    import horovod.tensorflow as hvd
     from horovod.common.elastic import ObjectState
+
+    hvd = horovod_tensorflow()
 
     class KerasElasticState(ObjectState):
         def __init__(self, variables: Sequence[Any], **attributes: Any) -> None:

@@ -57,8 +57,7 @@ def hvdtrain_sweep(collectives, repeats: int) -> list[float]:
     """Median seconds of hvdtrain's gradient reduction (one grouped allreduce) for each size."""
     import tensorflow as tf
 
-    reduce = tf.function(lambda t: collectives.reduce_gradients([t], adasum=False,
-                                                                fp16=False)[0])
+    reduce = tf.function(lambda t: collectives.reduce_gradients([t])[0])
     seconds = []
     for nbytes in SIZES:
         tensor = tf.ones([nbytes // 4], tf.float32)

@@ -38,7 +38,7 @@ import keras
 import tensorflow as tf
 
 from hvdtrain.training.objective import MetricState, Objective
-from hvdtrain.world import Collectives
+from hvdtrain.world import Collectives, GradientReduction
 
 
 @dataclass(frozen=True)
@@ -50,6 +50,13 @@ class StepOptions:
     adasum: bool = False
     fp16_compression: bool = False
     normalised: bool = True
+
+    def reduction(self, world_size: int) -> GradientReduction:
+        """Gradients weighted by the global batch are summed; Adasum combines each rank's own
+        mean gradient (its weighted sum times the world size), as Horovod's Adasum expects."""
+        if self.adasum:
+            return GradientReduction("adasum", self.fp16_compression, prescale=world_size)
+        return GradientReduction("sum", self.fp16_compression)
 
 
 class StepMath:
@@ -84,10 +91,10 @@ class StepMath:
         if self.options.adasum or self.options.fp16_compression:
             self.global_loss.assign(self.collectives.allreduce_sum([loss])[0])
             gradients = self.collectives.reduce_gradients(
-                gradients, adasum=self.options.adasum, fp16=self.options.fp16_compression)
+                gradients, self.options.reduction(self.collectives.world.size))
         else:   # one collective per step: the loss rides in the gradients' grouped allreduce
             *gradients, global_loss = self.collectives.reduce_gradients(
-                [*gradients, tf.cast(loss, tf.float32)], adasum=False, fp16=False)
+                [*gradients, tf.cast(loss, tf.float32)])
             self.global_loss.assign(global_loss)
 
         def update() -> tf.Tensor:

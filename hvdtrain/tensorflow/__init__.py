@@ -1,0 +1,167 @@
+"""Horovod's ``horovod.tensorflow`` API on Keras 3 (TensorFlow >= 2.16).
+
+Change ``import horovod.tensorflow as hvd`` to ``import hvdtrain.tensorflow as hvd`` and a
+Horovod script runs on current TensorFlow. Upstream Horovod 0.28.1 fails there at the first step
+("'Variable' object has no attribute 'ref'"): Keras 3 variables are ``keras.Variable``, not
+``tf.Variable``. The collective operations themselves work, so every name that needs no change
+is Horovod's own object, re-exported below; the names that touch variables or gradients
+(``DistributedGradientTape``, ``broadcast_variables``, ``allreduce``, ``grouped_allreduce``,
+``DistributedOptimizer``) go through the trainer's own collectives in ``hvdtrain.world``:
+one gradient reduction and one broadcast for the trainer and for the drop-in.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Sequence
+
+import tensorflow as tf
+
+from hvdtrain.world import (GradientReduction, HorovodCollectives, horovod_tensorflow,
+                            tf_variables)
+
+_hvd = horovod_tensorflow()
+
+# Horovod's own names, unchanged: process facts, build facts, reduction ops, compression and
+# the collectives that take tensors (Keras 3 tensors are TensorFlow tensors).
+shutdown = _hvd.shutdown
+is_initialized = _hvd.is_initialized
+start_timeline = _hvd.start_timeline
+stop_timeline = _hvd.stop_timeline
+size = _hvd.size
+local_size = _hvd.local_size
+cross_size = _hvd.cross_size
+rank = _hvd.rank
+local_rank = _hvd.local_rank
+cross_rank = _hvd.cross_rank
+is_homogeneous = _hvd.is_homogeneous
+size_op = _hvd.size_op
+rank_op = _hvd.rank_op
+local_size_op = _hvd.local_size_op
+local_rank_op = _hvd.local_rank_op
+mpi_threads_supported = _hvd.mpi_threads_supported
+mpi_enabled = _hvd.mpi_enabled
+mpi_built = _hvd.mpi_built
+gloo_enabled = _hvd.gloo_enabled
+gloo_built = _hvd.gloo_built
+nccl_built = _hvd.nccl_built
+ddl_built = _hvd.ddl_built
+ccl_built = _hvd.ccl_built
+cuda_built = _hvd.cuda_built
+rocm_built = _hvd.rocm_built
+Average = _hvd.Average
+Sum = _hvd.Sum
+Adasum = _hvd.Adasum
+Min = _hvd.Min
+Max = _hvd.Max
+Product = _hvd.Product
+Compression = _hvd.Compression
+allgather = _hvd.allgather
+grouped_allgather = _hvd.grouped_allgather
+broadcast = _hvd.broadcast
+alltoall = _hvd.alltoall
+reducescatter = _hvd.reducescatter
+grouped_reducescatter = _hvd.grouped_reducescatter
+allgather_object = _hvd.allgather_object
+broadcast_object = _hvd.broadcast_object
+join = _hvd.join
+
+_OPS = {Average: "average", Sum: "sum", Adasum: "adasum"}
+_session: HorovodCollectives | None = None
+
+
+def init(comm: Any = None, process_sets: Any = None) -> None:
+    """Horovod's ``init`` (same arguments), with hvdtrain's runtime defaults for MPI and
+    Horovod (stall check; on CPU, yielding MPI waits and a short cycle time)."""
+    global _session
+    _session = HorovodCollectives(comm=comm, process_sets=process_sets)
+
+
+def collectives() -> HorovodCollectives:
+    """The collectives behind the drop-in API; ``init()`` must have run."""
+    if _session is None:
+        raise ValueError("Horovod has not been initialized; run hvd.init() first")
+    return _session
+
+
+def gradient_reduction(op: Any = Average, compression: Any = Compression.none,
+                       sparse_as_dense: bool = False,
+                       gradient_predivide_factor: float = 1.0) -> GradientReduction:
+    """Horovod's gradient arguments as the trainer's ``GradientReduction``."""
+    if op not in _OPS:
+        raise ValueError("op must be hvd.Average, hvd.Sum or hvd.Adasum")
+    if compression not in (Compression.none, Compression.fp16):
+        raise ValueError("compression must be hvd.Compression.none or hvd.Compression.fp16")
+    if gradient_predivide_factor != 1.0 and op != Average:
+        raise ValueError("gradient_predivide_factor not supported with op != Average")
+    return GradientReduction(_OPS[op], compression is Compression.fp16,
+                             prescale=1.0 / gradient_predivide_factor,
+                             postscale=gradient_predivide_factor,
+                             sparse_as_dense=sparse_as_dense)
+
+
+def reduce_gradients(gradients: Sequence[Any], reduction: GradientReduction) -> list[Any]:
+    """Combine gradients across ranks (None stays None): the trainer's reduction."""
+    return collectives().reduce_gradients(list(gradients), reduction)
+
+
+def allreduce(tensor: Any, *args: Any, **kwargs: Any) -> Any:
+    """Horovod's ``allreduce`` (same arguments); also takes a Keras 3 variable."""
+    return _hvd.allreduce(tf_variables([tensor])[0], *args, **kwargs)
+
+
+def grouped_allreduce(tensors: Sequence[Any], *args: Any, **kwargs: Any) -> Any:
+    """Horovod's ``grouped_allreduce`` (same arguments); also takes Keras 3 variables."""
+    return _hvd.grouped_allreduce(tf_variables(list(tensors)), *args, **kwargs)
+
+
+def broadcast_variables(variables: Sequence[Any], root_rank: int = 0) -> None:
+    """Overwrite ``variables`` (Keras 3 or TensorFlow: ``model.variables``,
+    ``optimizer.variables``) with the root rank's values; works eagerly and in a tf.function."""
+    collectives().broadcast_variables(list(variables), root_rank=root_rank)
+
+
+def broadcast_global_variables(root_rank: int) -> None:
+    """Kept for the name's sake: TensorFlow 2 has no global variable collection, so Horovod
+    itself refuses this in eager mode, and so does hvdtrain."""
+    raise RuntimeError("hvd.broadcast_global_variables() does not exist in TensorFlow 2 / "
+                       "Keras 3; use hvd.broadcast_variables(model.variables, root_rank) and "
+                       "hvd.broadcast_variables(optimizer.variables, root_rank), or the Keras "
+                       "BroadcastGlobalVariablesCallback")
+
+
+class _ReducingTape:
+    """Mixed in before the user's tape class: gradients are combined across ranks."""
+
+    _hvdtrain_reduction: GradientReduction
+
+    def gradient(self, target: Any, sources: Any, output_gradients: Any = None,
+                 **kwargs: Any) -> Any:
+        gradients = super().gradient(target, sources, output_gradients, **kwargs)
+        reduced = reduce_gradients(tf.nest.flatten(gradients), self._hvdtrain_reduction)
+        return tf.nest.pack_sequence_as(gradients, reduced)
+
+
+@functools.cache
+def _reducing_tape_class(tape_class: type) -> type:
+    return type(tape_class.__name__, (_ReducingTape, tape_class), {})
+
+
+def DistributedGradientTape(gradtape: tf.GradientTape, compression: Any = Compression.none,
+                            sparse_as_dense: bool = False, op: Any = Average,
+                            gradient_predivide_factor: float = 1.0) -> tf.GradientTape:
+    """The same tape (what it recorded, persistent or not), whose ``gradient`` returns the
+    gradients combined across ranks (averaged by default), as Horovod's does."""
+    tape = object.__new__(_reducing_tape_class(type(gradtape)))
+    tape.__dict__.update(gradtape.__dict__)
+    tape._hvdtrain_reduction = gradient_reduction(op, compression, sparse_as_dense,
+                                                  gradient_predivide_factor)
+    return tape
+
+
+def DistributedOptimizer(optimizer: Any, name: str | None = None, **options: Any) -> Any:
+    """A Keras 3 optimizer whose updates use gradients combined across ranks; the arguments
+    are ``hvdtrain.keras.DistributedOptimizer``'s (Horovod's, by keyword)."""
+    from hvdtrain.keras.optimizer import DistributedOptimizer as keras_distributed_optimizer
+
+    return keras_distributed_optimizer(optimizer, name=name, **options)

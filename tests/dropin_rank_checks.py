@@ -1,0 +1,357 @@
+"""Checks of the Horovod drop-in (``hvdtrain.keras``, ``hvdtrain.tensorflow``) that every rank
+of one ``horovodrun -np 2 python -m pytest tests/dropin_rank_checks.py`` runs, in the same
+order, the way Horovod's own ``test/parallel`` tests run. Most re-express the applicable tests
+of Horovod's ``test/parallel/test_tensorflow2_keras.py`` for Keras 3; the rest check the
+behaviour a Horovod user relies on. ``test_horovod_dropin.py`` launches this file; the normal
+test run does not collect it (no ``test_`` prefix).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import keras
+import pytest
+import tensorflow as tf
+
+import hvdtrain.keras as hvd
+import hvdtrain.tensorflow as hvd_tf
+from hvdtrain.keras.optimizer import reducing_class
+
+hvd.init()
+
+
+def same_on_every_rank(value) -> bool:
+    gathered = hvd.allgather(np.asarray(value, np.float64)[None]).numpy()
+    return all(np.array_equal(gathered[0], other) for other in gathered[1:])
+
+
+def rank_data(*shape: int) -> np.ndarray:
+    """Different data on every rank, the same on every run."""
+    return np.random.default_rng(100 + hvd.rank()).random(shape).astype("float32")
+
+
+def dense_model(inputs: int, units: int) -> keras.Model:
+    keras.utils.set_random_seed(1)          # the same initial weights on every rank
+    return keras.Sequential([keras.Input((inputs,)), keras.layers.Dense(units)])
+
+
+class AddGradient(keras.optimizers.Optimizer):
+    """Adds the gradient to the variable, so the applied gradients can be read off it."""
+
+    def __init__(self, learning_rate=0.1, **kwargs) -> None:
+        super().__init__(learning_rate=learning_rate, **kwargs)
+
+    def update_step(self, gradient, variable, learning_rate) -> None:
+        self.assign_add(variable, gradient)
+
+
+class SetToGradient(keras.optimizers.Optimizer):
+    """Overwrites the variable with the applied gradient."""
+
+    def __init__(self, learning_rate=0.1, **kwargs) -> None:
+        super().__init__(learning_rate=learning_rate, **kwargs)
+
+    def update_step(self, gradient, variable, learning_rate) -> None:
+        self.assign(variable, gradient)
+
+
+def test_learning_rate_callbacks_follow_horovods_schedule_and_metrics_are_averaged():
+    initial_lr = 0.1 * hvd.size()
+    model = dense_model(3, 2)
+    model.compile(loss="mse", optimizer=hvd.DistributedOptimizer(keras.optimizers.Adam()))
+    seen_lr, raw_loss = [], []
+
+    class RecordRate(keras.callbacks.Callback):
+        def on_epoch_end(self, epoch, logs=None):
+            seen_lr.append(float(self.model.optimizer.learning_rate))
+
+    class RecordRawLoss(keras.callbacks.Callback):     # before MetricAverageCallback
+        def on_epoch_end(self, epoch, logs=None):
+            raw_loss.append(logs["loss"])
+
+    callbacks = [
+        hvd.callbacks.BroadcastGlobalVariablesCallback(0),
+        RecordRawLoss(),
+        hvd.callbacks.MetricAverageCallback(),
+        hvd.callbacks.LearningRateWarmupCallback(initial_lr=initial_lr, warmup_epochs=5),
+        hvd.callbacks.LearningRateScheduleCallback(initial_lr=initial_lr, multiplier=1e-1,
+                                                   start_epoch=5, end_epoch=10),
+        hvd.callbacks.LearningRateScheduleCallback(initial_lr=initial_lr, multiplier=1e-2,
+                                                   start_epoch=10, end_epoch=15),
+        hvd.callbacks.LearningRateScheduleCallback(initial_lr=initial_lr,
+                                                   multiplier=lambda epoch: epoch,
+                                                   start_epoch=15, end_epoch=20),
+        RecordRate(),
+    ]
+    history = model.fit(rank_data(10, 3), rank_data(10, 2), batch_size=2, epochs=20,
+                        callbacks=callbacks, verbose=0)
+
+    size = hvd.size()
+    expected = ([initial_lr / size * ((e + 1) * (size - 1) / 5 + 1) for e in range(5)]
+                + [initial_lr * 0.1 ** (e - 5) for e in range(5, 10)]
+                + [initial_lr * 0.01 ** (e - 10) for e in range(10, 15)]
+                + [initial_lr * e for e in range(15, 20)])
+    np.testing.assert_allclose(seen_lr, expected, rtol=1e-5)
+    assert seen_lr[4] == pytest.approx(initial_lr)        # warmup ends at initial_lr
+    np.testing.assert_allclose(history.history["lr"], expected, rtol=1e-5)
+    assert not same_on_every_rank(raw_loss)               # each rank's own data
+    assert same_on_every_rank(history.history["loss"])
+    mean_raw = hvd.allreduce(np.array(raw_loss), op=hvd.Average).numpy()
+    np.testing.assert_allclose(history.history["loss"], mean_raw, rtol=1e-6)
+
+
+def test_sparse_gradients_gathered_or_densified_make_the_same_update():
+    start = np.random.default_rng(0).random((50, 4)).astype("float32")
+    ids = np.random.default_rng(hvd.rank()).integers(0, 50, (8, 5))
+    targets = rank_data(8, 5, 4)
+    updated = []
+    for sparse_as_dense in (True, False):
+        model = keras.Sequential([keras.Input((5,), dtype="int32"),
+                                  keras.layers.Embedding(50, 4)])
+        model.set_weights([start])
+        model.compile(loss="mse", optimizer=hvd.DistributedOptimizer(
+            keras.optimizers.RMSprop(0.01), sparse_as_dense=sparse_as_dense))
+        model.train_on_batch(ids, targets)
+        updated.append(model.get_weights()[0])
+    np.testing.assert_allclose(updated[0], updated[1], rtol=1e-5, atol=1e-7)
+    assert not np.allclose(updated[0], start)
+    assert same_on_every_rank(updated[0])
+
+
+@pytest.mark.parametrize("average", [True, False])
+def test_gradients_aggregate_locally_over_backward_passes(average):
+    passes = 4
+    optimizer = hvd.DistributedOptimizer(AddGradient(), backward_passes_per_step=passes,
+                                         average_aggregated_gradients=average,
+                                         sparse_as_dense=True)
+    x, y = keras.Variable([0.0]), keras.Variable([1.0, 2.0])
+
+    @tf.function
+    def step():
+        with tf.GradientTape() as tape:
+            loss = x - tf.gather(y, [0])     # d/dx = 1, d/dy = [-1, 0] (sparse)
+        optimizer.apply_gradients(zip(tape.gradient(loss, [x, y]), [x, y]))
+
+    for call in range(10):
+        step()
+        updates = (call + 1) // passes
+        applied = updates * (1.0 if average else passes)
+        np.testing.assert_allclose(x.numpy(), [applied])
+        np.testing.assert_allclose(y.numpy(), [1.0 - applied, 2.0])
+        assert int(optimizer.iterations) == updates       # Keras 3: counts applied updates
+
+
+def test_non_finite_gradients_do_not_leak_into_the_next_aggregation():
+    optimizer = hvd.DistributedOptimizer(SetToGradient(), backward_passes_per_step=2)
+    w = keras.Variable(0.0)
+    calls = tf.Variable(0)
+
+    def step():                               # eager, as a custom loop may run it
+        calls.assign_add(1)
+        factor = float("inf") if int(calls) == 1 else 1.0
+        with tf.GradientTape() as tape:
+            loss = w * factor
+        optimizer.apply_gradients([(tape.gradient(loss, w), w)])
+
+    step(), step()
+    assert np.isinf(w.numpy())                # inf + 1 was applied
+    step(), step()
+    assert w.numpy() == 2.0                   # 1 + 1: the accumulator started again from 0
+
+
+def test_from_config_round_trip_keeps_class_settings_and_schedule():
+    schedule = keras.optimizers.schedules.ExponentialDecay(0.1, decay_steps=10, decay_rate=0.5)
+    optimizer = hvd.DistributedOptimizer(keras.optimizers.Adam(schedule), op=hvd.Sum,
+                                         backward_passes_per_step=2)
+    config = optimizer.get_config()        # (Keras 3's from_config rewrites its argument)
+    for copy in (optimizer.from_config(optimizer.get_config()),
+                 type(optimizer).from_config(optimizer.get_config())):
+        assert copy.get_config() == config
+        assert type(copy) is type(optimizer)
+        assert isinstance(copy, keras.optimizers.Adam)
+    assert type(optimizer).__name__ == "Adam"
+    assert keras.optimizers.deserialize(keras.optimizers.serialize(optimizer)).get_config() \
+        == config
+
+
+def test_elastic_state_syncs_restores_and_commits():
+    value = 1.0 if hvd.rank() == 0 else 2.0
+    model = keras.Sequential([keras.layers.Dense(2, activation="softmax")])
+    model.build((2, 2))
+    model.set_weights([np.full((2, 2), value, np.float32), np.full(2, value, np.float32)])
+    other = [np.array([[1.0, 2.0], [3.0, 4.0]], np.float32), np.zeros(2, np.float32)]
+    state = hvd.elastic.KerasState(model, keras.optimizers.Adam(0.001 * hvd.size()),
+                                   batch=20 + hvd.rank(), epoch=10 + hvd.rank())
+    state.sync()
+    for weight in state.model.get_weights():
+        np.testing.assert_allclose(weight, np.ones_like(weight))
+    assert (state.batch, state.epoch) == (20, 10)
+    synced = model.get_weights()
+
+    model.set_weights(other)
+    state.batch, state.epoch = 21, 11
+    state.restore()
+    for weight, expected in zip(model.get_weights(), synced):
+        np.testing.assert_allclose(weight, expected)
+    assert (state.batch, state.epoch) == (20, 10)
+
+    model.set_weights(other)
+    state.batch, state.epoch = 21, 11
+    state.commit()
+    state.restore()
+    for weight, expected in zip(model.get_weights(), other):
+        np.testing.assert_allclose(weight, expected)
+    assert (state.batch, state.epoch) == (21, 11)
+
+
+def test_elastic_callbacks_track_batch_and_epoch_and_commit():
+    model = dense_model(3, 1)
+    model.compile(loss="mse", optimizer=hvd.DistributedOptimizer(keras.optimizers.SGD(0.1)))
+    state = hvd.elastic.KerasState(model, batch=0, epoch=0)
+    commits = []
+    original_commit = state.commit
+    state.commit = lambda: (commits.append(state.batch), original_commit())
+    callbacks = [hvd.elastic.UpdateBatchStateCallback(state),
+                 hvd.elastic.UpdateEpochStateCallback(state),
+                 hvd.elastic.CommitStateCallback(state, batches_per_commit=2)]
+    model.fit(rank_data(8, 3), rank_data(8, 1), batch_size=2, epochs=2, callbacks=callbacks,
+              verbose=0)
+    assert (state.batch, state.epoch) == (0, 2)
+    assert commits == [1, 3, 0, 1, 3, 0]      # every 2nd batch and at each epoch end
+    trained = model.get_weights()
+    model.set_weights([np.zeros_like(w) for w in trained])
+    state.restore()
+    for weight, expected in zip(model.get_weights(), trained):
+        np.testing.assert_allclose(weight, expected)
+
+
+def test_broadcast_callback_keeps_local_variables():
+    root = hvd.size() - 1
+    keras.utils.set_random_seed(hvd.rank())
+    constant = keras.initializers.Constant(float(hvd.rank()))
+    model = keras.Sequential([keras.Input((3,))] + [
+        keras.layers.Dense(3, kernel_initializer=constant, bias_initializer=constant,
+                           trainable=False) for _ in range(3)])
+    model.compile(loss="mse")
+    local = list(model.layers[0].variables)
+    model.fit(np.ones((1, 3)), np.ones((1, 3)), verbose=0, callbacks=[
+        hvd.callbacks.BroadcastGlobalVariablesCallback(root_rank=root, local_variables=local)])
+    local_ids = {id(v) for v in local}
+    for variable in model.variables:
+        expected = hvd.rank() if id(variable) in local_ids else root
+        np.testing.assert_allclose(variable.numpy(), np.full(variable.shape, float(expected)))
+
+
+def test_backward_passes_per_step_equals_a_k_times_larger_batch():
+    x, y = rank_data(16, 4), rank_data(16, 3)
+
+    def train(passes: int, batch_size: int):
+        model = dense_model(4, 3)
+        optimizer = hvd.DistributedOptimizer(keras.optimizers.Adam(0.01),
+                                             backward_passes_per_step=passes,
+                                             average_aggregated_gradients=True)
+        model.compile(loss="mse", optimizer=optimizer)
+        model.fit(x, y, batch_size=batch_size, epochs=1, shuffle=False, verbose=0)
+        return model.get_weights(), int(optimizer.iterations)
+
+    accumulated, accumulated_updates = train(passes=2, batch_size=4)
+    large, large_updates = train(passes=1, batch_size=8)
+    assert accumulated_updates == large_updates == 2
+    for left, right in zip(accumulated, large):
+        np.testing.assert_allclose(left, right, rtol=1e-5, atol=1e-6)
+    assert same_on_every_rank(accumulated[0])
+
+
+def rank_gradient(**tape_options) -> float:
+    """d/dw of (rank + 1) * w, combined across ranks by a DistributedGradientTape."""
+    w = keras.Variable(0.0)
+    with tf.GradientTape() as tape:
+        loss = w * float(hvd.rank() + 1)
+    return float(hvd_tf.DistributedGradientTape(tape, **tape_options).gradient(loss, w))
+
+
+def test_sum_average_adasum_and_predivide_combine_as_horovod():
+    assert hvd.size() == 2                                     # expected values for 2 ranks
+    assert rank_gradient() == 1.5
+    assert rank_gradient(op=hvd.Sum) == 3.0
+    assert rank_gradient(op=hvd.Adasum) == pytest.approx(1.5)  # (1 - 2/2)*1 + (1 - 2/8)*2
+    assert rank_gradient(gradient_predivide_factor=4.0) == 1.5
+    for op, expected in ((hvd.Sum, -3.0), (hvd.Average, -1.5)):
+        w = keras.Variable(0.0)
+        optimizer = hvd.DistributedOptimizer(keras.optimizers.SGD(1.0), op=op)
+        optimizer.apply([tf.constant(float(hvd.rank() + 1))], [w])
+        assert float(w) == expected
+
+
+def test_fp16_compression_rounds_on_the_wire():
+    w = keras.Variable(0.0)
+    with tf.GradientTape(persistent=True) as tape:
+        loss = w * 1.0001                     # float16 has no 1.0001: it becomes 1.0
+    exact = hvd_tf.DistributedGradientTape(tape).gradient(loss, w)
+    compressed = hvd_tf.DistributedGradientTape(
+        tape, compression=hvd.Compression.fp16).gradient(loss, w)
+    assert float(exact) == np.float32(1.0001)
+    assert float(compressed) == 1.0 and compressed.dtype == tf.float32
+    optimizer = hvd.DistributedOptimizer(keras.optimizers.SGD(1.0),
+                                         compression=hvd.Compression.fp16)
+    optimizer.apply([tf.constant(1.0001)], [w])
+    assert float(w) == -1.0
+
+
+def test_loss_scale_optimizer_skips_on_every_rank_when_any_rank_overflows():
+    optimizer = hvd.DistributedOptimizer(
+        keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(0.1), initial_scale=4.0))
+    w = keras.Variable([1.0])
+    overflow = float("inf") if hvd.rank() == 1 else 1.0
+    optimizer.apply([tf.constant([overflow])], [w])
+    assert w.numpy() == 1.0 and float(optimizer.dynamic_scale) == 2.0   # skipped everywhere
+    optimizer.apply([tf.constant([2.0 * (hvd.rank() + 1)])], [w])       # scaled by 2
+    np.testing.assert_allclose(w.numpy(), [1.0 - 0.1 * 1.5])
+    assert int(optimizer.iterations) == 1
+
+
+def test_mixed_float16_fit_with_loss_scale_optimizer():
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    try:
+        model = dense_model(4, 3)
+        optimizer = hvd.DistributedOptimizer(
+            keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(0.1)))
+        model.compile(loss="mse", optimizer=optimizer)
+        assert model.optimizer is optimizer       # not wrapped a second time by compile
+        model.fit(rank_data(8, 4), rank_data(8, 3), batch_size=4, verbose=0)
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+    assert int(optimizer.iterations) == 2
+    assert same_on_every_rank(model.get_weights()[0])
+
+
+def test_load_model_wraps_the_saved_optimizer_with_its_state(tmp_path):
+    model = dense_model(4, 3)
+    model.compile(loss="mse", optimizer=hvd.DistributedOptimizer(keras.optimizers.Adam(0.01)))
+    x, y = rank_data(8, 4), rank_data(8, 3)
+    model.fit(x, y, batch_size=8, verbose=0)
+    path = tmp_path / f"model-{hvd.rank()}.keras"
+    model.save(path)
+
+    plain = keras.models.load_model(path)
+    assert type(plain.optimizer) is keras.optimizers.Adam      # loads without hvdtrain
+    loaded = hvd.load_model(path)
+    assert type(loaded.optimizer) is reducing_class(keras.optimizers.Adam,
+                                                    hvd_tf.gradient_reduction(), 1, False)
+    assert int(loaded.optimizer.iterations) == 1
+    loaded.fit(x, y, batch_size=8, verbose=0)
+    model.fit(x, y, batch_size=8, verbose=0)
+    for left, right in zip(loaded.get_weights(), model.get_weights()):
+        np.testing.assert_allclose(left, right, rtol=1e-6)
+    assert same_on_every_rank(loaded.get_weights()[0])
+
+
+def test_allreduce_and_broadcast_take_keras_variables():
+    variable = keras.Variable([float(hvd.rank())] * 3)
+    np.testing.assert_allclose(hvd_tf.allreduce(variable, op=hvd.Sum).numpy(), [1.0] * 3)
+    (total,) = hvd_tf.grouped_allreduce([variable], op=hvd.Sum)
+    np.testing.assert_allclose(total.numpy(), [1.0] * 3)
+    hvd_tf.broadcast_variables([variable], root_rank=1)
+    np.testing.assert_allclose(variable.numpy(), [1.0] * 3)
+    with pytest.raises(RuntimeError, match="broadcast_variables"):
+        hvd.broadcast_global_variables(0)
