@@ -34,6 +34,7 @@ __all__ = [
 
 _hvd = horovod_tensorflow()
 
+
 def allreduce(value: Any, name: str | None = None, average: bool | None = None,
               prescale_factor: float = 1.0, postscale_factor: float = 1.0, op: Any = None,
               compression: Any = Compression.none) -> tf.Tensor:

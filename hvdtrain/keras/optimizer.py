@@ -113,7 +113,7 @@ def DistributedOptimizer(optimizer: keras.optimizers.Optimizer, name: str | None
         raise ValueError("backward_passes_per_step must be > 0")
     reduction = gradient_reduction(op, compression, sparse_as_dense, gradient_predivide_factor)
     cls = reducing_class(type(optimizer), reduction, int(backward_passes_per_step),
-                          bool(average_aggregated_gradients))
+                         bool(average_aggregated_gradients))
     config = optimizer.get_config()
     if name is not None:
         config["name"] = name
