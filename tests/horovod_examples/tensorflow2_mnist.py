@@ -71,7 +71,7 @@ def main():
         return loss_value
 
     # Horovod: adjust number of steps based on number of GPUs.
-    for batch, (images, labels) in enumerate(dataset.take(240 // hvd.size())):  # was 10000
+    for batch, (images, labels) in enumerate(dataset.take(120 // hvd.size())):  # was 10000
         loss_value = training_step(images, labels, batch == 0)
 
         if batch % 10 == 0 and hvd.rank() == 0:

@@ -1,0 +1,81 @@
+"""The Horovod drop-in (``hvdtrain.keras``, ``hvdtrain.tensorflow``) on 2 real ranks.
+
+Two kinds of launch, each one ``horovodrun -np 2``:
+* ``dropin_rank_checks.py`` under pytest on every rank: Horovod's applicable
+  ``test_tensorflow2_keras.py`` tests re-expressed for Keras 3, plus the behaviour Horovod users
+  rely on (one launch for all of them; ~30 s here);
+* Horovod's three TF2 examples (``tests/horovod_examples``), changed only in the import line and
+  in what Keras 3 requires, on embedded data: both ranks must end with identical weights and
+  the training must have learned (~20-40 s each here).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from conftest import BIN, REPO, RUN_TIMEOUT, rank_env
+
+EXAMPLES = REPO / "tests" / "horovod_examples"
+pytestmark = pytest.mark.distributed
+
+
+def horovodrun(cwd: Path, *program: str) -> str:
+    """Run ``python PROGRAM`` on 2 ranks in ``cwd``; fail with the output unless it succeeds."""
+    result = subprocess.run([str(BIN / "horovodrun"), "-np", "2", str(BIN / "python"), *program],
+                            cwd=cwd, env=rank_env(), text=True, capture_output=True,
+                            timeout=RUN_TIMEOUT, stdin=subprocess.DEVNULL)
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output[-6000:]
+    return output
+
+
+def assert_identical_weights(directory: Path) -> None:
+    first, second = (np.load(directory / f"weights-{rank}.npz") for rank in (0, 1))
+    assert first.files and first.files == second.files
+    for name in first.files:
+        np.testing.assert_array_equal(first[name], second[name])
+
+
+def test_horovod_keras_tests_reexpressed_pass_on_two_ranks(tmp_path):
+    output = horovodrun(tmp_path, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                        "-W", "ignore::DeprecationWarning",
+                        str(REPO / "tests" / "dropin_rank_checks.py"))
+    summaries = re.findall(r"(\d+) passed", output)
+    assert len(summaries) == 2 and summaries[0] == summaries[1] and int(summaries[0]) >= 16
+    assert " failed" not in output
+
+
+def test_keras_mnist_example_fit_with_callbacks_and_rank0_checkpoints(tmp_path):
+    horovodrun(tmp_path, str(EXAMPLES / "tensorflow2_keras_mnist.py"))
+    assert_identical_weights(tmp_path)
+    histories = [json.loads((tmp_path / f"history-{rank}.json").read_text()) for rank in (0, 1)]
+    assert histories[0] == histories[1]                     # MetricAverageCallback
+    history = histories[0]
+    assert history["accuracy"][-1] > 0.85 and history["loss"][-1] < history["loss"][0] / 4
+    assert history["lr"][2] == pytest.approx(0.001 * 2)     # warmup reached lr * size
+    assert history["lr"][0] < history["lr"][1] < history["lr"][2]
+    assert sorted(p.name for p in tmp_path.glob("checkpoint-*")) == [
+        f"checkpoint-{epoch}.keras" for epoch in range(1, 6)]
+
+
+def test_mnist_example_custom_loop_with_tape_and_broadcast(tmp_path):
+    output = horovodrun(tmp_path, str(EXAMPLES / "tensorflow2_mnist.py"))
+    assert_identical_weights(tmp_path)
+    losses = [float(x) for x in re.findall(r"Step #\d+\s+Loss: ([\d.]+)", output)]
+    assert len(losses) == 6 and losses[-1] < losses[0] / 2
+    assert (tmp_path / "checkpoint").exists()
+
+
+def test_synthetic_benchmark_example_with_fp16_allreduce(tmp_path):
+    output = horovodrun(tmp_path, str(EXAMPLES / "tensorflow2_synthetic_benchmark.py"),
+                        "--model", "MobileNet", "--batch-size", "2", "--num-warmup-batches", "1",
+                        "--num-batches-per-iter", "2", "--num-iters", "2", "--no-cuda",
+                        "--fp16-allreduce")
+    assert_identical_weights(tmp_path)
+    assert re.search(r"Total img/sec on 2 CPU\(s\): [\d.]+", output)
