@@ -8,6 +8,8 @@ test run does not collect it (no ``test_`` prefix).
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import keras
 import pytest
@@ -355,3 +357,18 @@ def test_allreduce_and_broadcast_take_keras_variables():
     np.testing.assert_allclose(variable.numpy(), [1.0] * 3)
     with pytest.raises(RuntimeError, match="broadcast_variables"):
         hvd.broadcast_global_variables(0)
+
+
+def test_best_model_checkpoint_is_written_by_rank_0_under_a_keras_3_name(tmp_path):
+    shared = hvd_tf.broadcast_object(str(tmp_path))           # rank 0's directory
+    model = dense_model(4, 3)
+    model.compile(loss="mse", optimizer=hvd.DistributedOptimizer(keras.optimizers.SGD(0.1)))
+    checkpoint = hvd.callbacks.BestModelCheckpoint(
+        filepath=f"{shared}/best-of-rank-{hvd.rank()}.h5")
+    model.fit(rank_data(8, 4), rank_data(8, 3), batch_size=4, epochs=2, verbose=0,
+              validation_data=(rank_data(4, 4), rank_data(4, 3)),
+              callbacks=[hvd.callbacks.MetricAverageCallback(), checkpoint])
+    hvd.allreduce(0.0)                                        # both ranks have finished
+    written = sorted(path.name for path in Path(shared).glob("best-*"))
+    assert written == ["best-of-rank-0.keras"]
+    assert keras.models.load_model(Path(shared) / written[0]).count_params() == 15

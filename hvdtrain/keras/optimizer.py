@@ -38,10 +38,10 @@ class _ReducingOptimizer:
 
     def apply(self, grads: Sequence[Any], trainable_variables: Sequence[Any] | None = None) -> None:
         grads = list(grads)
-        variables = (list(trainable_variables) if trainable_variables is not None
-                     else list(self._trainable_variables))
-        if not grads:
-            return
+        if not grads or (trainable_variables is None and not self.built):
+            return super().apply(grads, trainable_variables)   # Keras says what is missing
+        variables = list(self._trainable_variables if trainable_variables is None
+                         else trainable_variables)
         if not self.built:      # Keras builds lazily; variables may not be created in a tf.cond
             self.build(variables)
         apply_locally = super().apply
