@@ -176,6 +176,17 @@ def test_from_config_round_trip_keeps_class_settings_and_schedule():
         == config
 
 
+def test_learning_rate_schedule_advances_with_applied_updates():
+    schedule = keras.optimizers.schedules.ExponentialDecay(0.1, decay_steps=1, decay_rate=0.5)
+    optimizer = hvd.DistributedOptimizer(keras.optimizers.SGD(schedule),
+                                         backward_passes_per_step=2)
+    w = keras.Variable(0.0)
+    for _ in range(4):
+        optimizer.apply([tf.constant(1.0)], [w])
+    assert float(w) == pytest.approx(-(0.1 * 2 + 0.05 * 2))   # two updates of 1 + 1
+    assert float(optimizer.learning_rate) == pytest.approx(0.025)
+
+
 def test_elastic_state_syncs_restores_and_commits():
     value = 1.0 if hvd.rank() == 0 else 2.0
     model = keras.Sequential([keras.layers.Dense(2, activation="softmax")])

@@ -1,6 +1,7 @@
 """The Horovod drop-in (``hvdtrain.keras``, ``hvdtrain.tensorflow``) on 2 real ranks.
 
-Two kinds of launch, each one ``horovodrun -np 2``:
+Single-process unit checks of the argument mapping, then two kinds of launch, each one
+``horovodrun -np 2``:
 * ``dropin_rank_checks.py`` under pytest on every rank: Horovod's applicable
   ``test_tensorflow2_keras.py`` tests re-expressed for Keras 3, plus the behaviour Horovod users
   rely on (one launch for all of them; ~30 s here);
@@ -20,9 +21,9 @@ import numpy as np
 import pytest
 
 from conftest import BIN, REPO, RUN_TIMEOUT, rank_env
+from hvdtrain.world import GradientReduction, LocalCollectives
 
 EXAMPLES = REPO / "tests" / "horovod_examples"
-pytestmark = pytest.mark.distributed
 
 
 def horovodrun(cwd: Path, *program: str) -> str:
@@ -42,6 +43,41 @@ def assert_identical_weights(directory: Path) -> None:
         np.testing.assert_array_equal(first[name], second[name])
 
 
+def test_horovod_arguments_map_to_the_trainers_gradient_reduction():
+    import hvdtrain.tensorflow as hvd
+
+    assert hvd.gradient_reduction() == GradientReduction("average")
+    assert hvd.gradient_reduction(hvd.Sum, hvd.Compression.fp16, True) == GradientReduction(
+        "sum", fp16=True, sparse_as_dense=True)
+    assert hvd.gradient_reduction(gradient_predivide_factor=4.0) == GradientReduction(
+        "average", prescale=0.25, postscale=4.0)
+    with pytest.raises(ValueError, match="op != Average"):
+        hvd.gradient_reduction(hvd.Sum, gradient_predivide_factor=2.0)
+    with pytest.raises(ValueError, match="op must be"):
+        hvd.gradient_reduction(hvd.Max)
+    with pytest.raises(ValueError, match="sum, average or adasum"):
+        GradientReduction("max")
+
+
+def test_a_world_of_one_reduces_to_the_scaled_tensor():
+    import tensorflow as tf
+
+    reduced = LocalCollectives().reduce_gradients(
+        [tf.constant([2.0]), None], GradientReduction("average", prescale=0.5, postscale=3.0))
+    assert reduced[1] is None and reduced[0].numpy().tolist() == [3.0]
+
+
+def test_keras_2_checkpoint_names_become_keras_3_names():
+    from hvdtrain.keras.callbacks import keras3_checkpoint_path
+
+    assert keras3_checkpoint_path("ckpt-{epoch}.h5", False) == "ckpt-{epoch}.keras"
+    assert keras3_checkpoint_path("best", False) == "best.keras"
+    assert keras3_checkpoint_path("model.keras", False) == "model.keras"
+    assert keras3_checkpoint_path("w.h5", True) == "w.weights.h5"
+    assert keras3_checkpoint_path("w.weights.h5", True) == "w.weights.h5"
+
+
+@pytest.mark.distributed
 def test_horovod_keras_tests_reexpressed_pass_on_two_ranks(tmp_path):
     output = horovodrun(tmp_path, "-m", "pytest", "-q", "-p", "no:cacheprovider",
                         "-W", "ignore::DeprecationWarning",
@@ -51,6 +87,7 @@ def test_horovod_keras_tests_reexpressed_pass_on_two_ranks(tmp_path):
     assert " failed" not in output
 
 
+@pytest.mark.distributed
 def test_keras_mnist_example_fit_with_callbacks_and_rank0_checkpoints(tmp_path):
     horovodrun(tmp_path, str(EXAMPLES / "tensorflow2_keras_mnist.py"))
     assert_identical_weights(tmp_path)
@@ -64,6 +101,7 @@ def test_keras_mnist_example_fit_with_callbacks_and_rank0_checkpoints(tmp_path):
         f"checkpoint-{epoch}.keras" for epoch in range(1, 6)]
 
 
+@pytest.mark.distributed
 def test_mnist_example_custom_loop_with_tape_and_broadcast(tmp_path):
     output = horovodrun(tmp_path, str(EXAMPLES / "tensorflow2_mnist.py"))
     assert_identical_weights(tmp_path)
@@ -72,6 +110,7 @@ def test_mnist_example_custom_loop_with_tape_and_broadcast(tmp_path):
     assert (tmp_path / "checkpoint").exists()
 
 
+@pytest.mark.distributed
 def test_synthetic_benchmark_example_with_fp16_allreduce(tmp_path):
     output = horovodrun(tmp_path, str(EXAMPLES / "tensorflow2_synthetic_benchmark.py"),
                         "--model", "MobileNet", "--batch-size", "2", "--num-warmup-batches", "1",
