@@ -3,8 +3,8 @@ own address, hostname (a UTS namespace per process started in it) and sshd; opti
 shaped to a real cluster's bandwidth, and a Slurm cluster with one slurmd per node.
 
 The file system stays shared between the nodes, as a cluster's shared home is. Inside a node,
-``ssh node2`` works without flags (each node sees its own /etc/hosts and /etc/ssh through
-its own mount namespace, which binds /etc/netns/NAMESPACE/{hosts,ssh} over /etc), like on a cluster set up for
+``ssh node2`` works without flags (each node sees its own /etc/hosts and /etc/ssh: its own
+mount namespace binds /etc/netns/NAMESPACE/{hosts,ssh} over them), as on a cluster set up for
 MPI. Only the names and the addresses this module creates are ever touched: the bridge
 ``hvdbr0`` with 10.77.0.1/24, one veth pair per node (``hvdv<i>`` outside, ``eth1`` inside,
 10.77.0.1<i>), the namespaces ``hvd-node<i>``.
@@ -223,7 +223,9 @@ def _ssh_files(cluster: Cluster) -> None:
             f"ListenAddress {node.address}\nHostKey {node_dir / 'host_key'}\n"
             f"AuthorizedKeysFile {directory / 'authorized_keys'}\nStrictModes no\n"
             "PermitRootLogin prohibit-password\nPasswordAuthentication no\nUsePAM no\n"
-            f"PidFile {node_dir / 'sshd.pid'}\nMaxStartups 100\nMaxSessions 100\n")
+            f"PidFile {node_dir / 'sshd.pid'}\nMaxStartups 100\nMaxSessions 100\n"
+            # A client whose node vanished: its session (and what runs in it) ends in ~10 s.
+            "ClientAliveInterval 5\nClientAliveCountMax 2\n")
 
 
 def _network(cluster: Cluster) -> None:

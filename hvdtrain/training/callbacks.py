@@ -26,6 +26,7 @@ from hvdtrain.errors import TrainingDiverged
 from hvdtrain.startup import process_age_seconds
 from hvdtrain.training.schedule import WarmupScaledRate
 from hvdtrain.training.step import StepMath
+from hvdtrain.training.watchdog import StepWatchdog
 from hvdtrain.world import Collectives, World
 
 
@@ -94,6 +95,35 @@ class FirstStepClock(keras.callbacks.Callback):
     def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
         if self.seconds is None:
             self.seconds, self.unix_time = process_age_seconds(), time.time()
+
+
+class StallGuard(keras.callbacks.Callback):
+    """Feed the rank's ``StepWatchdog``: a beat after every step, a pause over each epoch's end
+    (validation and its collectives, rank 0's checkpoint). First in the list, so the pause
+    starts before any other epoch-end callback."""
+
+    def __init__(self, watchdog: StepWatchdog) -> None:
+        super().__init__()
+        self.watchdog = watchdog
+        self.paused = False
+
+    def on_train_begin(self, logs: dict | None = None) -> None:
+        self.watchdog.start()
+
+    def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
+        self.watchdog.beat()
+
+    def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
+        self.watchdog.pause(f"the end of epoch {epoch + 1} (validation, metrics, checkpoint)")
+        self.paused = True
+
+    def on_epoch_begin(self, epoch: int, logs: dict | None = None) -> None:
+        if self.paused:
+            self.watchdog.resume()
+            self.paused = False
+
+    def on_train_end(self, logs: dict | None = None) -> None:
+        self.watchdog.stop()
 
 
 class Throughput(keras.callbacks.Callback):
@@ -338,6 +368,7 @@ class RunHooks:
     plateau: PlateauDecay | None
     tensorboard: bool
     first_step: FirstStepClock | None = None
+    watchdog: StepWatchdog | None = None
 
 
 def standard_callbacks(hooks: RunHooks) -> list[keras.callbacks.Callback]:
@@ -345,6 +376,7 @@ def standard_callbacks(hooks: RunHooks) -> list[keras.callbacks.Callback]:
     ones every rank runs (they hold collectives), then rank 0's writers and its report."""
     model, optimizer = hooks.step.model, hooks.step.optimizer
     callbacks: list[keras.callbacks.Callback] = [
+        *([StallGuard(hooks.watchdog)] if hooks.watchdog is not None else []),
         StopOnDivergence(hooks.step, hooks.store),
         *([hooks.first_step] if hooks.first_step is not None else []),
         Throughput(hooks.progress.steps, hooks.progress.global_batch),

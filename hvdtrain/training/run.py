@@ -15,7 +15,7 @@ import os
 import re
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable
 
@@ -37,6 +37,7 @@ from hvdtrain.training.callbacks import (FirstStepClock, MetricsFiles, PlateauDe
 from hvdtrain.training.loops import LOOPS
 from hvdtrain.training.schedule import WarmupScaledRate, make_optimizer, make_schedule
 from hvdtrain.training.step import Evaluation, StepMath, StepOptions
+from hvdtrain.training.watchdog import watchdog_for
 from hvdtrain.world import (Collectives, World, init_collectives, place_devices,
                             tf_variables)
 
@@ -263,7 +264,8 @@ def train(config: Config) -> RunResult:
     # Ranks start from different seeds on purpose: the broadcast below must make them agree.
     keras.utils.set_random_seed(config.train.seed + world.rank)
     run_dir = _open_run_dir(config, collectives)
-    say(world, f"hvdtrain: {world.size} rank(s); rank 0 on {device}; run directory {run_dir}")
+    say(world, f"hvdtrain: {world.size} rank(s) on {world.cross_size} node(s); rank 0 on "
+               f"{world.host}, {device}; run directory {run_dir}")
     say(world, "resolved config:\n" + config.to_yaml().rstrip())
 
     data = load_source(config.data, config.train.seed)
@@ -303,18 +305,21 @@ def train(config: Config) -> RunResult:
                             interactive=sys.stdout.isatty() and world.size == 1)
         callbacks = standard_callbacks(RunHooks(
             world, collectives, step, lambda: evaluation.run(val_dataset), trainable.schedule,
-            store, state, run_dir, progress, plateau, config.train.tensorboard, first_step))
+            store, state, run_dir, progress, plateau, config.train.tensorboard, first_step,
+            watchdog_for(world, config.train.stall_timeout)))
         with data_errors_named(data):
             LOOPS[config.train.loop](step, data.train.dataset(spec, initial_epoch, epochs),
                                      epochs, initial_epoch, steps, callbacks)
     trained = time.perf_counter() - started
 
     metrics = evaluation.run(val_dataset)
-    fingerprints = collectives.allgather_object(weight_fingerprint(model))
+    gathered = collectives.allgather_object((weight_fingerprint(model), asdict(world)))
+    fingerprints = [fingerprint for fingerprint, _ in gathered]
     if world.is_chief:
         summary = {"metrics": metrics, "world_size": world.size,
                    "weights_identical": len(set(fingerprints)) == 1,
                    "fingerprints": fingerprints,
+                   "ranks": [facts for _, facts in gathered],   # host, local and cross ranks
                    "fingerprints_before_broadcast": before_broadcast,
                    "train_seconds": trained, "setup_seconds": started - launched,
                    "first_step_seconds": first_step.seconds,
