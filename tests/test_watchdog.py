@@ -6,7 +6,8 @@ from __future__ import annotations
 import io
 
 from hvdtrain.errors import STALLED_EXIT_CODE
-from hvdtrain.training.watchdog import FLOOR_S, STEP_FACTOR, StepWatchdog, watchdog_for
+from hvdtrain.training.watchdog import (FLOOR_S, STEP_FACTOR, Heartbeat, Peer, StepWatchdog,
+                                        unanswered, watchdog_for)
 from hvdtrain.world import World
 
 
@@ -103,3 +104,16 @@ def test_one_rank_or_zero_means_no_watchdog():
     assert watchdog_for(World(0, 2), 0) is None
     dog = watchdog_for(World(1, 2, host="node2"), None)
     assert dog.who == "rank 1 of 2 on node2" and dog.fixed_limit is None
+
+
+def test_the_line_names_the_ranks_whose_heartbeat_does_not_answer():
+    alive, gone = Heartbeat(), Heartbeat()
+    gone.close()                            # a process that is no more: connection refused
+    dog, clock, exits, stream = watchdog(timeout=10)
+    dog.peers = [Peer(1, "127.0.0.1", alive.port), Peer(2, "127.0.0.1", gone.port)]
+    dog.beat()
+    clock.now += 11
+    assert dog.check()
+    assert "; no answer from rank 2 on 127.0.0.1; ending this rank" in stream.getvalue()
+    assert unanswered(dog.peers[:1]) == []
+    alive.close()

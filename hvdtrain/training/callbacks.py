@@ -26,7 +26,7 @@ from hvdtrain.errors import TrainingDiverged
 from hvdtrain.startup import process_age_seconds
 from hvdtrain.training.schedule import WarmupScaledRate
 from hvdtrain.training.step import StepMath
-from hvdtrain.training.watchdog import StepWatchdog
+from hvdtrain.training.watchdog import Heartbeat, Peer, StepWatchdog
 from hvdtrain.world import Collectives, World
 
 
@@ -102,12 +102,20 @@ class StallGuard(keras.callbacks.Callback):
     (validation and its collectives, rank 0's checkpoint). First in the list, so the pause
     starts before any other epoch-end callback."""
 
-    def __init__(self, watchdog: StepWatchdog) -> None:
+    def __init__(self, watchdog: StepWatchdog, collectives: Collectives) -> None:
         super().__init__()
         self.watchdog = watchdog
+        self.collectives = collectives
+        self.heartbeat: Heartbeat | None = None
         self.paused = False
 
     def on_train_begin(self, logs: dict | None = None) -> None:
+        self.heartbeat = Heartbeat()
+        world = self.collectives.world
+        addresses = self.collectives.allgather_object((world.host, self.heartbeat.port))
+        self.watchdog.peers = [Peer(rank, host, port)
+                               for rank, (host, port) in enumerate(addresses)
+                               if rank != world.rank]
         self.watchdog.start()
 
     def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
@@ -124,6 +132,8 @@ class StallGuard(keras.callbacks.Callback):
 
     def on_train_end(self, logs: dict | None = None) -> None:
         self.watchdog.stop()
+        if self.heartbeat is not None:
+            self.heartbeat.close()
 
 
 class Throughput(keras.callbacks.Callback):
@@ -376,7 +386,8 @@ def standard_callbacks(hooks: RunHooks) -> list[keras.callbacks.Callback]:
     ones every rank runs (they hold collectives), then rank 0's writers and its report."""
     model, optimizer = hooks.step.model, hooks.step.optimizer
     callbacks: list[keras.callbacks.Callback] = [
-        *([StallGuard(hooks.watchdog)] if hooks.watchdog is not None else []),
+        *([StallGuard(hooks.watchdog, hooks.collectives)] if hooks.watchdog is not None
+          else []),
         StopOnDivergence(hooks.step, hooks.store),
         *([hooks.first_step] if hooks.first_step is not None else []),
         Throughput(hooks.progress.steps, hooks.progress.global_batch),

@@ -6,8 +6,9 @@ background thread that is stuck, so it never fires either. Without a bound the j
 whole allocation. Here a daemon thread watches for steps: the training loop calls ``beat()``
 after every step; when no beat comes for the limit, the thread prints one line naming this rank,
 its host and what it was waiting for, and ends the process with exit code 76
-(``hvdtrain.errors.STALLED_EXIT_CODE``). The launcher then sees a failed rank and ends the job
-(mpirun and srun stop the other ranks; every other stalled rank's own watchdog ends it too).
+(``hvdtrain.errors.STALLED_EXIT_CODE``). Every stalled rank's own watchdog ends it; srun and
+horovodrun (Gloo) then end the job; Open MPI's daemons, which would wait for the lost node for
+about 15 minutes, are ended by their ranks (``end_open_mpi_daemon``).
 
 The limit (``--stall-timeout``, seconds): automatic by default, the larger of ``FLOOR_S`` and
 ``STEP_FACTOR`` times the slowest step seen so far (so a large model or a slow network raises it
@@ -22,18 +23,27 @@ Long legitimate phases must not count as a stall:
 * the first step after a pause also waits for rank 0's own writes (checkpoint, metrics) that
   only rank 0 does, so it gets twice the limit.
 
+The line names who stopped answering: every rank serves a ``Heartbeat`` port (answered by a
+thread, so a rank blocked in a collective still answers); a stalled rank probes the others' and
+names those that do not answer (a vanished node, a dead or frozen process).
+
 Interface (kept small on purpose; other code arms its own waits with it):
 ``start()``, ``beat()``, ``suspended(what)`` (a context manager), ``pause(what)``/``resume()``,
-``stop()``, and ``limit()``.
+``stop()``, ``limit()``, and ``peers`` (the ``Peer`` list probed when it fires).
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import signal
+import socket
 import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable, Iterator, TextIO
 
 from hvdtrain.errors import STALLED_EXIT_CODE
@@ -41,6 +51,8 @@ from hvdtrain.world import World
 
 FLOOR_S = 30.0
 STEP_FACTOR = 20.0
+OUTPUT_GRACE_S = 1.5
+PROBE_TIMEOUT_S = 3.0
 
 
 def automatic_limit(slowest_step_s: float) -> float:
@@ -79,6 +91,7 @@ class StepWatchdog:
         self.steps = 0
         self.slowest_step_s = 0.0
         self.waiting_for = "the first training step"
+        self.peers: list[Peer] = []              # other ranks to probe when this one stalls
 
     def limit(self) -> float:
         """Seconds without a step after which this rank gives up."""
@@ -154,9 +167,93 @@ class StepWatchdog:
 
     def _fire(self, silent_s: float) -> None:
         stream = self._stream or sys.stderr
+        silent = unanswered(self.peers)
+        culprit = (f"no answer from {', '.join(silent)}" if silent else
+                   "every other rank still answers" if self.peers else
+                   "another rank, its node or the network stopped answering")
         stream.write(f"hvdtrain: error: {self.who} stalled: no training step finished for "
                      f"{silent_s:.0f} s (limit {self.limit():.0f} s, --stall-timeout) while "
-                     f"waiting for {self.waiting_for}; another rank, its node or the network "
-                     f"stopped answering; ending this rank (exit {STALLED_EXIT_CODE})\n")
+                     f"waiting for {self.waiting_for}; {culprit}; ending this rank "
+                     f"(exit {STALLED_EXIT_CODE})\n")
         stream.flush()
+        if self._exit is os._exit:
+            end_open_mpi_daemon(os.getppid())
         self._exit(STALLED_EXIT_CODE)
+
+
+@dataclass(frozen=True)
+class Peer:
+    """Another rank's heartbeat address."""
+
+    rank: int
+    host: str
+    port: int
+
+
+class Heartbeat:
+    """A TCP port that answers every connection at once, from a daemon thread: a rank that
+    stalled tells peers that wait like itself (they answer) from ones whose node vanished or
+    whose process is gone or frozen (no answer)."""
+
+    def __init__(self) -> None:
+        self._socket = socket.create_server(("", 0), backlog=64)
+        self.port = self._socket.getsockname()[1]
+        threading.Thread(target=self._serve, name="hvdtrain-heartbeat", daemon=True).start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                connection, _ = self._socket.accept()
+            except OSError:
+                return
+            with connection:
+                connection.sendall(b"alive\n")
+
+    def close(self) -> None:
+        try:   # wakes the thread's accept (closing alone would leave the port listening)
+            self._socket.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self._socket.close()
+
+
+def answers(peer: Peer, timeout_s: float) -> bool:
+    try:
+        with socket.create_connection((peer.host, peer.port), timeout=timeout_s) as connection:
+            connection.settimeout(timeout_s)
+            return connection.recv(6) == b"alive\n"
+    except OSError:
+        return False
+
+
+def unanswered(peers: list[Peer], timeout_s: float = PROBE_TIMEOUT_S) -> list[str]:
+    """``rank R on HOST`` for every peer whose heartbeat does not answer (probed in parallel)."""
+    if not peers:
+        return []
+    with ThreadPoolExecutor(max_workers=min(32, len(peers))) as pool:
+        alive = list(pool.map(lambda peer: answers(peer, timeout_s), peers))
+    return [f"rank {peer.rank} on {peer.host}" for peer, ok in zip(peers, alive) if not ok]
+
+
+def end_open_mpi_daemon(parent: int) -> None:
+    """End the Open MPI process that started this rank, if one did: it would wait for ever.
+
+    Measured with a node cut off: mpirun (which starts the ranks of its own node) and orted
+    (which mpirun starts on every other node over ssh, detached from the ssh session) both wait
+    for the lost node's acknowledgement of the abort, until TCP gives up (about 15 minutes).
+    orted ends its node's ranks and exits on SIGTERM; mpirun answers the first SIGTERM with an
+    "abort already in progress" and keeps waiting, so it gets SIGKILL (its other nodes' orteds
+    then lose their connection to it and end their ranks). Slurm's and Gloo's launchers are
+    left alone: they end a failed rank's job themselves.
+    """
+    try:
+        name = Path(f"/proc/{parent}/comm").read_text().strip()
+    except OSError:
+        return
+    signals = {"orted": signal.SIGTERM, "mpirun": signal.SIGKILL, "orterun": signal.SIGKILL}
+    if name in signals:
+        time.sleep(OUTPUT_GRACE_S)   # the daemon forwards this rank's line first
+        try:
+            os.kill(parent, signals[name])
+        except ProcessLookupError:
+            pass
