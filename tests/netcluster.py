@@ -151,8 +151,16 @@ class Cluster:
         return [int(p) for p in out.split()]
 
     def stray_pids(self, node: str) -> list[int]:
-        """Processes in the node other than the daemons ``up`` started (sshd, slurmd...)."""
-        return [p for p in self.pids(node) if p not in self.started]
+        """Processes in the node other than the daemons ``up`` started (sshd, slurmd...) and
+        slurmctld's script helper: what jobs left behind."""
+        def daemon(pid: int) -> bool:
+            try:
+                name = Path(f"/proc/{pid}/comm").read_text().strip()
+            except OSError:
+                return True      # already gone
+            return pid in self.started or name == "slurmscriptd"
+
+        return [p for p in self.pids(node) if not daemon(p)]
 
     def set_link(self, node: str, up: bool) -> None:
         """Take a node's link down (it vanishes from the network) or bring it back."""

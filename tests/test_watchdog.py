@@ -6,8 +6,9 @@ from __future__ import annotations
 import io
 
 from hvdtrain.errors import STALLED_EXIT_CODE
-from hvdtrain.training.watchdog import (FLOOR_S, STEP_FACTOR, Heartbeat, Peer, StepWatchdog,
-                                        unanswered, watchdog_for)
+from hvdtrain.training.watchdog import (FIRST_PHASE_S, FLOOR_S, PHASE_FACTOR, STEP_FACTOR,
+                                        Heartbeat, Peer, StepWatchdog, unanswered,
+                                        watchdog_for)
 from hvdtrain.world import World
 
 
@@ -60,19 +61,33 @@ def test_automatic_limit_follows_the_slowest_step():
     assert dog.check() and exits == [STALLED_EXIT_CODE]
 
 
-def test_a_suspended_phase_never_fires_and_the_next_step_gets_twice_the_limit():
+def test_a_phase_gets_its_own_limit_and_the_next_step_twice_the_limit():
     dog, clock, exits, stream = watchdog(timeout=10)
     dog.beat()
-    with dog.suspended("a checkpoint write"):
-        clock.now += 500
+    with dog.suspended("the end of epoch 1"):
+        clock.now += FIRST_PHASE_S - 1     # the first phase traces validation: generous
         assert not dog.check()
-        assert dog.waiting_for == "a checkpoint write"
+        assert dog.waiting_for == "the end of epoch 1"
+    assert dog.longest_phase_s == FIRST_PHASE_S - 1
     clock.now += 19
     assert not dog.check()                 # rank 0's writes may delay the next step
     dog.beat()                             # that step does not count towards the limit
     assert dog.slowest_step_s == 0.0
     clock.now += 10.5
     assert dog.check() and exits == [STALLED_EXIT_CODE]
+
+
+def test_a_node_lost_during_a_phase_still_ends_the_rank():
+    dog, clock, exits, stream = watchdog(timeout=10)
+    dog.beat()
+    with dog.suspended("the end of epoch 1"):
+        clock.now += 2.0
+    dog.beat()
+    dog.pause("the end of epoch 2")        # a collective in validation never returns
+    assert dog.phase_limit() == max(10, PHASE_FACTOR * 2.0)
+    clock.now += 10.5
+    assert dog.check() and exits == [STALLED_EXIT_CODE]
+    assert "while waiting for the end of epoch 2" in stream.getvalue()
 
 
 def test_pauses_nest():

@@ -14,13 +14,17 @@ The limit (``--stall-timeout``, seconds): automatic by default, the larger of ``
 ``STEP_FACTOR`` times the slowest step seen so far (so a large model or a slow network raises it
 by itself); a number fixes it; 0 turns the watchdog off.
 
-Long legitimate phases must not count as a stall:
+Long legitimate phases must not count as a stall, yet a node lost during one must still end
+the job (they hold collectives too):
 
 * the first step (tracing, building, the first collective's negotiation): the watchdog arms
   only at the first beat;
 * validation, checkpoint writes and anything else between epochs: wrap them in
-  ``with watchdog.suspended("what"):`` (or ``pause``/``resume``);
-* the first step after a pause also waits for rank 0's own writes (checkpoint, metrics) that
+  ``with watchdog.suspended("what"):`` (or ``pause``/``resume``). A phase gets its own limit:
+  ``PHASE_FACTOR`` times the longest phase seen so far, at least the step limit, and
+  ``FIRST_PHASE_S`` for the first one (which traces validation and writes the first
+  checkpoint);
+* the first step after a phase also waits for rank 0's own writes (checkpoint, metrics) that
   only rank 0 does, so it gets twice the limit.
 
 The line names who stopped answering: every rank serves a ``Heartbeat`` port (answered by a
@@ -51,6 +55,8 @@ from hvdtrain.world import World
 
 FLOOR_S = 30.0
 STEP_FACTOR = 20.0
+FIRST_PHASE_S = 120.0
+PHASE_FACTOR = 3.0
 OUTPUT_GRACE_S = 1.5
 PROBE_TIMEOUT_S = 3.0
 
@@ -88,6 +94,9 @@ class StepWatchdog:
         self._last_beat: float | None = None
         self._after_pause = False
         self._pauses = 0
+        self._phase_started = 0.0
+        self._armed_limit = 0.0
+        self.longest_phase_s = 0.0
         self.steps = 0
         self.slowest_step_s = 0.0
         self.waiting_for = "the first training step"
@@ -98,6 +107,15 @@ class StepWatchdog:
         if self.fixed_limit is not None:
             return self.fixed_limit
         return automatic_limit(self.slowest_step_s)
+
+    def phase_limit(self) -> float:
+        """Seconds a ``suspended`` phase may take."""
+        if self.longest_phase_s == 0.0:
+            return max(self.limit(), FIRST_PHASE_S)
+        return max(self.limit(), PHASE_FACTOR * self.longest_phase_s)
+
+    def _arm(self, now: float, limit: float) -> None:
+        self._deadline, self._armed_limit = now + limit, limit
 
     def start(self) -> None:
         """Start watching (armed only from the first ``beat``)."""
@@ -115,30 +133,37 @@ class StepWatchdog:
             self._last_beat, self._after_pause = now, False
             self.waiting_for = f"training step {self.steps + 1} (its gradient allreduce)"
             if self._pauses == 0:
-                self._deadline = now + self.limit()
+                self._arm(now, self.limit())
 
     def pause(self, what: str) -> None:
-        """Disarm while a long legitimate phase runs (nestable)."""
+        """A long legitimate phase starts: give it the phase limit (nestable)."""
+        now = self._clock()
         with self._lock:
             self._pauses += 1
-            self._deadline = None
             self.waiting_for = what
+            if self._pauses == 1:
+                self._phase_started = now
+                if self._last_beat is not None:
+                    self._arm(now, self.phase_limit())
 
     def resume(self) -> None:
         """Re-arm after ``pause``: the next step may also wait for rank 0's writes."""
         now = self._clock()
         with self._lock:
             self._pauses = max(0, self._pauses - 1)
-            if self._pauses or self._last_beat is None:
+            if self._pauses:
+                return
+            self.longest_phase_s = max(self.longest_phase_s, now - self._phase_started)
+            if self._last_beat is None:
                 return
             self._after_pause = True
             self.waiting_for = (f"training step {self.steps + 1} (its gradient allreduce, after "
                                 "rank 0's end-of-epoch writes)")
-            self._deadline = now + 2 * self.limit()
+            self._arm(now, 2 * self.limit())
 
     @contextlib.contextmanager
     def suspended(self, what: str) -> Iterator[None]:
-        """``with watchdog.suspended("checkpoint write"):`` the phase cannot trip it."""
+        """``with watchdog.suspended("checkpoint write"):`` the phase gets the phase limit."""
         self.pause(what)
         try:
             yield
@@ -172,7 +197,7 @@ class StepWatchdog:
                    "every other rank still answers" if self.peers else
                    "another rank, its node or the network stopped answering")
         stream.write(f"hvdtrain: error: {self.who} stalled: no training step finished for "
-                     f"{silent_s:.0f} s (limit {self.limit():.0f} s, --stall-timeout) while "
+                     f"{silent_s:.0f} s (limit {self._armed_limit:.0f} s, --stall-timeout) while "
                      f"waiting for {self.waiting_for}; {culprit}; ending this rank "
                      f"(exit {STALLED_EXIT_CODE})\n")
         stream.flush()
