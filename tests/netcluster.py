@@ -213,9 +213,11 @@ def _ssh_files(cluster: Cluster) -> None:
     directory = cluster.directory
     sh(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(cluster.key)])
     shutil.copy(f"{cluster.key}.pub", directory / "authorized_keys")
+    # No ServerAliveInterval, as ssh's defaults: a session to a lost node then waits for TCP,
+    # and it is hvdtrain's watchdog that ends the job (tests/test_multinode.py).
     options = (f"  User root\n  IdentityFile {cluster.key}\n  StrictHostKeyChecking no\n"
                "  UserKnownHostsFile /dev/null\n  LogLevel ERROR\n  BatchMode yes\n"
-               "  ConnectTimeout 5\n  ServerAliveInterval 5\n  ServerAliveCountMax 2\n")
+               "  ConnectTimeout 5\n")
     hosts = "".join(f"Host {n.name}\n  HostName {n.address}\n" for n in cluster.nodes)
     cluster.ssh_config.write_text(hosts + "Host *\n" + options)
     for node in cluster.nodes:

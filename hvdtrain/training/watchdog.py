@@ -267,18 +267,36 @@ def end_open_mpi_daemon(parent: int) -> None:
     (which mpirun starts on every other node over ssh, detached from the ssh session) both wait
     for the lost node's acknowledgement of the abort, until TCP gives up (about 15 minutes).
     orted ends its node's ranks and exits on SIGTERM; mpirun answers the first SIGTERM with an
-    "abort already in progress" and keeps waiting, so it gets SIGKILL (its other nodes' orteds
-    then lose their connection to it and end their ranks). Slurm's and Gloo's launchers are
-    left alone: they end a failed rank's job themselves.
+    "abort already in progress" and keeps waiting, so it gets SIGKILL, and so do the ssh
+    clients it started (they would wait for the lost node as long); its other nodes' orteds
+    then lose their connection to it and end their ranks. Slurm's and Gloo's launchers are left
+    alone: they end a failed rank's job themselves.
     """
     try:
         name = Path(f"/proc/{parent}/comm").read_text().strip()
     except OSError:
         return
     signals = {"orted": signal.SIGTERM, "mpirun": signal.SIGKILL, "orterun": signal.SIGKILL}
-    if name in signals:
-        time.sleep(OUTPUT_GRACE_S)   # the daemon forwards this rank's line first
+    if name not in signals:
+        return
+    time.sleep(OUTPUT_GRACE_S)   # the daemon forwards this rank's line first
+    victims = [parent] + (children_named(parent, "ssh") if name != "orted" else [])
+    for pid in victims:
         try:
-            os.kill(parent, signals[name])
+            os.kill(pid, signals[name])
         except ProcessLookupError:
             pass
+
+
+def children_named(parent: int, name: str) -> list[int]:
+    """Pids of ``parent``'s children whose command is ``name`` (from /proc)."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            text = stat.read_text()
+        except OSError:
+            continue
+        command, fields = text[text.index("(") + 1:text.rindex(")")], text.rsplit(")", 1)[1]
+        if command == name and int(fields.split()[1]) == parent:
+            found.append(int(stat.parent.name))
+    return found
