@@ -38,21 +38,26 @@ BRIDGE = "hvdbr0"
 NODE_INTERFACE = "eth1"          # the same name in every node: launchers select it by name
 DEFAULT_DIR = Path("/tmp/hvdtrain-cluster")
 NETNS_ETC = Path("/etc/netns")
-SLURM_CONF = """\
-ClusterName=hvdtrain-nodes
-SlurmctldHost={head}({head_address})
-{nodes}
-PartitionName=nodes Nodes=ALL Default=YES MaxTime=INFINITE State=UP
+# Slurm settings that work on one machine without systemd or cgroup setup (also used by the
+# single-node Slurm fixture in conftest.py).
+SLURM_BASICS = """\
 ProctrackType=proctrack/linuxproc
 TaskPlugin=task/none
 SelectType=select/cons_tres
 SelectTypeParameters=CR_Core
 SlurmUser=root
 AuthType=auth/munge
-CredType=cred/munge
-AuthInfo=socket={dir}/munge/munge.socket
 ReturnToService=2
 MpiDefault=none
+"""
+SLURM_CONF = """\
+ClusterName=hvdtrain-nodes
+SlurmctldHost={head}({head_address})
+{nodes}
+PartitionName=nodes Nodes=ALL Default=YES MaxTime=INFINITE State=UP
+""" + SLURM_BASICS + """\
+CredType=cred/munge
+AuthInfo=socket={dir}/munge/munge.socket
 StateSaveLocation={dir}/slurm/state
 SlurmdSpoolDir={dir}/slurm/spool-%n
 SlurmctldPidFile={dir}/slurm/slurmctld.pid
