@@ -364,6 +364,10 @@ def down(directory: Path = DEFAULT_DIR) -> None:
         shutil.rmtree(NETNS_ETC / node.netns, ignore_errors=True)
     sh(["ip", "link", "del", BRIDGE], check=False)
     shutil.rmtree(directory, ignore_errors=True)
+    try:
+        NETNS_ETC.rmdir()          # made by up unless it was there (then not empty, or kept)
+    except OSError:
+        pass
 
 
 def main(argv: list[str] | None = None) -> int:
