@@ -4,11 +4,12 @@ prove it ends a real job whose node vanished)."""
 from __future__ import annotations
 
 import io
+import time
 
 from hvdtrain.errors import STALLED_EXIT_CODE
 from hvdtrain.training.watchdog import (FIRST_PHASE_S, FLOOR_S, PHASE_FACTOR, STEP_FACTOR,
-                                        Heartbeat, Peer, StepWatchdog, unanswered,
-                                        watchdog_for)
+                                        Heartbeat, Peer, StepWatchdog, stopped_after,
+                                        unanswered, watchdog_for)
 from hvdtrain.world import World
 
 
@@ -112,6 +113,21 @@ def test_the_thread_fires_on_its_own():
     dog._thread.join(timeout=10)
     assert exits == [STALLED_EXIT_CODE] and "rank 0 of 2 on node1 stalled" in stream.getvalue()
     dog.stop()
+
+
+def test_stopped_after_an_error_it_never_fires_and_closes_its_port():
+    exits = []
+    dog = StepWatchdog("rank 0 of 2 on node1", 0.1, exit=exits.append, poll_s=0.02)
+    port = dog.serve_heartbeat()
+    try:
+        with stopped_after(dog):
+            dog.start()
+            dog.beat()
+            raise KeyError("an error out of fit")
+    except KeyError:
+        pass
+    time.sleep(0.3)
+    assert exits == [] and unanswered([Peer(1, "127.0.0.1", port)]) == ["rank 1 on 127.0.0.1"]
 
 
 def test_one_rank_or_zero_means_no_watchdog():

@@ -26,7 +26,7 @@ from hvdtrain.errors import TrainingDiverged
 from hvdtrain.startup import process_age_seconds
 from hvdtrain.training.schedule import WarmupScaledRate
 from hvdtrain.training.step import StepMath
-from hvdtrain.training.watchdog import Heartbeat, Peer, StepWatchdog
+from hvdtrain.training.watchdog import Peer, StepWatchdog
 from hvdtrain.world import Collectives, World
 
 
@@ -106,13 +106,12 @@ class StallGuard(keras.callbacks.Callback):
         super().__init__()
         self.watchdog = watchdog
         self.collectives = collectives
-        self.heartbeat: Heartbeat | None = None
         self.paused = False
 
     def on_train_begin(self, logs: dict | None = None) -> None:
-        self.heartbeat = Heartbeat()
         world = self.collectives.world
-        addresses = self.collectives.allgather_object((world.host, self.heartbeat.port))
+        port = self.watchdog.serve_heartbeat()
+        addresses = self.collectives.allgather_object((world.host, port))
         self.watchdog.peers = [Peer(rank, host, port)
                                for rank, (host, port) in enumerate(addresses)
                                if rank != world.rank]
@@ -132,8 +131,6 @@ class StallGuard(keras.callbacks.Callback):
 
     def on_train_end(self, logs: dict | None = None) -> None:
         self.watchdog.stop()
-        if self.heartbeat is not None:
-            self.heartbeat.close()
 
 
 class Throughput(keras.callbacks.Callback):

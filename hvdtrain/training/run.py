@@ -37,7 +37,7 @@ from hvdtrain.training.callbacks import (FirstStepClock, MetricsFiles, PlateauDe
 from hvdtrain.training.loops import LOOPS
 from hvdtrain.training.schedule import WarmupScaledRate, make_optimizer, make_schedule
 from hvdtrain.training.step import Evaluation, StepMath, StepOptions
-from hvdtrain.training.watchdog import watchdog_for
+from hvdtrain.training.watchdog import stopped_after, watchdog_for
 from hvdtrain.world import (Collectives, World, init_collectives, place_devices,
                             tf_variables)
 
@@ -301,13 +301,14 @@ def train(config: Config) -> RunResult:
     elif initial_epoch < epochs:
         step = StepMath(model, trainable.optimizer, collectives, StepOptions(
             optim.accumulation_steps, optim.reduction == "adasum", optim.compression == "fp16"))
+        watchdog = watchdog_for(world, config.train.stall_timeout)
         progress = Progress(epochs, steps, spec.global_batch, config.train.progress,
                             interactive=sys.stdout.isatty() and world.size == 1)
         callbacks = standard_callbacks(RunHooks(
             world, collectives, step, lambda: evaluation.run(val_dataset), trainable.schedule,
             store, state, run_dir, progress, plateau, config.train.tensorboard, first_step,
-            watchdog_for(world, config.train.stall_timeout)))
-        with data_errors_named(data):
+            watchdog))
+        with data_errors_named(data), stopped_after(watchdog):
             LOOPS[config.train.loop](step, data.train.dataset(spec, initial_epoch, epochs),
                                      epochs, initial_epoch, steps, callbacks)
     trained = time.perf_counter() - started

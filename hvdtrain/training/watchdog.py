@@ -33,7 +33,8 @@ names those that do not answer (a vanished node, a dead or frozen process).
 
 Interface (kept small on purpose; other code arms its own waits with it):
 ``start()``, ``beat()``, ``suspended(what)`` (a context manager), ``pause(what)``/``resume()``,
-``stop()``, ``limit()``, and ``peers`` (the ``Peer`` list probed when it fires).
+``stop()``, ``limit()``, ``serve_heartbeat()`` and ``peers`` (the ``Peer`` list probed when it
+fires); ``stopped_after(watchdog)`` stops it however a block ends.
 """
 
 from __future__ import annotations
@@ -64,6 +65,18 @@ PROBE_TIMEOUT_S = 3.0
 def automatic_limit(slowest_step_s: float) -> float:
     """The default limit: generous against jitter yet far below an allocation's wall time."""
     return max(FLOOR_S, STEP_FACTOR * slowest_step_s)
+
+
+@contextlib.contextmanager
+def stopped_after(watchdog: StepWatchdog | None) -> Iterator[None]:
+    """Stop the watchdog when the block ends, by an exception too (an error raised out of
+    Keras ``fit`` skips the callbacks' ``on_train_end``): a process that goes on, a notebook,
+    must not be ended later by a watchdog left armed."""
+    try:
+        yield
+    finally:
+        if watchdog is not None:
+            watchdog.stop()
 
 
 def watchdog_for(world: World, stall_timeout: float | None) -> StepWatchdog | None:
@@ -101,6 +114,7 @@ class StepWatchdog:
         self.slowest_step_s = 0.0
         self.waiting_for = "the first training step"
         self.peers: list[Peer] = []              # other ranks to probe when this one stalls
+        self._heartbeat: Heartbeat | None = None
 
     def limit(self) -> float:
         """Seconds without a step after which this rank gives up."""
@@ -170,10 +184,18 @@ class StepWatchdog:
         finally:
             self.resume()
 
+    def serve_heartbeat(self) -> int:
+        """Answer other ranks' probes until ``stop``; returns the port."""
+        self._heartbeat = Heartbeat()
+        return self._heartbeat.port
+
     def stop(self) -> None:
+        """Stop watching and serving (idempotent)."""
         self._stopped.set()
         if self._thread is not None:
             self._thread.join(timeout=5)
+        if self._heartbeat is not None:
+            self._heartbeat.close()
 
     def _watch(self) -> None:
         while not self._stopped.wait(self._poll_s):
