@@ -6,9 +6,10 @@ background thread that is stuck, so it never fires either. Without a bound the j
 whole allocation. Here a daemon thread watches for steps: the training loop calls ``beat()``
 after every step; when no beat comes for the limit, the thread prints one line naming this rank,
 its host and what it was waiting for, and ends the process with exit code 76
-(``hvdtrain.errors.STALLED_EXIT_CODE``). Every stalled rank's own watchdog ends it; srun and
-horovodrun (Gloo) then end the job; Open MPI's daemons, which would wait for the lost node for
-about 15 minutes, are ended by their ranks (``end_open_mpi_daemon``).
+(``hvdtrain.errors.STALLED_EXIT_CODE``). Every stalled rank's own watchdog ends it; srun then
+ends the step (measured; Slurm keeps the job COMPLETING until the lost node is marked down);
+Open MPI's daemons, which would wait for the lost node for about 15 minutes, are ended by
+their ranks (``end_open_mpi_daemon``).
 
 The limit (``--stall-timeout``, seconds): automatic by default, the larger of ``FLOOR_S`` and
 ``STEP_FACTOR`` times the slowest step seen so far (so a large model or a slow network raises it
