@@ -150,6 +150,12 @@ class TrainConfig:
                                   "horovodrun --min-np/--max-np/--host-discovery-script)")
     commit_every: int = option(10, "elastic: steps between state commits (the most work a "
                                    "lost rank can cost)", minimum=1)
+    stall_timeout: float | None = option(None, "seconds without a finished training step "
+                                               "after which a rank ends the job (exit 76) "
+                                               "instead of hanging in a collective when a node "
+                                               "or the network is lost (default: the larger of "
+                                               "30 and 20 x the slowest step so far; 0: off)",
+                                         minimum=0.0)
     callbacks: list[str] = option([], "package.module:fn returning a list of Keras callbacks, "
                                       "run on every rank after hvdtrain's metrics, validation "
                                       "and rate, before rank 0's checkpoint and files",

@@ -11,3 +11,9 @@ class TrainingDiverged(UserError):
     """The loss stopped being finite; the run stopped without saving the bad weights."""
 
     exit_code = 3
+
+
+# A rank whose training made no progress for --stall-timeout seconds (a lost node, a cut network:
+# a collective that never returns) ends itself with this code, after one line naming it and
+# what it waited for (hvdtrain/training/watchdog.py). Resume with --resume.
+STALLED_EXIT_CODE = 76

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import functools
 import os
-from dataclasses import dataclass
+import socket
+from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any, Callable, Protocol, Sequence
 
@@ -21,12 +22,19 @@ LAUNCHER_VARIABLES = ("HOROVOD_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_
 
 @dataclass(frozen=True)
 class World:
-    """Where this process stands among the ranks of one job."""
+    """Where this process stands among the ranks of one job.
+
+    ``local_*``: among the ranks on this node; ``cross_*``: among the nodes (the rank of this
+    node's group of local ranks, and how many nodes there are); ``host``: this node's name.
+    """
 
     rank: int = 0
     size: int = 1
     local_rank: int = 0
     local_size: int = 1
+    cross_rank: int = 0
+    cross_size: int = 1
+    host: str = field(default_factory=socket.gethostname)
 
     @property
     def is_chief(self) -> bool:
@@ -117,7 +125,12 @@ class HorovodCollectives:
         hvd = horovod_tensorflow()
         hvd.init(**init_arguments)
         self._hvd = hvd
-        self.world = World(hvd.rank(), hvd.size(), hvd.local_rank(), hvd.local_size())
+        self.world = self._read_world()
+
+    def _read_world(self) -> World:
+        hvd = self._hvd
+        return World(hvd.rank(), hvd.size(), hvd.local_rank(), hvd.local_size(),
+                     hvd.cross_rank(), hvd.cross_size())
 
     def allreduce_sum(self, tensors: Sequence[Any]) -> list[Any]:
         if not tensors:
@@ -171,8 +184,7 @@ class HorovodCollectives:
 
     def refresh_world(self) -> World:
         """Re-read rank facts: elastic training re-initialises Horovod when the world changes."""
-        hvd = self._hvd
-        self.world = World(hvd.rank(), hvd.size(), hvd.local_rank(), hvd.local_size())
+        self.world = self._read_world()
         return self.world
 
     def elastic_state(self, variables: Sequence[Any], **attributes: Any) -> Any:

@@ -1,13 +1,16 @@
 #!/usr/bin/env bash
 # Launch an hvdtrain job (or any command) with Open MPI's mpirun and the flags Horovod recommends.
 #
-#   launch/mpirun.sh -np 4 [-H host1:2,host2:2 | --hostfile FILE] [--iface eth0] [--] [TRAINER ARGS]
+#   launch/mpirun.sh -np 4 [-H host1:2,host2:2 | --hostfile FILE] [--iface eth0] [--ssh CMD]
+#                    [--] [TRAINER ARGS]
 #   launch/mpirun.sh -np 2 --command "python my_script.py"
 #
 #   -np N             number of ranks (required)
 #   -H, --hosts H     comma-separated host:slots list (default: this machine)
 #   --hostfile FILE   Open MPI hostfile ("host slots=N" per line)
-#   --iface NAME      TCP interface for MPI and NCCL traffic (e.g. eth0, ib0)
+#   --iface NAME      interface (or subnet, e.g. 10.0.0.0/24) for MPI's data and control
+#                     traffic, and NCCL's (e.g. eth0, ib0)
+#   --ssh CMD         how mpirun reaches the other nodes (default: ssh), e.g. "ssh -i KEY"
 #   --command CMD     run CMD on every rank instead of 'python -m hvdtrain'
 #
 # Adds: --bind-to none --map-by slot (Horovod manages its own threads), -x for the environment
@@ -18,9 +21,11 @@ set -euo pipefail
 # shellcheck source=launch/common.sh
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 command=""
+ssh_agent=""
 wrapper_flag() {
   case "$1" in
     --command) command="$2"; consumed=2 ;;
+    --ssh) ssh_agent="$2"; consumed=2 ;;
     *) return 1 ;;
   esac
 }
@@ -34,7 +39,9 @@ args=(-np "$np" --bind-to none --map-by slot -mca pml ob1 -mca btl ^openib)
 [ "$(id -u)" -eq 0 ] && args+=(--allow-run-as-root)
 [ -n "$hosts" ] && args+=(-H "$hosts")
 [ -n "$hostfile" ] && args+=(--hostfile "$hostfile")
-[ -n "$iface" ] && args+=(-mca btl_tcp_if_include "$iface" -x NCCL_SOCKET_IFNAME="$iface")
+[ -n "$iface" ] && args+=(-mca btl_tcp_if_include "$iface" -mca oob_tcp_if_include "$iface"
+                          -x NCCL_SOCKET_IFNAME="$iface")
+[ -n "$ssh_agent" ] && args+=(-mca plm_rsh_agent "$ssh_agent")
 # Only variables that are set: mpirun warns about every -x name it cannot find.
 for var in $(compgen -e | grep -E '^(HOROVOD_|HVDTRAIN_|NCCL_|TF_|OMPI_MCA_|CUDA_VISIBLE_DEVICES$|LD_LIBRARY_PATH$|PATH$|PYTHONPATH$)' || true); do
   args+=(-x "$var")

@@ -15,6 +15,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from netcluster import SLURM_BASICS
+
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 # Generous for 2 cores (two TensorFlow imports at once) yet far below CI's budget: a hang fails.
@@ -170,14 +172,7 @@ ClusterName=hvdtrain-test
 SlurmctldHost={host}
 NodeName={host} CPUs={cpus} State=UNKNOWN
 PartitionName=test Nodes=ALL Default=YES MaxTime=INFINITE State=UP
-ProctrackType=proctrack/linuxproc
-TaskPlugin=task/none
-SelectType=select/cons_tres
-SelectTypeParameters=CR_Core
-SlurmUser=root
-AuthType=auth/munge
-ReturnToService=2
-MpiDefault=none
+""" + SLURM_BASICS + """\
 StateSaveLocation={dir}/state
 SlurmdSpoolDir={dir}/spool
 SlurmctldPidFile={dir}/slurmctld.pid

@@ -73,14 +73,16 @@ def collect_report() -> tuple[dict[str, Any], Any]:
         "mpi": mpi_library_version(),
         "host": platform.node(),
         "gpus": [gpu.name for gpu in tf.config.list_physical_devices("GPU")],
-        "rank": 0, "size": 1, "local_rank": 0, "local_size": 1,
+        "rank": 0, "size": 1, "local_rank": 0, "local_size": 1, "cross_rank": 0,
+        "cross_size": 1,
     }
     collectives = None
     if "error" not in report["horovod"] or not launched_by_a_launcher():
         collectives = init_collectives()
         world = collectives.world
         report.update(rank=world.rank, size=world.size, local_rank=world.local_rank,
-                      local_size=world.local_size)
+                      local_size=world.local_size, cross_rank=world.cross_rank,
+                      cross_size=world.cross_size)
         got = float(collectives.allreduce_sum([tf.constant(world.rank + 1.0)])[0])
         expected = world.size * (world.size + 1) / 2
         report["allreduce"] = {"got": got, "expected": expected, "ok": got == expected}
@@ -101,7 +103,8 @@ def format_report(report: dict[str, Any]) -> str:
                  f"{'ok' if check['ok'] else 'WRONG'}" if check else "not run")
     return "\n".join([
         f"[rank {report['rank']}/{report['size']}] host {report['host']}, local rank "
-        f"{report['local_rank']}/{report['local_size']}",
+        f"{report['local_rank']}/{report['local_size']}, node {report['cross_rank']}/"
+        f"{report['cross_size']}",
         f"  hvdtrain {report['hvdtrain']}, Python {report['python']}, TensorFlow "
         f"{report['tensorflow']}, Keras {report['keras']}",
         f"  Horovod {horovod}",

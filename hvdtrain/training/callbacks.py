@@ -26,6 +26,7 @@ from hvdtrain.errors import TrainingDiverged
 from hvdtrain.startup import process_age_seconds
 from hvdtrain.training.schedule import WarmupScaledRate
 from hvdtrain.training.step import StepMath
+from hvdtrain.training.watchdog import Peer, StepWatchdog
 from hvdtrain.world import Collectives, World
 
 
@@ -103,6 +104,42 @@ class FirstStepClock(keras.callbacks.Callback):
     def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
         if self.seconds is None:
             self.seconds, self.unix_time = process_age_seconds(), time.time()
+
+
+class StallGuard(keras.callbacks.Callback):
+    """Feed the rank's ``StepWatchdog``: a beat after every step, a pause over each epoch's end
+    (validation and its collectives, rank 0's checkpoint). First in the list, so the pause
+    starts before any other epoch-end callback."""
+
+    def __init__(self, watchdog: StepWatchdog, collectives: Collectives) -> None:
+        super().__init__()
+        self.watchdog = watchdog
+        self.collectives = collectives
+        self.paused = False
+
+    def on_train_begin(self, logs: dict | None = None) -> None:
+        world = self.collectives.world
+        port = self.watchdog.serve_heartbeat()
+        addresses = self.collectives.allgather_object((world.host, port))
+        self.watchdog.peers = [Peer(rank, host, port)
+                               for rank, (host, port) in enumerate(addresses)
+                               if rank != world.rank]
+        self.watchdog.start()
+
+    def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
+        self.watchdog.beat()
+
+    def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
+        self.watchdog.pause(f"the end of epoch {epoch + 1} (validation, metrics, checkpoint)")
+        self.paused = True
+
+    def on_epoch_begin(self, epoch: int, logs: dict | None = None) -> None:
+        if self.paused:
+            self.watchdog.resume()
+            self.paused = False
+
+    def on_train_end(self, logs: dict | None = None) -> None:
+        self.watchdog.stop()
 
 
 class Throughput(keras.callbacks.Callback):
@@ -347,6 +384,7 @@ class RunHooks:
     plateau: PlateauDecay | None
     tensorboard: bool
     first_step: FirstStepClock | None = None
+    watchdog: StepWatchdog | None = None
     user_callbacks: Sequence[keras.callbacks.Callback] = ()
 
 
@@ -357,6 +395,8 @@ def standard_callbacks(hooks: RunHooks) -> list[keras.callbacks.Callback]:
     rank, so decisions such as early stopping agree), then rank 0's writers and its report."""
     model, optimizer = hooks.step.model, hooks.step.optimizer
     callbacks: list[keras.callbacks.Callback] = [
+        *([StallGuard(hooks.watchdog, hooks.collectives)] if hooks.watchdog is not None
+          else []),
         StopOnDivergence(hooks.step, hooks.store),
         *([hooks.first_step] if hooks.first_step is not None else []),
         Throughput(hooks.progress.steps, hooks.progress.global_batch),

@@ -44,6 +44,7 @@ from hvdtrain.training.loops import LOOPS
 from hvdtrain.training.schedule import WarmupScaledRate, make_optimizer, make_schedule
 from hvdtrain.training.objective import Objective, probe
 from hvdtrain.training.step import Evaluation, StepMath, StepOptions
+from hvdtrain.training.watchdog import stopped_after, watchdog_for
 from hvdtrain.world import (Collectives, World, init_collectives, place_devices,
                             tf_variables)
 
@@ -283,6 +284,7 @@ class RunSummary:
     first_step_seconds: float | None
     first_step_unix_time: float | None
     validation_examples: int | None
+    ranks: list[dict[str, Any]]   # every rank's World: host, local and cross rank and size
 
 
 @dataclass(frozen=True)
@@ -379,8 +381,8 @@ class Run:
         # Ranks start from different seeds on purpose: the broadcast below must make them agree.
         keras.utils.set_random_seed(config.train.seed + world.rank)
         run_dir = _open_run_dir(config, collectives)
-        say(world, f"hvdtrain: {world.size} rank(s); rank 0 on {device}; run directory "
-                   f"{run_dir}")
+        say(world, f"hvdtrain: {world.size} rank(s) on {world.cross_size} node(s); rank 0 on "
+                   f"{world.host}, {device}; run directory {run_dir}")
         say(world, "resolved config:\n" + config.to_yaml().rstrip())
 
         data = self.data_factory(config.data, config.train.seed)
@@ -428,23 +430,28 @@ class Run:
             val_spec = ShardSpec(data.val.num_examples, world, config.train.batch_size, "pad",
                                  False)
         elif initial_epoch < epochs:
+            watchdog = watchdog_for(world, config.train.stall_timeout)
             progress = Progress(epochs, steps, spec.global_batch, config.train.progress,
                                 interactive=sys.stdout.isatty() and world.size == 1)
             callbacks = standard_callbacks(RunHooks(
                 world, collectives, step, validate, trainable.schedule, store, state, run_dir,
-                progress, plateau, config.train.tensorboard, first_step, user_callbacks))
-            with data_errors_named(data):
+                progress, plateau, config.train.tensorboard, first_step, watchdog,
+                user_callbacks))
+            with data_errors_named(data), stopped_after(watchdog):
                 LOOPS[config.train.loop](step, data.train.dataset(spec, initial_epoch, epochs),
                                          epochs, initial_epoch, steps, callbacks)
         trained = time.perf_counter() - started
 
         metrics = {} if data.val is None else evaluation.run(data.val.dataset(val_spec))
-        fingerprints = collectives.allgather_object(weight_fingerprint(model))
+        gathered = collectives.allgather_object((weight_fingerprint(model),
+                                                 dataclasses.asdict(world)))
+        fingerprints = [fingerprint for fingerprint, _ in gathered]
         if world.is_chief:
             summary = RunSummary(metrics, world.size, len(set(fingerprints)) == 1, fingerprints,
                                  before_broadcast, trained, started - launched,
                                  first_step.seconds, first_step.unix_time,
-                                 None if data.val is None else data.val.num_examples)
+                                 None if data.val is None else data.val.num_examples,
+                                 [facts for _, facts in gathered])
             _finish(run_dir, self._float32_copy(model, data), summary)
         return RunResult(run_dir, metrics, fingerprints, model)
 

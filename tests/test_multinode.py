@@ -1,0 +1,242 @@
+"""Across nodes, for real: two nodes on this machine (tests/netcluster.py: network namespaces on
+a bridge, each with its own address, hostname and sshd; a Slurm cluster with one slurmd per
+node) running 2 ranks each through every documented launch path; exactness across nodes; a node
+cut off mid-epoch ends the job within a bound, leaving no process, and --resume continues.
+
+Every launch starts on node1, as a user logged into a cluster's first node would (the MPIJob
+shape starts on this machine instead, a launcher outside the worker nodes).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+import netcluster
+from conftest import (BIN, EXACT, REPO, assert_same_weights, final_weights, rank_env,
+                      read_metrics, read_summary, train)
+from hvdtrain.errors import STALLED_EXIT_CODE
+
+pytestmark = [pytest.mark.multinode, pytest.mark.distributed]
+
+HOSTS = "node1:2,node2:2"
+# The default job (mlp on digits) in fewer epochs: it reaches the same accuracy by epoch 10 on
+# 4 ranks, at half the time of 20 epochs with 4 ranks on 2 cores.
+SHORT = ["--epochs", "10", "--no-progress"]
+JOB_TIMEOUT = 420
+
+
+@pytest.fixture(scope="session")
+def cluster(tmp_path_factory):
+    if os.geteuid() != 0 or shutil.which("apt-get") is None or shutil.which("ip") is None:
+        pytest.skip("a cluster of network namespaces needs root, apt-get and iproute2")
+    directory = tmp_path_factory.mktemp("cluster")
+    made = netcluster.up(directory, nodes=2, slurm=True)
+    try:
+        yield made
+    finally:
+        netcluster.down(directory)
+
+
+def on_node1(cluster: netcluster.Cluster, command: list[str], cwd: Path,
+             timeout: int = JOB_TIMEOUT, **env: str) -> subprocess.CompletedProcess:
+    result = cluster.run("node1", command, timeout, env=rank_env(**env), cwd=cwd)
+    (cwd / "launch.log").write_text(result.stdout + result.stderr)
+    return result
+
+
+def trainer(run_dir: Path, *args: str) -> list[str]:
+    return [str(BIN / "python"), "-m", "hvdtrain", "--run-dir", str(run_dir), *args]
+
+
+def assert_two_nodes_two_ranks_each(run_dir: Path) -> dict:
+    """Rank facts of 2 nodes x 2 ranks: distinct hosts, local ranks 0 and 1 on each, two
+    nodes; the same weights everywhere."""
+    summary = read_summary(run_dir)
+    ranks = summary["ranks"]
+    assert [r["rank"] for r in ranks] == [0, 1, 2, 3] and summary["world_size"] == 4
+    by_host: dict[str, list[dict]] = {}
+    for facts in ranks:
+        by_host.setdefault(facts["host"], []).append(facts)
+    assert sorted(by_host) == ["node1", "node2"], ranks
+    for members in by_host.values():
+        assert sorted(m["local_rank"] for m in members) == [0, 1]
+        assert {m["local_size"] for m in members} == {2}
+        assert {m["cross_size"] for m in members} == {2}
+        assert len({m["cross_rank"] for m in members}) == 1
+    assert sorted(members[0]["cross_rank"] for members in by_host.values()) == [0, 1]
+    assert summary["weights_identical"], summary["fingerprints"]
+    return summary
+
+
+def held_out_accuracy(run_dir: Path) -> float:
+    return read_summary(run_dir)["metrics"]["val_accuracy"]
+
+
+# --- the launch paths ------------------------------------------------------------------------
+
+def test_horovodrun_across_two_nodes(cluster, tmp_path):
+    run_dir = tmp_path / "run"
+    result = on_node1(cluster, [str(BIN / "horovodrun"), "-np", "4", "-H", HOSTS,
+                                "--ssh-identity-file", str(cluster.key),
+                                "--network-interface", netcluster.NODE_INTERFACE,
+                                *trainer(run_dir, *SHORT)], tmp_path)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "4 rank(s) on 2 node(s)" in result.stdout
+    assert_two_nodes_two_ranks_each(run_dir)
+    assert held_out_accuracy(run_dir) >= 0.95
+
+
+def test_doctor_from_outside_the_nodes_with_the_wrappers_ssh_option(cluster, tmp_path):
+    """From this machine, which has no ssh key for the nodes: --ssh says how to reach them."""
+    hosts = ",".join(f"{node.address}:2" for node in cluster.nodes)
+    result = subprocess.run([str(REPO / "launch" / "mpirun.sh"), "-np", "4", "-H", hosts,
+                             "--iface", f"{netcluster.SUBNET}.0/24",
+                             "--ssh", f"ssh -F {cluster.ssh_config}", "--", "doctor"],
+                            env=rank_env(), cwd=tmp_path, text=True, capture_output=True,
+                            timeout=240, stdin=subprocess.DEVNULL)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    for rank, host, local, node in ((0, "node1", 0, 0), (1, "node1", 1, 0),
+                                    (2, "node2", 0, 1), (3, "node2", 1, 1)):
+        assert f"[rank {rank}/4] host {host}, local rank {local}/2, node {node}/2" \
+            in result.stdout, result.stdout
+    assert "verdict: PASS (4 rank(s) checked" in result.stdout
+
+
+def test_mpirun_wrapper_with_a_hostfile_is_exact_across_nodes(cluster, tmp_path):
+    """2 nodes x 2 ranks x batch 8 make the updates 1 process x batch 32 makes."""
+    run_dir = tmp_path / "run"
+    result = on_node1(cluster, [str(REPO / "launch" / "mpirun.sh"), "-np", "4",
+                                "--hostfile", str(cluster.hostfile(2)),
+                                "--iface", netcluster.NODE_INTERFACE, "--",
+                                "--run-dir", str(run_dir), "--no-progress", *EXACT,
+                                "--batch-size", "8", "--learning-rate", "0.025"], tmp_path)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert_two_nodes_two_ranks_each(run_dir)
+    one = train(tmp_path, "one-process", *EXACT, "--batch-size", "32", "--learning-rate",
+                "0.1", np=1)
+    assert_same_weights(final_weights(run_dir), final_weights(one), atol=2e-5)
+
+
+def test_mpijob_manifest_shape_a_launcher_outside_the_workers(cluster, tmp_path):
+    """The manifest's launcher command, verbatim, on this machine (not a worker), reaching the
+    two worker nodes over ssh through a hostfile, as the MPI Operator arranges it: the hostfile
+    and the ssh agent come from the environment it sets."""
+    manifest = yaml.safe_load((REPO / "launch" / "k8s" / "mpijob.yaml").read_text())
+    spec = manifest["spec"]
+    command = spec["mpiReplicaSpecs"]["Launcher"]["template"]["spec"]["containers"][0]["command"]
+    run_dir = tmp_path / "run"
+    command = [str(BIN / "python") if word == "python" else word for word in command]
+    command[command.index("--run-dir") + 1] = str(run_dir)
+    hostfile = cluster.hostfile(spec["slotsPerWorker"], by_address=True)
+    env = rank_env(OMPI_MCA_orte_default_hostfile=str(hostfile),
+                   OMPI_MCA_plm_rsh_agent=f"ssh -F {cluster.ssh_config}",
+                   OMPI_MCA_btl_tcp_if_include=f"{netcluster.SUBNET}.0/24",
+                   OMPI_MCA_oob_tcp_if_include=f"{netcluster.SUBNET}.0/24",
+                   OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
+    command[1:1] = ["-x", "PYTHONPATH"]   # the image has hvdtrain; here: this checkout
+    result = subprocess.run([*command, *SHORT], env=env, cwd=tmp_path, text=True,
+                            capture_output=True, timeout=JOB_TIMEOUT, stdin=subprocess.DEVNULL)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert_two_nodes_two_ranks_each(run_dir)
+    assert held_out_accuracy(run_dir) >= 0.95
+
+
+@pytest.mark.parametrize("launcher", ["srun", "mpirun"])
+def test_slurm_multi_node_batch_script(cluster, tmp_path, launcher):
+    env = rank_env(SLURM_CONF=str(cluster.slurm_conf), HVDTRAIN_REPO=str(REPO),
+                   HVDTRAIN_LAUNCHER=launcher)
+    run_dir = tmp_path / "run"
+    submitted = subprocess.run(
+        ["sbatch", "--parsable", "--nodes=2", "--ntasks-per-node=2", "--cpus-per-task=1",
+         f"--chdir={tmp_path}", f"--output={tmp_path}/job.out", f"--error={tmp_path}/job.err",
+         str(REPO / "launch" / "slurm" / "multi_node.sbatch"), "--run-dir", str(run_dir),
+         *SHORT], env=env, text=True, capture_output=True, timeout=60)
+    assert submitted.returncode == 0, submitted.stderr
+    job = submitted.stdout.strip().split(";")[0]
+    deadline = time.time() + JOB_TIMEOUT
+    while True:
+        record = dict(re.findall(r"(\w+)=(\S+)", subprocess.run(
+            ["scontrol", "show", "job", job], env=env, text=True, capture_output=True,
+            timeout=30).stdout))
+        if record.get("JobState") not in (None, "PENDING", "RUNNING", "CONFIGURING",
+                                          "COMPLETING"):
+            break
+        assert time.time() < deadline, f"job {job} did not end in {JOB_TIMEOUT} s"
+        time.sleep(2)
+    output = "".join((tmp_path / name).read_text() for name in ("job.out", "job.err")
+                     if (tmp_path / name).exists())
+    assert record["JobState"] == "COMPLETED" and record["ExitCode"] == "0:0", output[-3000:]
+    assert "4 rank(s) on 2 node(s) (node[1-2])" in output
+    assert_two_nodes_two_ranks_each(run_dir)
+    assert held_out_accuracy(run_dir) >= 0.95
+
+
+# --- a node lost mid-epoch -------------------------------------------------------------------
+
+# From the cut to every process gone (the limit is 10 s; the launcher needs the rest).
+FAILURE_BOUND_S = 60
+
+
+def test_a_node_cut_off_mid_epoch_ends_the_job_and_resume_continues(cluster, tmp_path):
+    run_dir = tmp_path / "run"
+    args = ["--epochs", "400", "--no-progress", "--stall-timeout", "10", "--seed", "4"]
+    command = [str(REPO / "launch" / "mpirun.sh"), "-np", "4", "-H", HOSTS,
+               "--iface", netcluster.NODE_INTERFACE, "--", "--run-dir", str(run_dir), *args]
+    job = subprocess.Popen(cluster.on("node1", command), env=rank_env(), cwd=tmp_path,
+                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                           stdin=subprocess.DEVNULL, start_new_session=True)
+    try:
+        deadline = time.time() + 240
+        while not (run_dir / "metrics.jsonl").exists():     # an epoch done: training for real
+            assert job.poll() is None and time.time() < deadline, "training did not start"
+            time.sleep(0.5)
+        time.sleep(1.5)                                     # into the next epoch
+        cluster.set_link("node2", up=False)
+        cut = time.time()
+        code = job.wait(timeout=FAILURE_BOUND_S + 120)
+        ended = time.time() - cut
+        leftovers = {}
+        while time.time() - cut < FAILURE_BOUND_S:
+            leftovers = {pid: Path(f"/proc/{pid}/cmdline").read_bytes()[:200]
+                         for node in cluster.nodes for pid in cluster.stray_pids(node.name)}
+            if not leftovers:
+                break
+            time.sleep(1)
+        gone = time.time() - cut
+    finally:
+        if job.poll() is None:
+            os.killpg(job.pid, signal.SIGKILL)
+        cluster.set_link("node2", up=True)
+    output = job.stdout.read()
+    (tmp_path / "launch.log").write_text(output)
+    assert code != 0, output[-3000:]
+    assert ended < FAILURE_BOUND_S, f"the launcher took {ended:.0f} s to end"
+    assert not leftovers, f"left running {gone:.0f} s after the cut: {leftovers}"
+    assert gone < FAILURE_BOUND_S
+    # node2's own lines cannot reach the launcher (its link is down): node1's ranks report,
+    # each naming the two ranks that stopped answering.
+    stalled = re.findall(r"hvdtrain: error: (rank \d of 4 on node\d) stalled: no training step "
+                         r"finished for \d+ s \(limit 10 s, --stall-timeout\) while waiting for "
+                         r"training step \d+ [^;]*; no answer from rank 2 on node2, rank 3 on "
+                         rf"node2; ending this rank \(exit {STALLED_EXIT_CODE}\)", output)
+    assert stalled and set(stalled) <= {"rank 0 of 4 on node1", "rank 1 of 4 on node1"}, \
+        output[-3000:]
+    done = [row["epoch"] for row in read_metrics(run_dir)]
+    # The job resumes on the same nodes, link back up, and finishes two more epochs.
+    more = str(done[-1] + 2)
+    resumed = subprocess.run(cluster.on("node1", [*command[:-len(args)], "--epochs", more,
+                                                  *args[2:], "--resume"]),
+                             env=rank_env(), cwd=tmp_path, text=True, capture_output=True,
+                             timeout=JOB_TIMEOUT, stdin=subprocess.DEVNULL)
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    assert [row["epoch"] for row in read_metrics(run_dir)] == list(range(1, int(more) + 1))
+    assert_two_nodes_two_ranks_each(run_dir)
