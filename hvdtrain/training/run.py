@@ -23,7 +23,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from hvdtrain.checkpoint import CheckpointStore, atomic_write_text
+from hvdtrain.checkpoint import CheckpointStore, atomic_write_text, lock_run_dir
 from hvdtrain.config import Config
 from hvdtrain.data.files import LABEL_RANGE_MESSAGE, FileSplit
 from hvdtrain.data.pipeline import ShardSpec
@@ -33,7 +33,7 @@ from hvdtrain.models import build_model, check_input_shape
 from hvdtrain.plots import plot_curves
 from hvdtrain.training.elastic import ElasticRun, elastic_loop
 from hvdtrain.training.callbacks import (FirstStepClock, MetricsFiles, PlateauDecay, Progress,
-                                         RunHooks, standard_callbacks)
+                                         ResumePoint, RunHooks, standard_callbacks)
 from hvdtrain.training.loops import LOOPS
 from hvdtrain.training.schedule import WarmupScaledRate, make_optimizer, make_schedule
 from hvdtrain.training.step import Evaluation, StepMath, StepOptions
@@ -77,14 +77,16 @@ def chief_decides(collectives: Collectives, decide: Callable[[], Any]) -> Any:
     return value
 
 
-def _usable_run_dir(config: Config) -> Path:
-    """Rank 0: the run directory, created and writable, consistent with --resume."""
+def _usable_run_dir(config: Config) -> tuple[Path, bool]:
+    """Rank 0: the run directory, created, writable and locked for this run, and whether the
+    run resumes there (--resume required, auto, or never)."""
     run_dir = Path(config.train.run_dir) if config.train.run_dir else default_run_dir(config)
     has_run = CheckpointStore(run_dir, 1).latest() is not None
-    if config.train.resume and not has_run:
+    mode = config.train.resume
+    if mode == "required" and not has_run:
         raise UserError(f"--resume: no checkpoint in {run_dir}; drop --resume to start a new "
-                        "run there")
-    if not config.train.resume and has_run:
+                        "run there, or use --resume auto")
+    if mode == "never" and has_run:
         raise UserError(f"{run_dir} already holds a run; pass --resume to continue it or choose "
                         "another --run-dir")
     try:
@@ -92,10 +94,11 @@ def _usable_run_dir(config: Config) -> Path:
         probe = run_dir / ".write-probe"
         probe.write_text("")
         probe.unlink()
+        lock_run_dir(run_dir)
     except OSError as error:
         raise UserError(f"run directory {run_dir} is not writable ({error.strerror}); choose "
                         "another --run-dir") from error
-    return run_dir
+    return run_dir, has_run
 
 
 def weight_fingerprint(model: keras.Model) -> str:
@@ -108,15 +111,17 @@ def weight_fingerprint(model: keras.Model) -> str:
 
 def _restore(config: Config, store: CheckpointStore, model: keras.Model,
              optimizer: keras.optimizers.Optimizer) -> dict[str, Any]:
-    """Rank 0: load the newest checkpoint into model and optimizer; return its state."""
-    latest = store.latest()
+    """Rank 0: load the newest intact checkpoint into model and optimizer; return its state."""
+    latest = store.newest_intact(lambda line: print(f"hvdtrain: {line}", flush=True))
     state = store.read_state(latest)
     if state.get("model") != config.model.model:
         raise UserError(f"{latest} was trained with model '{state.get('model')}', not "
                         f"'{config.model.model}'; resume with the same --model")
     store.restore(latest, model, optimizer)
     return {"epoch": int(state["epoch"]), "plateau": state.get("plateau"),
-            "metrics": state.get("metrics", {})}
+            "metrics": state.get("metrics", {}), "name": latest.name,
+            "resume": ResumePoint(int(state["epoch"]), int(state.get("step", 0)),
+                                  tuple(state.get("epoch_state", ())))}
 
 
 @dataclass
@@ -184,18 +189,22 @@ def data_errors_named(data: DataBundle):
             from error
 
 
-def _open_run_dir(config: Config, collectives: Collectives) -> Path:
-    """Checks that need the world size, then the run directory (decided on rank 0)."""
+def _open_run_dir(config: Config, collectives: Collectives) -> tuple[Path, bool]:
+    """Checks that need the world size, then the run directory and whether to resume there
+    (decided on rank 0)."""
     world = collectives.world
     if config.optim.reduction == "adasum" and world.size & (world.size - 1):
         raise UserError(f"--reduction adasum needs a power-of-two number of ranks, not "
                         f"{world.size}; launch 2, 4, 8... ranks or use --reduction mean")
     if not config.train.elastic:
-        return Path(chief_decides(collectives, lambda: str(_usable_run_dir(config))))
+        run_dir, resuming = chief_decides(collectives, lambda: _usable_run_dir(config))
+        return Path(run_dir), resuming
     check_elastic(config, collectives)
     # No collective before the elastic loop (a joining rank starts here): rank 0 alone
     # checks the run directory.
-    return _usable_run_dir(config) if world.is_chief else Path(config.train.run_dir)
+    if world.is_chief:
+        return _usable_run_dir(config)
+    return Path(config.train.run_dir), config.train.resume != "never"
 
 
 def _plan(config: Config, data: DataBundle, world: World) -> tuple[ShardSpec, int, ShardSpec]:
@@ -218,38 +227,41 @@ def _plan(config: Config, data: DataBundle, world: World) -> tuple[ShardSpec, in
     return spec, steps, ShardSpec(data.val.num_examples, world, batch, "pad", False)
 
 
-def _starting_point(config: Config, collectives: Collectives, run_dir: Path,
+def _starting_point(config: Config, collectives: Collectives, run_dir: Path, resuming: bool,
                     store: CheckpointStore, trainable: Trainable,
-                    plateau: PlateauDecay | None) -> tuple[int, list[str]]:
-    """Restore on --resume, then give every rank rank 0's weights and optimizer state.
+                    plateau: PlateauDecay | None) -> tuple[ResumePoint, list[str]]:
+    """Restore when resuming, then give every rank rank 0's weights and optimizer state.
 
-    Returns the epoch to start from and each rank's weight fingerprint before the broadcast.
+    Returns where to start and each rank's weight fingerprint before the broadcast.
     """
     world, model, optimizer = collectives.world, trainable.model, trainable.optimizer
     initial_epoch = 0
-    if config.train.resume and config.train.elastic:
+    start = ResumePoint()
+    if resuming and config.train.elastic:
         # Rank 0 restores; the elastic state carries weights and epoch to the others.
         if world.is_chief:
             restored = _restore(config, store, model, optimizer)
             initial_epoch = restored["epoch"]
             MetricsFiles(run_dir).resume_at(initial_epoch, restored["metrics"])
-    elif config.train.resume:
+    elif resuming:
         restored = chief_decides(collectives, lambda: _restore(config, store, model, optimizer))
-        initial_epoch = restored["epoch"]
+        initial_epoch, start = restored["epoch"], restored["resume"]
         if plateau is not None and restored["plateau"]:
             plateau.load(restored["plateau"])
         if world.is_chief:
             MetricsFiles(run_dir).resume_at(initial_epoch, restored["metrics"])
-        say(world, f"resuming after epoch {initial_epoch} from {store.latest()}")
+        where = f", step {start.step}" if start.step else ""
+        say(world, f"resuming after epoch {initial_epoch}{where} from "
+                   f"{store.directory / restored['name']}")
     if world.is_chief:   # only now: a rejected run must not overwrite a run's config
         atomic_write_text(run_dir / "config.yaml", config.to_yaml())
     if config.train.elastic:   # the elastic state broadcasts on every (re)start instead
-        return initial_epoch, []
+        return ResumePoint(initial_epoch), []
     before_broadcast = collectives.allgather_object(weight_fingerprint(model))
     # One starting point for every rank: rank 0's weights and optimizer state (not the dropout
     # seeds: those stay rank-local so ranks drop different units).
     collectives.broadcast_variables(tf_variables(model.weights + optimizer.variables))
-    return initial_epoch, before_broadcast
+    return start, before_broadcast
 
 
 def train(config: Config) -> RunResult:
@@ -262,7 +274,7 @@ def train(config: Config) -> RunResult:
         tf.config.experimental.enable_op_determinism()
     # Ranks start from different seeds on purpose: the broadcast below must make them agree.
     keras.utils.set_random_seed(config.train.seed + world.rank)
-    run_dir = _open_run_dir(config, collectives)
+    run_dir, resuming = _open_run_dir(config, collectives)
     say(world, f"hvdtrain: {world.size} rank(s); rank 0 on {device}; run directory {run_dir}")
     say(world, "resolved config:\n" + config.to_yaml().rstrip())
 
@@ -275,8 +287,9 @@ def train(config: Config) -> RunResult:
     plateau = (PlateauDecay(trainable.schedule, optim.lr_decay_factor, optim.plateau_patience)
                if optim.lr_schedule == "plateau" else None)
     store = CheckpointStore(run_dir, config.train.keep_checkpoints)
-    initial_epoch, before_broadcast = _starting_point(config, collectives, run_dir, store,
-                                                      trainable, plateau)
+    start, before_broadcast = _starting_point(config, collectives, run_dir, resuming, store,
+                                              trainable, plateau)
+    initial_epoch = start.epoch
 
     epochs = config.train.epochs
     val_dataset = data.val.dataset(val_spec)
@@ -303,10 +316,11 @@ def train(config: Config) -> RunResult:
                             interactive=sys.stdout.isatty() and world.size == 1)
         callbacks = standard_callbacks(RunHooks(
             world, collectives, step, lambda: evaluation.run(val_dataset), trainable.schedule,
-            store, state, run_dir, progress, plateau, config.train.tensorboard, first_step))
+            store, state, run_dir, progress, plateau, config.train.tensorboard, first_step,
+            config.train.checkpoint_every_steps, start))
         with data_errors_named(data):
             LOOPS[config.train.loop](step, data.train.dataset(spec, initial_epoch, epochs),
-                                     epochs, initial_epoch, steps, callbacks)
+                                     epochs, initial_epoch, steps, callbacks, start.step)
     trained = time.perf_counter() - started
 
     metrics = evaluation.run(val_dataset)
