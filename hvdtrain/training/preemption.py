@@ -15,7 +15,7 @@ to one rank only or only to the launcher. How hvdtrain turns that into a clean s
   they validate is honoured before the next epoch; one that arrives during setup is carried by
   the first step.
 * **A second request ends the process at once** (exit 128 + the signal number), without a
-  checkpoint. Requests less than a second apart count as one: one event often reaches a rank
+  checkpoint. Requests less than 3 s apart count as one: one event often reaches a rank
   twice (a terminal's Ctrl-C reaches the launcher, which forwards it, and the rank itself).
 * **The launcher going away** (its process killed, so the rank's parent changes) is a request
   too: the ranks stop, checkpoint and exit instead of training on unseen. Their output, which
@@ -31,7 +31,7 @@ import time
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
 # Requests closer together than this are one event delivered twice, not a second request.
-SAME_EVENT_S = 1.0
+SAME_EVENT_S = 3.0
 PARENT_POLL_S = 1.0
 
 

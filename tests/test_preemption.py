@@ -1,0 +1,260 @@
+"""Preemption-safe jobs, for real: a stop signal to the launcher (horovodrun.sh, mpirun.sh, srun)
+mid-epoch, a SIGKILL after a step checkpoint, a Slurm time limit that requeues the job, a full
+disk during a checkpoint, a damaged newest checkpoint and a locked run directory. Every resumed
+run must end with an uninterrupted run's weights and metrics rows."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from conftest import (REPO, assert_same_weights, final_weights, launch, processes_mentioning,
+                      rank_env, rank_pid, read_metrics, train, wait_for)
+from hvdtrain.checkpoint import CheckpointStore
+from hvdtrain.cli import build_parser
+from hvdtrain.config import build_config, config_from_args
+
+# Short deterministic epochs (45 steps of 2 x 16 digits): long enough to stop mid-run, a step
+# checkpoint every 5 steps.
+ARGS = ["--epochs", "8", "--deterministic", "--hidden-units", "64", "--seed", "5",
+        "--batch-size", "16", "--checkpoint-every-steps", "5", "--no-tensorboard"]
+STOPPED = 75
+GONE_WITHIN_S = 60
+WRAPPERS = {"horovodrun.sh": "fit", "mpirun.sh": "custom"}
+
+
+def test_resume_takes_auto_and_keeps_the_bare_flag():
+    parser = build_parser()
+
+    def resume(*argv: str) -> str:
+        return config_from_args(parser.parse_args(["train", *argv])).train.resume
+
+    assert resume() == "never"
+    assert resume("--resume") == "required"
+    assert resume("--resume", "auto") == "auto"
+    assert resume("--resume", "--epochs", "3") == "required"
+    for yaml_value, mode in ((True, "required"), (False, "never"), ("auto", "auto")):
+        assert build_config({"resume": yaml_value}).train.resume == mode
+
+
+def test_a_damaged_newest_checkpoint_is_set_aside_for_the_previous(tmp_path):
+    import keras
+
+    from hvdtrain.config import ModelConfig
+    from hvdtrain.models import build_model
+
+    model = build_model(ModelConfig(hidden_units=[8]), (4,), 3)
+    optimizer = keras.optimizers.SGD()
+    optimizer.build(model.trainable_variables)
+    store = CheckpointStore(tmp_path, 5)
+    older = store.save(model, optimizer, {"epoch": 1})
+    newer = store.save(model, optimizer, {"epoch": 1, "step": 20})
+    assert [p.name for p in store.complete()] == ["epoch-0001", "epoch-0001-step-000020"]
+    weights = newer / "model.weights.h5"
+    weights.write_bytes(weights.read_bytes()[:-1] + b"\0")
+    lines: list[str] = []
+    assert store.newest_intact(lines.append) == older
+    assert len(lines) == 1 and "epoch-0001-step-000020 is damaged (model.weights.h5 does not " \
+                               "match its SHA-256)" in lines[0], lines
+    assert store.complete() == [older] and (tmp_path / "checkpoints" /
+                                            ".damaged-epoch-0001-step-000020").is_dir()
+
+
+def start_wrapper(wrapper: str, run_dir: Path, *args: str) -> subprocess.Popen:
+    """A 2-rank job through launch/<wrapper>, in its own session (so signals reach only it)."""
+    return subprocess.Popen([str(REPO / "launch" / wrapper), "-np", "2", "--", "--run-dir",
+                             str(run_dir), "--no-progress", *args],
+                            env=rank_env(), cwd=run_dir.parent, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, stdin=subprocess.DEVNULL,
+                            start_new_session=True)
+
+
+def newest_checkpoint(run_dir: Path) -> Path | None:
+    return CheckpointStore(run_dir, 1).latest()
+
+
+def step_checkpoint_after(run_dir: Path, name: str = "") -> Path | None:
+    """The newest checkpoint if it is a mid-epoch one newer than ``name``."""
+    newest = newest_checkpoint(run_dir)
+    if newest is not None and "-step-" in newest.name and newest.name > name:
+        return newest
+    return None
+
+
+def finish(job: subprocess.Popen, timeout: float) -> tuple[int, str]:
+    try:
+        output, _ = job.communicate(timeout=timeout)
+    finally:
+        if job.poll() is None:
+            os.killpg(job.pid, signal.SIGKILL)
+    return job.returncode, output
+
+
+def assert_nothing_left(run_dir: Path) -> None:
+    wait_for(lambda: not processes_mentioning(str(run_dir)), GONE_WITHIN_S)
+
+
+def assert_same_run(straight: Path, resumed: Path) -> None:
+    """Equal final weights, and the same per-epoch rows (throughput aside)."""
+    assert_same_weights(final_weights(straight), final_weights(resumed), atol=1e-6)
+    theirs, ours = read_metrics(straight), read_metrics(resumed)
+    assert [row["epoch"] for row in ours] == [row["epoch"] for row in theirs]
+    for a, b in zip(theirs, ours):
+        for name in ("loss", "accuracy", "val_loss", "val_accuracy", "lr"):
+            assert b[name] == pytest.approx(a[name], rel=1e-6, abs=1e-9), (a["epoch"], name)
+
+
+@pytest.fixture(scope="module")
+def straight_runs(tmp_path_factory):
+    """The uninterrupted runs, one per training loop."""
+    tmp = tmp_path_factory.mktemp("straight")
+    return {loop: train(tmp, f"straight-{loop}", *ARGS, "--loop", loop)
+            for loop in WRAPPERS.values()}
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("wrapper", list(WRAPPERS))
+def test_sigterm_to_the_launcher_stops_at_a_step_and_resume_auto_matches(
+        tmp_path, straight_runs, wrapper):
+    """SIGTERM to the wrapper mid-run: every rank stops at the same step with exit 75 and one
+    line, a mid-epoch checkpoint exists, nothing of the job remains. horovodrun.sh: a second
+    run on the locked directory is refused meanwhile, and the resumed run is SIGKILLed after a
+    later step checkpoint and resumed again. mpirun.sh: the newest checkpoint is damaged before
+    the resume, which takes the one before. Both end equal to an uninterrupted run."""
+    loop = WRAPPERS[wrapper]
+    run_dir = tmp_path / "run"
+    args = [*ARGS, "--loop", loop, "--resume", "auto"]
+    job = start_wrapper(wrapper, run_dir, *args)
+    try:
+        wait_for(lambda: step_checkpoint_after(run_dir) or job.poll() is not None, 240)
+        if wrapper == "horovodrun.sh":
+            second = launch("none", 1, ["--run-dir", str(run_dir), *args])
+            assert second.returncode == 2, second.stdout + second.stderr
+            assert re.search(r"hvdtrain: error: run directory \S+ is in use by another run "
+                             r"\(pid \d+ on \S+\); wait for it", second.stderr), second.stderr
+        os.kill(job.pid, signal.SIGTERM)
+    finally:
+        code, output = finish(job, 120)
+    assert code == STOPPED, output[-3000:]
+    stops = re.findall(r"hvdtrain: error: (stopped by SIGUSR1 on rank [01].*?--resume auto)",
+                       output)
+    assert len(stops) == 2 and stops[0] == stops[1], output[-3000:]   # every rank, alike
+    assert "Traceback" not in output
+    assert_nothing_left(run_dir)
+    stopped_at = re.search(r"checkpoint (\S+) written", stops[0]).group(1)
+    assert (run_dir / "checkpoints" / stopped_at).is_dir()
+    assert list((run_dir / "checkpoints").glob("epoch-*-step-*")), "no mid-epoch checkpoint"
+
+    if wrapper == "horovodrun.sh":
+        job = start_wrapper(wrapper, run_dir, *args)
+        try:
+            wait_for(lambda: step_checkpoint_after(run_dir, stopped_at) or job.poll() is not None,
+                     240)
+            os.kill(wait_for(lambda: rank_pid(str(run_dir), 1), 30), signal.SIGKILL)
+        finally:
+            code, output = finish(job, 120)
+        assert code != 0, output[-3000:]
+        assert_nothing_left(run_dir)
+    else:
+        optimizer_file = run_dir / "checkpoints" / stopped_at / "optimizer.npz"
+        optimizer_file.write_bytes(b"\0" * 64 + optimizer_file.read_bytes()[64:])
+    job = start_wrapper(wrapper, run_dir, *args)
+    code, output = finish(job, 240)
+    assert code == 0, output[-3000:]
+    if wrapper == "mpirun.sh":
+        assert f"checkpoint {run_dir}/checkpoints/{stopped_at} is damaged (optimizer.npz does " \
+               "not match its SHA-256); set aside" in output, output[-3000:]
+    assert_same_run(straight_runs[loop], run_dir)
+
+
+@pytest.mark.distributed
+def test_a_full_disk_during_a_checkpoint_stops_with_one_line_and_keeps_the_previous(tmp_path):
+    """The run directory on a 4 MiB tmpfs, filled up after epoch 1: the epoch 2 checkpoint
+    cannot be written. Both ranks stop with the same line and exit 74; epoch 1's checkpoint is
+    whole and loads."""
+    mount = tmp_path / "small-disk"
+    mount.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(mount)],
+                      capture_output=True, timeout=30).returncode != 0:
+        pytest.skip("cannot mount a tmpfs here (needs root)")
+    try:
+        args = ["--hidden-units", "256", "128", "--no-tensorboard"]
+        run_dir = train(mount, "run", "--epochs", "1", *args)
+        (run_dir / "model.keras").unlink()
+        filler = mount / "filler"
+        with open(filler, "wb") as handle:   # fill the disk, then free 100 KiB
+            try:
+                while True:
+                    handle.write(b"\0" * 65536)
+                    handle.flush()
+            except OSError:
+                pass
+        os.truncate(filler, filler.stat().st_size - 100 * 1024)
+        result = launch("horovodrun", 2, ["--run-dir", str(run_dir), "--no-progress",
+                                          "--epochs", "2", "--resume", *args], cwd=tmp_path)
+        output = result.stdout + result.stderr
+        assert result.returncode == 74, output[-3000:]
+        errors = re.findall(r"hvdtrain: error: (could not write checkpoint epoch-0002 .*?"
+                            r"--resume auto)", output)
+        assert len(errors) == 2 and errors[0] == errors[1], output[-3000:]
+        assert "No space left on device (ENOSPC); the previous checkpoint " in errors[0]
+        assert "Traceback" not in output
+        store = CheckpointStore(run_dir, 3)
+        assert [p.name for p in store.complete()] == ["epoch-0001"]
+        assert store.damage(store.latest()) is None
+        assert not list(store.directory.glob(".partial-*"))
+        state = json.loads((store.latest() / "state.json").read_text())
+        assert state["epoch"] == 1 and set(state["files"]) == {"model.weights.h5",
+                                                               "optimizer.npz"}
+        import keras
+
+        from hvdtrain.config import ModelConfig, OptimConfig
+        from hvdtrain.models import build_model
+        from hvdtrain.training.schedule import make_optimizer, make_schedule
+
+        model = build_model(ModelConfig(hidden_units=[256, 128]), (8, 8, 1), 10)
+        optimizer = make_optimizer(OptimConfig(), make_schedule(OptimConfig(), 2, 23, 2))
+        optimizer.build(model.trainable_variables)
+        store.restore(store.latest(), model, optimizer)
+        assert int(optimizer.iterations.numpy()) == 23
+        assert isinstance(model, keras.Model)
+    finally:
+        subprocess.run(["umount", "-l", str(mount)], timeout=30)
+
+
+@pytest.mark.distributed
+def test_slurm_stop_and_time_limit_requeue_finish_like_an_uninterrupted_run(slurm, tmp_path,
+                                                                              straight_runs):
+    """SIGTERM to srun mid-epoch: the job ends with exit 75 and a mid-epoch checkpoint, nothing
+    remains. Resubmitted with a one-minute time limit, the shipped script's SIGUSR1 trap stops
+    the ranks before the limit and requeues the job until training ends; the weights equal an
+    uninterrupted run's."""
+    run_dir = slurm.directory / "preempted"
+    args = [*ARGS, "--loop", "fit", "--epochs", "8", "--no-progress", "--run-dir", str(run_dir)]
+    job = slurm.submit(*args)
+    wait_for(lambda: step_checkpoint_after(run_dir) or slurm.finished(job), 240)
+    srun = wait_for(lambda: next((pid for pid, env in processes_mentioning(str(run_dir)).items()
+                                  if Path(f"/proc/{pid}/comm").read_text().strip() == "srun"),
+                                 None), 30)
+    os.kill(srun, signal.SIGTERM)
+    record = wait_for(lambda: slurm.finished(job), 120, every=0.5)
+    output = slurm.output(job)
+    assert record["ExitCode"] == f"{STOPPED}:0", output[-3000:]
+    assert "hvdtrain: error: stopped by SIGTERM" in output, output[-3000:]
+    assert list((run_dir / "checkpoints").glob("epoch-*-step-*")), "no mid-epoch checkpoint"
+    assert_nothing_left(run_dir)
+
+    job = slurm.submit(*args, sbatch=("--time=1", "--signal=B:USR1@40"))
+    record, output = slurm.wait(job, timeout=600)
+    assert record["JobState"] == "COMPLETED" and record["ExitCode"] == "0:0", output[-3000:]
+    assert int(record["Restarts"]) >= 1, output[-3000:]
+    assert "requeueing it to continue from the checkpoint" in output
+    assert_same_run(straight_runs["fit"], run_dir)
+    assert np.isfinite(read_metrics(run_dir)[-1]["val_loss"])
