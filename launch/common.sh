@@ -64,9 +64,11 @@ job_processes() {
   for child in $(pgrep -P "$1"); do job_processes "$child"; done
 }
 
+# The job's mpirun, if any. (Bare "return" in a function called from a trap handler would
+# return the status of the command the trap interrupted: hence "return 0".)
 job_mpirun() {
   local pid
   for pid in $(job_processes "$1"); do
-    case "$(ps -o comm= -p "$pid")" in mpirun|mpiexec|orterun|prterun) echo "$pid"; return ;; esac
+    case "$(ps -o comm= -p "$pid")" in mpirun|mpiexec|orterun|prterun) echo "$pid"; return 0 ;; esac
   done
 }

@@ -44,6 +44,12 @@ def test_resume_takes_auto_and_keeps_the_bare_flag():
         assert build_config({"resume": yaml_value}).train.resume == mode
 
 
+def flip_a_byte(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
 def test_a_damaged_newest_checkpoint_is_set_aside_for_the_previous(tmp_path):
     import keras
 
@@ -57,8 +63,7 @@ def test_a_damaged_newest_checkpoint_is_set_aside_for_the_previous(tmp_path):
     older = store.save(model, optimizer, {"epoch": 1})
     newer = store.save(model, optimizer, {"epoch": 1, "step": 20})
     assert [p.name for p in store.complete()] == ["epoch-0001", "epoch-0001-step-000020"]
-    weights = newer / "model.weights.h5"
-    weights.write_bytes(weights.read_bytes()[:-1] + b"\0")
+    flip_a_byte(newer / "model.weights.h5")
     lines: list[str] = []
     assert store.newest_intact(lines.append) == older
     assert len(lines) == 1 and "epoch-0001-step-000020 is damaged (model.weights.h5 does not " \
@@ -163,8 +168,7 @@ def test_sigterm_to_the_launcher_stops_at_a_step_and_resume_auto_matches(
         assert code != 0, output[-3000:]
         assert_nothing_left(run_dir)
     else:
-        optimizer_file = run_dir / "checkpoints" / stopped_at / "optimizer.npz"
-        optimizer_file.write_bytes(b"\0" * 64 + optimizer_file.read_bytes()[64:])
+        flip_a_byte(run_dir / "checkpoints" / stopped_at / "optimizer.npz")
     job = start_wrapper(wrapper, run_dir, *args)
     code, output = finish(job, 240)
     assert code == 0, output[-3000:]
@@ -230,8 +234,8 @@ def test_a_full_disk_during_a_checkpoint_stops_with_one_line_and_keeps_the_previ
 
 
 @pytest.mark.distributed
-def test_slurm_stop_and_time_limit_requeue_finish_like_an_uninterrupted_run(slurm, tmp_path,
-                                                                              straight_runs):
+def test_slurm_stop_and_time_limit_requeue_finish_like_an_uninterrupted_run(
+        slurm, straight_runs):
     """SIGTERM to srun mid-epoch: the job ends with exit 75 and a mid-epoch checkpoint, nothing
     remains. Resubmitted with a one-minute time limit, the shipped script's SIGUSR1 trap stops
     the ranks before the limit and requeues the job until training ends; the weights equal an
