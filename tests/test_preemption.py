@@ -5,6 +5,8 @@ run must end with an uninterrupted run's weights and metrics rows."""
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import os
 import re
@@ -93,6 +95,30 @@ def step_checkpoint_after(run_dir: Path, name: str = "") -> Path | None:
     return None
 
 
+def lock_is_held(run_dir: Path) -> bool:
+    """True when some process holds ``run_dir``'s lock (probed without waiting)."""
+    fd = os.open(run_dir / ".lock", os.O_RDWR)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)
+    return False
+
+
+@contextlib.contextmanager
+def holding_the_lock(run_dir: Path):
+    fd = os.open(run_dir / ".lock", os.O_RDWR)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        os.ftruncate(fd, 0)
+        os.write(fd, f"pid {os.getpid()} on test-host\n".encode())
+        yield
+    finally:
+        os.close(fd)
+
+
 def finish(job: subprocess.Popen, timeout: float) -> tuple[int, str]:
     try:
         output, _ = job.communicate(timeout=timeout)
@@ -129,21 +155,18 @@ def straight_runs(tmp_path_factory):
 def test_sigterm_to_the_launcher_stops_at_a_step_and_resume_auto_matches(
         tmp_path, straight_runs, wrapper):
     """SIGTERM to the wrapper mid-run: every rank stops at the same step with exit 75 and one
-    line, a mid-epoch checkpoint exists, nothing of the job remains. horovodrun.sh: a second
-    run on the locked directory is refused meanwhile, and the resumed run is SIGKILLed after a
-    later step checkpoint and resumed again. mpirun.sh: the newest checkpoint is damaged before
-    the resume, which takes the one before. Both end equal to an uninterrupted run."""
+    line, a mid-epoch checkpoint exists, nothing of the job remains; the job held the run
+    directory's lock. horovodrun.sh: a run on a directory another process holds is refused;
+    the resumed run is SIGKILLed after a later step checkpoint and resumed again. mpirun.sh:
+    the newest checkpoint is damaged before the resume, which takes the one before. Both end
+    equal to an uninterrupted run."""
     loop = WRAPPERS[wrapper]
     run_dir = tmp_path / "run"
     args = [*ARGS, "--loop", loop, "--resume", "auto"]
     job = start_wrapper(wrapper, run_dir, *args)
     try:
         wait_for(lambda: step_checkpoint_after(run_dir) or job.poll() is not None, 240)
-        if wrapper == "horovodrun.sh":
-            second = launch("none", 1, ["--run-dir", str(run_dir), *args])
-            assert second.returncode == 2, second.stdout + second.stderr
-            assert re.search(r"hvdtrain: error: run directory \S+ is in use by another run "
-                             r"\(pid \d+ on \S+\); wait for it", second.stderr), second.stderr
+        assert lock_is_held(run_dir), "the running job does not hold the run directory's lock"
         os.kill(job.pid, signal.SIGTERM)
     finally:
         code, output = finish(job, 120)
@@ -158,6 +181,11 @@ def test_sigterm_to_the_launcher_stops_at_a_step_and_resume_auto_matches(
     assert list((run_dir / "checkpoints").glob("epoch-*-step-*")), "no mid-epoch checkpoint"
 
     if wrapper == "horovodrun.sh":
+        with holding_the_lock(run_dir):   # as another run would
+            second = launch("none", 1, ["--run-dir", str(run_dir), *args])
+        assert second.returncode == 2, second.stdout + second.stderr
+        assert re.search(r"hvdtrain: error: run directory \S+ is in use by another run "
+                         r"\(pid \d+ on \S+\); wait for it", second.stderr), second.stderr
         job = start_wrapper(wrapper, run_dir, *args)
         try:
             wait_for(lambda: step_checkpoint_after(run_dir, stopped_at) or job.poll() is not None,

@@ -63,6 +63,13 @@ class StopRequests:
             threading.Thread(target=self._watch_parent, args=(os.getppid(),), daemon=True,
                              name="hvdtrain-launcher-watch").start()
 
+    def ignore_from_now(self) -> None:
+        """Training is over and saved: a stop request now has nothing left to stop. (Python
+        restores the default action, which kills, while it shuts down; ignoring stays.)"""
+        if self._installed:
+            for number in STOP_SIGNALS:
+                signal.signal(number, signal.SIG_IGN)
+
     def request(self, reason: str, exit_code: int) -> None:
         """Record the first request; end the process at once on a second, later one."""
         with self._lock:
