@@ -2,7 +2,8 @@
 
 A checkpoint is a directory ``checkpoints/epoch-NNNN`` (after NNNN whole epochs) or
 ``checkpoints/epoch-NNNN-step-SSSSSS`` (SSSSSS steps into the next one) holding the model
-weights (``model.weights.h5``), the optimizer's variables (``optimizer.npz``, including its step
+weights (``weights.npz``, in ``model.weights`` order; checkpoints of earlier versions hold
+``model.weights.h5``, still read), the optimizer's variables (``optimizer.npz``, including its step
 counter, so the learning-rate schedule resumes where it was) and ``state.json`` (epoch, step,
 model identity, config, the epoch's running metric state, and the SHA-256 of the other two
 files). It is written under a temporary name, flushed to disk, and renamed into place in one
@@ -10,7 +11,9 @@ atomic step, so at any instant the newest complete checkpoint is on disk whole. 
 fails (disk full, quota, permission) removes its partial directory and stops the run with one
 line; the previous checkpoint is untouched. A checkpoint whose files no longer match their
 checksums is set aside on resume, for the one before. Restore reads weights and arrays only:
-nothing in a checkpoint is executed.
+nothing in a checkpoint is executed. (Weights are written with NumPy, not HDF5: an HDF5 file
+whose write failed stays open inside the library and fails again, or crashes the process, when
+Python exits.)
 
 The run directory is locked (``fcntl.flock`` on ``.lock``) by rank 0 for the whole run, so a
 second run on the same directory is refused instead of interleaving its checkpoints.
@@ -36,7 +39,8 @@ import numpy as np
 from hvdtrain.errors import CheckpointWriteFailed, UserError
 
 CHECKPOINT_NAME = re.compile(r"epoch-(\d{4,})(?:-step-(\d{6,}))?")
-WEIGHTS_FILE = "model.weights.h5"
+WEIGHTS_FILE = "weights.npz"
+LEGACY_WEIGHTS_FILE = "model.weights.h5"
 OPTIMIZER_FILE = "optimizer.npz"
 STATE_FILE = "state.json"
 LOCK_FILE = ".lock"
@@ -121,6 +125,12 @@ def atomic_write_text(path: Path, text: str) -> None:
     os.replace(partial, path)
 
 
+def _arrays(path: Path) -> list[np.ndarray]:
+    """The arrays of a NumPy archive in the order they were saved (no pickles)."""
+    with np.load(path, allow_pickle=False) as archive:
+        return [archive[key] for key in sorted(archive.files)]
+
+
 class CheckpointStore:
     """The checkpoints of one run directory."""
 
@@ -166,9 +176,10 @@ class CheckpointStore:
     @staticmethod
     def _write(partial: Path, model: keras.Model, optimizer: keras.optimizers.Optimizer,
                state: dict[str, Any]) -> None:
-        model.save_weights(partial / WEIGHTS_FILE)
-        arrays = {f"v{i:04d}": v.numpy() for i, v in enumerate(optimizer.variables)}
-        np.savez(partial / OPTIMIZER_FILE, **arrays)
+        np.savez(partial / WEIGHTS_FILE, **{f"w{i:04d}": weight
+                                            for i, weight in enumerate(model.get_weights())})
+        np.savez(partial / OPTIMIZER_FILE, **{f"v{i:04d}": v.numpy()
+                                              for i, v in enumerate(optimizer.variables)})
         files = {name: sha256_of(partial / name) for name in (WEIGHTS_FILE, OPTIMIZER_FILE)}
         with open(partial / STATE_FILE, "w") as handle:
             handle.write(json.dumps({**state, "files": files}, indent=2) + "\n")
@@ -201,24 +212,26 @@ class CheckpointStore:
                 shutil.rmtree(stale, ignore_errors=True)
 
     def newest_intact(self, report: Callable[[str], None]) -> Path | None:
-        """The newest checkpoint whose files match the checksums in its state; each damaged
+        """The newest checkpoint whose files match the checksums in its state. Each damaged
         newer one is renamed ``.damaged-NAME`` (kept for inspection, never loaded) and
-        reported. Raises CheckpointError when checkpoints exist but none is intact."""
+        reported. Raises CheckpointError, changing nothing, when checkpoints exist but none
+        is intact."""
         found = self.complete()
-        problems = []
+        damaged = []
         for path in reversed(found):
             problem = self.damage(path)
             if problem is None:
+                for bad, why in damaged:
+                    aside = bad.with_name(f".damaged-{bad.name}")
+                    shutil.rmtree(aside, ignore_errors=True)
+                    os.rename(bad, aside)
+                    report(f"checkpoint {bad} is damaged ({why}); set aside as {aside.name}, "
+                           f"resuming from {path.name}")
                 return path
-            problems.append(f"{path.name}: {problem}")
-            aside = path.with_name(f".damaged-{path.name}")
-            shutil.rmtree(aside, ignore_errors=True)
-            os.rename(path, aside)
-            report(f"checkpoint {path} is damaged ({problem}); set aside as {aside.name}, "
-                   "resuming from the one before")
+            damaged.append((path, problem))
         if found:
-            raise CheckpointError(f"no intact checkpoint in {self.directory} "
-                                  f"({'; '.join(problems)}); start a new --run-dir")
+            raise CheckpointError(f"no intact checkpoint in {self.directory} (" + "; ".join(
+                f"{path.name}: {why}" for path, why in damaged) + "); start a new --run-dir")
         return None
 
     @classmethod
@@ -253,9 +266,11 @@ class CheckpointStore:
                 optimizer: keras.optimizers.Optimizer) -> None:
         """Load weights and optimizer variables (built beforehand) from a checkpoint."""
         try:
-            model.load_weights(path / WEIGHTS_FILE)
-            with np.load(path / OPTIMIZER_FILE, allow_pickle=False) as archive:
-                arrays = [archive[key] for key in sorted(archive.files)]
+            if (path / WEIGHTS_FILE).exists():
+                model.set_weights(_arrays(path / WEIGHTS_FILE))
+            else:
+                model.load_weights(path / LEGACY_WEIGHTS_FILE)
+            arrays = _arrays(path / OPTIMIZER_FILE)
         except (OSError, ValueError, zipfile.BadZipFile) as error:
             raise CheckpointError(f"checkpoint {path} does not fit this model or is unreadable "
                                   f"({error}); check --model or start a new --run-dir") from error

@@ -65,10 +65,10 @@ def test_a_damaged_newest_checkpoint_is_set_aside_for_the_previous(tmp_path):
     older = store.save(model, optimizer, {"epoch": 1})
     newer = store.save(model, optimizer, {"epoch": 1, "step": 20})
     assert [p.name for p in store.complete()] == ["epoch-0001", "epoch-0001-step-000020"]
-    flip_a_byte(newer / "model.weights.h5")
+    flip_a_byte(newer / "weights.npz")
     lines: list[str] = []
     assert store.newest_intact(lines.append) == older
-    assert len(lines) == 1 and "epoch-0001-step-000020 is damaged (model.weights.h5 does not " \
+    assert len(lines) == 1 and "epoch-0001-step-000020 is damaged (weights.npz does not " \
                                "match its SHA-256)" in lines[0], lines
     assert store.complete() == [older] and (tmp_path / "checkpoints" /
                                             ".damaged-epoch-0001-step-000020").is_dir()
@@ -202,7 +202,7 @@ def test_sigterm_to_the_launcher_stops_at_a_step_and_resume_auto_matches(
     assert code == 0, output[-3000:]
     if wrapper == "mpirun.sh":
         assert f"checkpoint {run_dir}/checkpoints/{stopped_at} is damaged (optimizer.npz does " \
-               "not match its SHA-256); set aside" in output, output[-3000:]
+               "not match its SHA-256); set aside as .damaged-" in output, output[-3000:]
     assert_same_run(straight_runs[loop], run_dir)
 
 
@@ -243,7 +243,7 @@ def test_a_full_disk_during_a_checkpoint_stops_with_one_line_and_keeps_the_previ
         assert store.damage(store.latest()) is None
         assert not list(store.directory.glob(".partial-*"))
         state = json.loads((store.latest() / "state.json").read_text())
-        assert state["epoch"] == 1 and set(state["files"]) == {"model.weights.h5",
+        assert state["epoch"] == 1 and set(state["files"]) == {"weights.npz",
                                                                "optimizer.npz"}
         import keras
 
