@@ -1,3 +1,20 @@
-"""hvdtrain: data-parallel training of TensorFlow/Keras 3 models with Horovod over MPI."""
+"""hvdtrain: data-parallel training of TensorFlow/Keras 3 models with Horovod over MPI.
+
+``hvdtrain.fit`` trains from Python; ``hvdtrain.Arrays``, ``hvdtrain.Pipeline`` and
+``hvdtrain.Shard`` describe a user's data. They load on first use, so ``import hvdtrain`` (and
+the CLI's ``--version`` and ``--help``) stays free of TensorFlow.
+"""
 
 __version__ = "0.1.0"
+
+_LAZY = {"fit": "hvdtrain.api", "Arrays": "hvdtrain.data.user",
+         "Pipeline": "hvdtrain.data.user", "Shard": "hvdtrain.data.user"}
+__all__ = ["__version__", *_LAZY]
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'hvdtrain' has no attribute {name!r}")

@@ -21,6 +21,7 @@ from hvdtrain.bench import benchmark
 from hvdtrain.data import convert
 from hvdtrain.config import add_arguments, config_from_args
 from hvdtrain.errors import UserError
+from hvdtrain.startup import hide_native_notices
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -120,6 +121,13 @@ def _with_default_command(argv: list[str]) -> list[str]:
     if argv and (argv[0] in COMMANDS or argv[0] in ("-h", "--help", "--version")):
         return argv
     return ["train", *argv]
+
+
+def entry() -> NoReturn:
+    """The console script and ``python -m hvdtrain``: ``main`` with TensorFlow's native
+    start-up notices filtered out of stderr."""
+    hide_native_notices()
+    sys.exit(main())
 
 
 def main(argv: list[str] | None = None) -> int:

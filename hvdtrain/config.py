@@ -18,6 +18,7 @@ from typing import Any
 import yaml
 
 from hvdtrain.errors import UserError
+from hvdtrain.plugins import PLUGIN
 
 
 class ConfigError(UserError):
@@ -26,23 +27,34 @@ class ConfigError(UserError):
 
 def option(default: Any, help: str, *, choices: tuple[str, ...] = (),
            minimum: float | None = None, maximum: float | None = None,
-           exclusive_minimum: bool = False, bare: str | None = None) -> Any:
+           exclusive_minimum: bool = False, plugin: bool = False,
+           bare: str | None = None) -> Any:
     """A config field with the metadata the CLI, the docs and the validation are made from.
-
+    ``plugin``: besides ``choices``, a user's ``package.module:function`` is accepted.
     ``bare``: for a choice field, the value of the flag given without one (``--resume`` means
-    ``--resume required``); YAML's true and false then mean ``bare`` and the default.
-    """
+    ``--resume required``); YAML's true and false then mean ``bare`` and the default."""
     meta = {"help": help, "choices": choices, "minimum": minimum, "maximum": maximum,
-            "exclusive_minimum": exclusive_minimum, "bare": bare, "default": default}
+            "exclusive_minimum": exclusive_minimum, "plugin": plugin, "bare": bare,
+            "default": default}
     if isinstance(default, list):
         return field(default_factory=lambda: list(default), metadata=meta)
     return field(default=default, metadata=meta)
 
 
+# The model or dataset of a run whose model or data was handed to ``hvdtrain.fit`` as an object.
+PYTHON_OBJECT = "python"
+# Keras 3's optimizers by the names keras.optimizers.get accepts.
+KERAS_OPTIMIZERS = ("sgd", "adam", "adamw", "rmsprop", "adagrad", "adadelta", "adamax",
+                    "adafactor", "nadam", "ftrl", "lion", "lamb")
+
+
 @dataclass
 class DataConfig:
-    dataset: str = option("digits", "data source: digits, synthetic, npz, tfrecord, csv, mnist, "
-                                    "fashion_mnist or cifar10")
+    dataset: str = option("digits", "data source: a built-in, or package.module:fn returning "
+                                    "hvdtrain.Arrays or hvdtrain.Pipeline ('python': data "
+                                    "handed to hvdtrain.fit)",
+                          choices=("digits", "synthetic", "npz", "tfrecord", "csv", "mnist",
+                                   "fashion_mnist", "cifar10"), plugin=True)
     data_path: str | None = option(None, "npz: a .npz file with x and y (optionally x_val, "
                                          "y_val); tfrecord, csv: a glob of training files")
     val_data_path: str | None = option(None, "tfrecord, csv: a glob of validation files")
@@ -54,8 +66,14 @@ class DataConfig:
     feature_encoding: str = option("raw", "tfrecord: how the feature is stored: raw (uint8 "
                                           "bytes), float (float list), png or jpeg",
                                    choices=("raw", "float", "png", "jpeg"))
-    label_key: str = option("label", "tfrecord: name of the integer label feature")
-    label_column: str = option("label", "csv: name of the label column")
+    label_key: str = option("label", "tfrecord: name of the label (target) feature")
+    label_dtype: str = option("int64", "tfrecord: type of the label feature: int64 (class ids) "
+                                       "or float32 (regression or multi-label targets)",
+                              choices=("int64", "float32"))
+    label_shape: list[int] = option([], "tfrecord: shape of one label (empty: a scalar)",
+                                    minimum=1)
+    label_column: str = option("label", "csv: name of the label column (integers: class ids; "
+                                        "any other number: a regression target)")
     num_classes: int | None = option(None, "classes, for tfrecord or csv without converter "
                                            "metadata (default: from the metadata or the labels)",
                                      minimum=2)
@@ -74,8 +92,10 @@ class DataConfig:
 
 @dataclass
 class ModelConfig:
-    model: str = option("mlp", "built-in model (mlp, cnn, resnet) or a user's "
-                               "package.module:build_fn")
+    model: str = option("mlp", "built-in model or a user's package.module:build_fn "
+                               "(which may return a compiled model: its loss and metrics are "
+                               "used; 'python': a model handed to hvdtrain.fit)",
+                        choices=("mlp", "cnn", "resnet"), plugin=True)
     hidden_units: list[int] = option([256, 128], "hidden layer widths of the mlp", minimum=1)
     weight_decay: float = option(0.0, "L2 penalty on kernel weights", minimum=0.0)
     resnet_blocks: int = option(3, "residual blocks per stage of the resnet (3: ResNet-20)",
@@ -84,10 +104,13 @@ class ModelConfig:
 
 @dataclass
 class OptimConfig:
-    optimizer: str = option("sgd", "optimizer", choices=("sgd", "adam"))
+    optimizer: str = option("sgd", "Keras optimizer by name, or package.module:fn taking the "
+                                   "(scaled, warmed-up) learning-rate schedule",
+                            choices=KERAS_OPTIMIZERS, plugin=True)
     learning_rate: float = option(0.05, "learning rate for one rank at --batch-size; scaled by "
                                         "world size", minimum=0.0, exclusive_minimum=True)
-    momentum: float = option(0.9, "SGD momentum (0 for plain SGD)", minimum=0.0, maximum=0.999)
+    momentum: float = option(0.9, "momentum of sgd and rmsprop (0 for none)", minimum=0.0,
+                             maximum=0.999)
     lr_scaling: str = option("linear", "learning-rate scaling with world size",
                              choices=("linear", "sqrt", "none"))
     warmup_epochs: float = option(2.0, "epochs of linear warmup from the unscaled rate to the "
@@ -138,6 +161,10 @@ class TrainConfig:
                                   "horovodrun --min-np/--max-np/--host-discovery-script)")
     commit_every: int = option(10, "elastic: steps between state commits (the most work a "
                                    "lost rank can cost)", minimum=1)
+    callbacks: list[str] = option([], "package.module:fn returning a list of Keras callbacks, "
+                                      "run on every rank after hvdtrain's metrics, validation "
+                                      "and rate, before rank 0's checkpoint and files",
+                                  plugin=True)
     progress: bool = option(True, "show a progress bar on rank 0")
     debug: bool = option(False, "show full tracebacks for errors")
 
@@ -224,9 +251,15 @@ def _check_bounds(name: str, value: Any, meta: typing.Mapping[str, Any]) -> None
     for item in values:
         if item is None:
             continue
+        if meta["plugin"] and (item == PYTHON_OBJECT or PLUGIN.fullmatch(str(item))):
+            continue
         if meta["choices"] and item not in meta["choices"]:
-            raise ConfigError(f"'{name}' must be one of {', '.join(meta['choices'])}, "
-                              f"got {item!r}{_suggest(str(item), list(meta['choices']))}")
+            alternative = " or package.module:function" if meta["plugin"] else ""
+            raise ConfigError(f"'{name}' must be one of {', '.join(meta['choices'])}"
+                              f"{alternative}, got {item!r}"
+                              f"{_suggest(str(item), list(meta['choices']))}")
+        if meta["plugin"] and not meta["choices"]:
+            raise ConfigError(f"'{name}' must be package.module:function, got {item!r}")
         low, high = meta["minimum"], meta["maximum"]
         if low is not None and (item < low or (meta["exclusive_minimum"] and item == low)):
             relation = "greater than" if meta["exclusive_minimum"] else "at least"
@@ -253,7 +286,7 @@ def validate(config: Config) -> Config:
     return config
 
 
-def _flatten_yaml(document: Any, source: str) -> dict[str, Any]:
+def flatten_options(document: Any, source: str) -> dict[str, Any]:
     """Accept sections (``train: {epochs: 3}``) or bare field names (``epochs: 3``)."""
     if document is None:
         return {}
@@ -291,7 +324,7 @@ def load_yaml(path: str | Path) -> dict[str, Any]:
         where = f" at line {mark.line + 1}" if mark is not None else ""
         raise ConfigError(f"{path}: YAML does not parse{where}; check indentation and "
                           "quoting") from error
-    return _flatten_yaml(document, str(path))
+    return flatten_options(document, str(path))
 
 
 def build_config(overrides: dict[str, Any]) -> Config:
@@ -316,7 +349,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             flag = "--" + f.name.replace("_", "-")
             base, _, is_list = _base_type(_field_type(section, f.name))
             default = f.default_factory() if callable(f.default_factory) else f.default
-            text = f"{f.metadata['help']} (default: {default})"
+            choices = f.metadata["choices"]
+            shown = ", ".join(choices) + (", package.module:fn" if f.metadata["plugin"] else "")
+            text = (f"{f.metadata['help']} (choices: {shown}; default: {default})" if choices
+                    else f"{f.metadata['help']} (default: {default})")
             kwargs: dict[str, Any] = {"dest": f.name, "default": argparse.SUPPRESS, "help": text}
             if base is bool:
                 group.add_argument(flag, action=argparse.BooleanOptionalAction, **kwargs)
@@ -326,8 +362,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                 kwargs["nargs"] = "+"
             if f.metadata["bare"] is not None:
                 kwargs.update(nargs="?", const=f.metadata["bare"])
-            if f.metadata["choices"]:
-                kwargs["choices"] = f.metadata["choices"]
+            if choices and not f.metadata["plugin"]:
+                kwargs["choices"] = choices
             group.add_argument(flag, metavar=f.name.upper(), **kwargs)
 
 

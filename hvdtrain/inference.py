@@ -1,9 +1,11 @@
 """``hvdtrain evaluate RUN_DIR`` and ``hvdtrain predict RUN_DIR --input FILE``.
 
 Both load the run's final ``model.keras`` in Keras safe mode (no code stored in the file runs)
-and its ``config.yaml``. ``evaluate`` is exact and distributed: launched on N ranks it shards the
-evaluation set and reduces sums (global correct / global count), like validation in training.
-``predict`` is a quick single-process check on a few inputs.
+and its ``config.yaml``. A model the user compiled comes back with its loss and metrics, which
+``evaluate`` reports; an uncompiled one gets hvdtrain's default objective. ``evaluate`` is exact
+and distributed: launched on N ranks it shards the evaluation set and sums the metrics' state
+across ranks, like validation in training. ``predict`` is a quick single-process check on a few
+inputs: class ids for a classifier, values for anything else, one block per output.
 """
 
 from __future__ import annotations
@@ -56,8 +58,9 @@ def _check_output_dir(output: Path | None) -> None:
 def evaluate(args: argparse.Namespace) -> int:
     from hvdtrain.checkpoint import atomic_write_text
     from hvdtrain.data.pipeline import ShardSpec
-    from hvdtrain.data.sources import ArraySplit, load_source
+    from hvdtrain.data.sources import ArraySplit, load_source, targets_array
     from hvdtrain.models import check_input_shape
+    from hvdtrain.training.objective import Objective, probe
     from hvdtrain.training.step import Evaluation
     from hvdtrain.world import init_collectives, place_devices
 
@@ -70,17 +73,21 @@ def evaluate(args: argparse.Namespace) -> int:
         arrays = _arrays_from(args.data_path)
         if "x" not in arrays or "y" not in arrays:
             raise UserError(f"{args.data_path} needs arrays 'x' and 'y' to evaluate on")
-        split = ArraySplit(arrays["x"].astype(np.float32), arrays["y"].astype(np.int64))
+        split = ArraySplit(arrays["x"].astype(np.float32), targets_array(arrays["y"]))
         check_input_shape(model, str(args.run_dir), split.input_shape)
         where = str(args.data_path)
     else:
         split = load_source(config.data, config.train.seed).val
         where = f"the {config.data.dataset} validation split"
     spec = ShardSpec(split.num_examples, world, config.train.batch_size, "pad", False)
-    metrics = Evaluation(model, collectives).run(split.dataset(spec), prefix="")
+    evaluation = Evaluation(model, collectives, Objective.for_model(model))
+    probe(model, evaluation.objective, next(iter(split.dataset(spec))), [evaluation.metrics],
+          str(args.run_dir))
+    metrics = evaluation.run(split.dataset(spec), prefix="")
     if world.is_chief:
-        print(f"accuracy {metrics['accuracy']:.4f}  loss {metrics['loss']:.4f}  on "
-              f"{split.num_examples} examples of {where} ({world.size} rank(s))", flush=True)
+        shown = "  ".join(f"{name} {value:.4f}" for name, value in metrics.items())
+        print(f"{shown}  on {split.num_examples} examples of {where} ({world.size} rank(s))",
+              flush=True)
         if args.output:
             report = {"examples": split.num_examples, "ranks": world.size, "data": where,
                       **metrics}
@@ -91,6 +98,7 @@ def evaluate(args: argparse.Namespace) -> int:
 
 def predict(args: argparse.Namespace) -> int:
     from hvdtrain.models import check_input_shape
+    from hvdtrain.training.objective import Objective, flatten_outputs
 
     _check_output_dir(args.output)
     _, model = load_run(args.run_dir)
@@ -98,14 +106,34 @@ def predict(args: argparse.Namespace) -> int:
     if x is None:
         raise UserError(f"{args.input} has no array 'x' to predict on")
     check_input_shape(model, str(args.run_dir), tuple(x.shape[1:]))
-    probabilities = model.predict(x.astype(np.float32), verbose=0)
-    classes = probabilities.argmax(axis=1)
-    for index in range(min(len(x), args.show)):
-        print(f"{index}: class {classes[index]} (p={probabilities[index, classes[index]]:.3f})")
+    objective = Objective.for_model(model)
+    outputs = flatten_outputs(model.predict(x.astype(np.float32), verbose=0), objective.names,
+                              "the model's output")
+    for name, loss, values in zip(objective.names, objective.losses, outputs):
+        if len(outputs) > 1:
+            print(f"output {name}:")
+        classes = is_class_output(loss, values)
+        for index in range(min(len(x), args.show)):
+            if classes:
+                best = int(values[index].argmax())
+                print(f"{index}: class {best} (p={values[index, best]:.3f})")
+            else:
+                print(f"{index}: {np.array2string(np.asarray(values[index]), precision=4)}")
     if args.output:
-        np.save(args.output, probabilities)
-        print(f"wrote class probabilities for {len(x)} examples to {args.output}")
+        if len(outputs) == 1:
+            np.save(args.output, outputs[0])
+        else:
+            np.savez(args.output, **dict(zip(objective.names, outputs)))
+        print(f"wrote the outputs for {len(x)} examples to {args.output}")
     return 0
+
+
+def is_class_output(loss, values: np.ndarray) -> bool:
+    """True for an output trained as a distribution over classes (its argmax is the class)."""
+    from hvdtrain.training.objective import DISTRIBUTION_LOSSES, loss_kind
+
+    return (loss is not None and values.ndim == 2 and values.shape[1] > 1
+            and loss_kind(loss)[0] in DISTRIBUTION_LOSSES)
 
 
 def add_evaluate_arguments(parser: argparse.ArgumentParser) -> None:
@@ -122,4 +150,6 @@ def add_predict_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("run_dir", type=Path, help="directory of a finished run")
     parser.add_argument("--input", type=Path, required=True, help=".npz with x, or a .npy")
     parser.add_argument("--show", type=int, default=10, help="predictions to print")
-    parser.add_argument("--output", type=Path, help="save all class probabilities to a .npy")
+    parser.add_argument("--output", type=Path,
+                        help="save all outputs: a .npy (one output) or .npz (one array per "
+                             "output)")

@@ -1,10 +1,15 @@
-"""How long a process took to get to work, counted from the moment the operating system started
-it: interpreter start, imports, Horovod's initialisation, data, model and the first step's
-tracing all count, which is what a user waits through after typing the launch command."""
+"""A process's start: how long it took to get to work, counted from the moment the operating
+system started it (interpreter start, imports, Horovod's initialisation, data, model and the
+first step's tracing all count, which is what a user waits through after typing the launch
+command), and a quiet stderr for the command-line entry."""
 
 from __future__ import annotations
 
+import atexit
 import os
+import re
+import sys
+import threading
 import time
 
 _IMPORTED = time.monotonic()
@@ -22,3 +27,41 @@ def process_age_seconds() -> float:
         return max(0.0, now - started_ticks / os.sysconf("SC_CLK_TCK"))
     except (OSError, ValueError, IndexError):
         return time.monotonic() - _IMPORTED
+
+
+# Informational lines TensorFlow's native code writes straight to file descriptor 2 before its
+# logging is set up, so TF_CPP_MIN_LOG_LEVEL cannot hide them (the oneDNN notice comes twice a
+# process). They say nothing a user can act on; every other line passes through unchanged.
+NATIVE_NOTICES = re.compile(
+    rb"^(WARNING: All log messages before absl::InitializeLog\(\) is called are written to "
+    rb"STDERR|I\d{4} [\d:. ]+\d+ (port|cpu_feature_guard)\.cc:\d+\] .*|To enable the following "
+    rb"instructions: .*rebuild TensorFlow with the appropriate compiler flags\.)\n?$")
+
+
+def hide_native_notices() -> None:
+    """Route native writes to stderr through a filter that drops ``NATIVE_NOTICES``.
+
+    Python's own ``sys.stderr`` (hvdtrain's one-line errors, tracebacks, warnings) keeps writing
+    to the real stderr directly, so nothing it prints can be held up or lost at exit. For the
+    command-line entry only: it replaces the process's file descriptor 2.
+    """
+    real = os.dup(2)
+    read_end, write_end = os.pipe()
+    os.dup2(write_end, 2)
+    os.close(write_end)
+    sys.stderr = open(real, "w", buffering=1, closefd=False)
+
+    def forward() -> None:
+        with open(read_end, "rb", buffering=0) as lines:
+            for line in iter(lines.readline, b""):
+                if not NATIVE_NOTICES.match(line):
+                    os.write(real, line)
+
+    worker = threading.Thread(target=forward, name="hvdtrain-stderr", daemon=True)
+    worker.start()
+
+    def drain() -> None:
+        os.dup2(real, 2)          # closes the pipe's last write end: the reader sees its end
+        worker.join(timeout=2)
+
+    atexit.register(drain)

@@ -36,7 +36,7 @@ def main() -> None:
     for epoch in range(2):
         seen: list[int] = []
         sums: list[float] = []
-        for _, labels, weights in split.dataset(spec, epoch, epoch + 1):
+        for _, labels, _, weights in split.dataset(spec, epoch, epoch + 1):
             seen += labels.numpy()[weights.numpy() > 0].tolist()
             sums.append(float(weights.numpy().sum()))
         record["steps"].append(len(sums))

@@ -70,8 +70,9 @@ def test_yaml_that_does_not_parse(capsys, tmp_path):
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--model", "vgg"], "unknown model 'vgg'; choose one of mlp, cnn, resnet"),
-    (["--dataset", "imagenet"], "unknown dataset 'imagenet'; choose one of digits"),
+    (["--model", "vgg"], "'model' must be one of mlp, cnn, resnet or "
+                         "package.module:function, got 'vgg'"),
+    (["--dataset", "imagenet"], "'dataset' must be one of digits, synthetic"),
 ])
 def test_unknown_model_or_dataset(capsys, tmp_path, argv, message):
     fails_with(capsys, [*argv, "--run-dir", str(tmp_path / "r")], message)

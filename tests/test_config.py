@@ -40,7 +40,9 @@ def test_help_lists_every_option_with_its_default(capsys):
     for name, (section, f) in field_index().items():
         assert "--" + name.replace("_", "-") in text, name
         default = f.default_factory() if callable(f.default_factory) else f.default
-        assert f"(default: {default})" in text, name
+        assert f"default: {default})" in text, name
+        if f.metadata["choices"]:   # shown even where a metavar stands in the usage line
+            assert "choices: " + ", ".join(f.metadata["choices"]) in text, name
 
 
 def test_field_names_are_unique_across_sections():

@@ -12,6 +12,7 @@ from hvdtrain.config import DataConfig, ModelConfig, OptimConfig
 from hvdtrain.data.pipeline import ShardSpec, array_dataset, epoch_plan
 from hvdtrain.data.sources import DataError, load_source
 from hvdtrain.models import ModelError, build_model
+from hvdtrain.plugins import PluginError
 from hvdtrain.training.schedule import make_schedule, scale_factor
 from hvdtrain.world import World
 
@@ -68,7 +69,7 @@ def test_dataset_gathers_features_for_the_planned_ids():
     y = np.arange(10)
     spec = ShardSpec(10, World(1, 2), 3, "pad", True, 1)
     ids, _ = epoch_plan(spec, 0)
-    for (features, labels, weights), row in zip(array_dataset(x, y, spec), ids.numpy()):
+    for (features, labels, _, weights), row in zip(array_dataset(x, y, spec), ids.numpy()):
         real = row >= 0
         assert np.array_equal(labels.numpy()[real], row[real])
         assert np.array_equal(features.numpy()[real, 0], row[real] * 10)
@@ -88,7 +89,7 @@ def test_sources_split_and_report_shapes(tmp_path):
 @pytest.mark.parametrize("arrays, message", [
     ({"x": np.zeros((3, 2))}, "has no array 'y'"),
     ({"x": np.zeros((3, 2)), "y": np.zeros(2, int)}, "'x' has 3 examples but 'y' has 2"),
-    ({"x": np.zeros((3, 2)), "y": np.zeros(3)}, "labels 'y' must be integers"),
+    ({"x": np.zeros((3, 2)), "y": np.array(["a", "b", "c"])}, "'y': targets must be numbers"),
     ({"x": np.zeros((3, 2)), "y": np.array([0, 1, 5]), "num_classes": 3},
      r"labels must lie in \[0, 2\]"),
 ])
@@ -106,7 +107,7 @@ def test_missing_data_file_and_unknown_names(tmp_path):
         load_source(DataConfig(dataset="imagenet"), 0)
     with pytest.raises(ModelError, match="unknown model 'vgg'"):
         build_model(ModelConfig(model="vgg"), (4,), 2)
-    with pytest.raises(ModelError, match="cannot import model module 'no_such_module'"):
+    with pytest.raises(PluginError, match="cannot import model module 'no_such_module'"):
         build_model(ModelConfig(model="no_such_module:build"), (4,), 2)
 
 
@@ -171,3 +172,44 @@ def test_a_crash_between_the_renames_of_a_swap_loses_nothing(tmp_path):
     store.save(model, optimizer, {"epoch": 2})
     assert [p.name for p in store.complete()] == ["epoch-0002"]       # keep=1 after recovery
     assert not list((tmp_path / "checkpoints").glob(".stale-*"))
+
+
+def test_files_and_npz_carry_float_and_shaped_targets(tmp_path):
+    """Regression targets from every file source: an .npz keeps y's dtype and shape, a CSV
+    label column with fractions is a float target, TFRecord takes --label-dtype/--label-shape;
+    none of them needs a class count."""
+    import csv
+
+    import tensorflow as tf
+
+    rng = np.random.default_rng(0)
+    np.savez(tmp_path / "r.npz", x=rng.random((20, 3)), y=rng.random((20, 2)))
+    npz = load_source(DataConfig(dataset="npz", data_path=str(tmp_path / "r.npz")), 0)
+    assert npz.num_classes is None and npz.train.y.dtype == np.float32
+    assert npz.train.y.shape[1:] == (2,)
+
+    for name in ("train", "val"):
+        with open(tmp_path / f"{name}.csv", "w", newline="") as handle:
+            writer = csv.writer(handle)
+            writer.writerow(["a", "b", "label"])
+            writer.writerows([[i, i * 2, i * 0.5] for i in range(6)])
+    table = load_source(DataConfig(dataset="csv", data_path=str(tmp_path / "train.csv"),
+                                   val_data_path=str(tmp_path / "val.csv")), 0)
+    _, targets, _, _ = next(iter(table.train.dataset(ShardSpec(6, World(), 6))))
+    assert table.num_classes is None and targets.dtype == tf.float32
+    assert sorted(targets.numpy().tolist()) == [0.0, 0.5, 1.0, 1.5, 2.0, 2.5]
+
+    with tf.io.TFRecordWriter(str(tmp_path / "t.tfrecord")) as writer:
+        for i in range(4):
+            feature = {"image": tf.train.Feature(float_list=tf.train.FloatList(value=[i, i])),
+                       "label": tf.train.Feature(float_list=tf.train.FloatList(
+                           value=[i / 2, i / 4, i / 8]))}
+            writer.write(tf.train.Example(features=tf.train.Features(
+                feature=feature)).SerializeToString())
+    records = load_source(DataConfig(
+        dataset="tfrecord", data_path=str(tmp_path / "t.tfrecord"),
+        val_data_path=str(tmp_path / "t.tfrecord"), feature_shape=[2],
+        feature_encoding="float", label_dtype="float32", label_shape=[3]), 0)
+    _, targets, _, _ = next(iter(records.train.dataset(ShardSpec(4, World(), 4, shuffle=False))))
+    assert records.num_classes is None and targets.shape == (4, 3)
+    assert sorted(targets.numpy()[:, 0].tolist()) == [0.0, 0.5, 1.0, 1.5]

@@ -79,6 +79,7 @@ def run(args: argparse.Namespace) -> tuple[bool, dict[str, Any]]:
     import tensorflow as tf
 
     from hvdtrain.config import OptimConfig
+    from hvdtrain.training.objective import Objective, probe
     from hvdtrain.training.schedule import make_optimizer, make_schedule
     from hvdtrain.training.step import StepMath
     from hvdtrain.world import init_collectives, place_devices, tf_variables
@@ -95,8 +96,11 @@ def run(args: argparse.Namespace) -> tuple[bool, dict[str, Any]]:
     rng = np.random.default_rng(world.rank)
     batch = (tf.constant(rng.standard_normal((args.batch_size, *shape), dtype=np.float32)),
              tf.constant(rng.integers(0, classes, args.batch_size)),
+             tf.ones([args.batch_size]),
              tf.fill([args.batch_size], 1.0 / (args.batch_size * world.size)))
-    step = StepMath(model, optimizer, collectives)
+    objective = Objective.for_model(model)
+    step = StepMath(model, optimizer, collectives, objective)
+    probe(model, objective, batch, [step.train_metrics], args.model)
     run_step = (_fit_step(step, batch) if args.loop == "fit"
                 else tf.function(step.train_step, jit_compile=False))
     times = time_steps(run_step, batch, args.warmup_steps, args.steps, args.repeats)

@@ -53,6 +53,9 @@ class FileSplit:
     input_shape: tuple[int, ...]
     shuffle_buffer: int = 4096
     cache: bool = False
+    label_shape: tuple[int, ...] = ()
+    label_dtype: tf.DType = tf.int64
+    normalised: bool = True
 
     @property
     def num_examples(self) -> int:
@@ -132,14 +135,15 @@ class FileSplit:
 
     def dataset(self, spec: ShardSpec, first_epoch: int = 0,
                 end_epoch: int = 1) -> tf.data.Dataset:
-        """(features, labels, weights) batches for epochs ``[first_epoch, end_epoch)``."""
+        """(features, labels, sample weights, loss weights) batches for epochs
+        ``[first_epoch, end_epoch)``."""
         steps, batch = self.steps_per_epoch(spec), spec.batch_size
         group = batch * spec.accumulation_steps
         cached = None
         if self.cache:
             cached = self._records(spec, self._assignment(spec, 0)[0]).cache()
-        zeros = (tf.zeros(self.input_shape, tf.float32), tf.zeros([], tf.int64),
-                 tf.constant(0.0))
+        zeros = (tf.zeros(self.input_shape, tf.float32),
+                 tf.zeros(self.label_shape, self.label_dtype), tf.constant(0.0))
 
         def epoch_batches(epoch: tf.Tensor) -> tf.data.Dataset:
             files, per_rank = self._assignment(spec, epoch)
@@ -162,7 +166,8 @@ class FileSplit:
                 per_update = tf.fill([steps], float(group * spec.world.size))
             scale = tf.data.Dataset.from_tensor_slices(1.0 / tf.maximum(per_update, 1.0))
             return tf.data.Dataset.zip(batches, scale).map(
-                lambda element, inverse: (element[0], element[1], element[2] * inverse))
+                lambda element, inverse: (element[0], element[1], tf.ones_like(element[2]),
+                                          element[2] * inverse))
 
         epochs = tf.data.Dataset.range(first_epoch, end_epoch)
         return epochs.flat_map(epoch_batches).prefetch(tf.data.AUTOTUNE)
@@ -203,12 +208,14 @@ def count_tfrecords(files: tuple[str, ...], metadata: dict) -> tuple[int, ...]:
 
 
 def tfrecord_parser(config: DataConfig, shape: tuple[int, ...], encoding: str) -> Parser:
-    """Parse one serialized tf.train.Example into (float32 features, int64 label)."""
+    """Parse one serialized tf.train.Example into (float32 features, label: int64 class id or
+    float32 target of ``--label-shape``)."""
     if encoding == "float":
         feature = tf.io.FixedLenFeature(shape, tf.float32)
     else:
         feature = tf.io.FixedLenFeature([], tf.string)
-    spec = {config.feature_key: feature, config.label_key: tf.io.FixedLenFeature([], tf.int64)}
+    label = tf.io.FixedLenFeature(config.label_shape, tf.as_dtype(config.label_dtype))
+    spec = {config.feature_key: feature, config.label_key: label}
 
     def parse(serialized: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
         example = tf.io.parse_single_example(serialized, spec)
@@ -223,8 +230,10 @@ def tfrecord_parser(config: DataConfig, shape: tuple[int, ...], encoding: str) -
     return parse
 
 
-def tfrecord_split(config: DataConfig, pattern: str | None, what: str) -> tuple[FileSplit, int]:
-    """A TFRecord split and its class count (from the metadata or ``--num-classes``)."""
+def tfrecord_split(config: DataConfig, pattern: str | None,
+                   what: str) -> tuple[FileSplit, int | None]:
+    """A TFRecord split and its class count (from the metadata or ``--num-classes``; None for
+    float or shaped labels)."""
     files = expand(pattern, what)
     metadata = read_metadata(files)
     shape = tuple(config.feature_shape or metadata.get("shape", []))
@@ -232,14 +241,19 @@ def tfrecord_split(config: DataConfig, pattern: str | None, what: str) -> tuple[
         raise FileDataError("the TFRecord feature shape is unknown; set --feature-shape "
                             "(or write the files with 'hvdtrain convert')")
     encoding = metadata.get("encoding", config.feature_encoding)
-    num_classes = config.num_classes or metadata.get("num_classes")
-    if not num_classes:
-        raise FileDataError("the number of classes is unknown; set --num-classes (or write the "
-                            "files with 'hvdtrain convert')")
-    parse = checked_labels(tfrecord_parser(config, shape, encoding), int(num_classes))
+    parse = tfrecord_parser(config, shape, encoding)
+    num_classes = None
+    if config.label_dtype == "int64" and not config.label_shape:
+        num_classes = config.num_classes or metadata.get("num_classes")
+        if not num_classes:
+            raise FileDataError("the number of classes is unknown; set --num-classes (or write "
+                                "the files with 'hvdtrain convert'), or --label-dtype float32 "
+                                "for regression targets")
+        parse = checked_labels(parse, int(num_classes))
     split = FileSplit(files, count_tfrecords(files, metadata), tf.data.TFRecordDataset, parse,
-                      shape, config.shuffle_buffer, config.cache)
-    return split, int(num_classes)
+                      shape, config.shuffle_buffer, config.cache, tuple(config.label_shape),
+                      tf.as_dtype(config.label_dtype))
+    return split, None if num_classes is None else int(num_classes)
 
 
 def checked_labels(parse: Parser, num_classes: int) -> Parser:
@@ -255,8 +269,10 @@ def checked_labels(parse: Parser, num_classes: int) -> Parser:
     return checked
 
 
-def csv_split(config: DataConfig, pattern: str | None, what: str) -> tuple[FileSplit, int]:
-    """A CSV split: a header row, numeric feature columns and an integer label column."""
+def csv_split(config: DataConfig, pattern: str | None,
+              what: str) -> tuple[FileSplit, int | None]:
+    """A CSV split: a header row, numeric feature columns and a numeric label column: whole
+    numbers are class ids, any other value makes the column a float regression target."""
     files = expand(pattern, what)
     with open(files[0], newline="") as handle:
         header = next(csv.reader(handle), [])
@@ -264,29 +280,31 @@ def csv_split(config: DataConfig, pattern: str | None, what: str) -> tuple[FileS
         raise FileDataError(f"{files[0]} has no column '{config.label_column}' (columns: "
                             f"{', '.join(header)}); set --label-column")
     label_index = header.index(config.label_column)
-    counts, labels_max = [], 0
+    counts, labels = [], []
     for name in files:
         with open(name, newline="") as handle:
             rows = list(csv.reader(handle))[1:]
         counts.append(len(rows))
         try:
-            labels = [int(float(row[label_index])) for row in rows]
+            labels += [float(row[label_index]) for row in rows]
         except (ValueError, IndexError) as error:
             raise FileDataError(f"{name}: a row has no numeric '{config.label_column}' "
                                 f"({error}); every row needs every column") from error
-        labels_max = max([labels_max, *labels])
     if sum(counts) == 0:
         raise FileDataError(f"the CSV files matching '{pattern}' hold no rows")
     defaults = [tf.constant(0.0)] * len(header)
     features = [i for i in range(len(header)) if i != label_index]
 
+    classes = all(float(label).is_integer() for label in labels)
+    label_dtype = tf.int64 if classes else tf.float32
+
     def parse(line: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
         columns = tf.io.decode_csv(line, record_defaults=defaults)
         return (tf.stack([columns[i] for i in features]),
-                tf.cast(columns[label_index], tf.int64))
+                tf.cast(columns[label_index], label_dtype))
 
-    num_classes = int(config.num_classes or labels_max + 1)
+    num_classes = int(config.num_classes or max(labels, default=0) + 1) if classes else None
     split = FileSplit(files, tuple(counts), lambda f: tf.data.TextLineDataset(f).skip(1),
-                      checked_labels(parse, num_classes), (len(features),),
-                      config.shuffle_buffer, config.cache)
+                      checked_labels(parse, num_classes) if classes else parse, (len(features),),
+                      config.shuffle_buffer, config.cache, (), label_dtype)
     return split, num_classes

@@ -12,7 +12,8 @@ computes:
   (an uneven count would deadlock the allreduce) and every example is seen exactly once.
   ``drop``: the last partial global batch is skipped; a different tail each epoch.
 * Each real example carries the weight 1/(examples in its global batch), so the per-rank loss
-  ``sum(weight * per_example_loss)`` summed across ranks is the global-batch mean. With k-step
+  ``sum(weight * sample_weight * per_example_loss)`` summed across ranks is the global-batch
+  mean (Keras' own reduction: weighted sum over the batch size). With k-step
   gradient accumulation the divisor is the examples in the k global batches of one update.
 
 The plan is made of TensorFlow ops, so one ``tf.data`` pipeline covers every epoch.
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import tensorflow as tf
@@ -45,6 +47,9 @@ class ShardSpec:
     # Examples of this epoch's permutation already trained on (elastic training resumes an
     # epoch mid-way, possibly with another world size): the plan covers the rest.
     offset: int = 0
+    # Steps per epoch agreed by every rank, for sources whose ranks count their own batches
+    # (a user's tf.data pipeline); None: computed from ``num_examples``.
+    agreed_steps: int | None = None
 
     @property
     def remaining(self) -> int:
@@ -68,6 +73,8 @@ class ShardSpec:
     @property
     def steps_per_epoch(self) -> int:
         """Batches per rank per epoch: a whole number of accumulation groups."""
+        if self.agreed_steps is not None:
+            return self.agreed_steps
         return self.updates_per_epoch * self.accumulation_steps
 
 
@@ -100,15 +107,23 @@ def plan_dataset(spec: ShardSpec, first_epoch: int, end_epoch: int) -> tf.data.D
         epoch_plan(spec, epoch)))
 
 
-def array_dataset(x: np.ndarray, y: np.ndarray, spec: ShardSpec, first_epoch: int = 0,
-                  end_epoch: int = 1) -> tf.data.Dataset:
-    """(features, labels, weights) batches gathered from in-memory arrays in parallel."""
-    features = tf.constant(x)
-    labels = tf.constant(y)
+def array_dataset(x: Any, y: Any, spec: ShardSpec, first_epoch: int = 0, end_epoch: int = 1,
+                  sample_weight: np.ndarray | None = None) -> tf.data.Dataset:
+    """(features, targets, sample weights, loss weights) batches gathered from in-memory arrays
+    in parallel. Features and targets may be nested (dicts or lists of arrays)."""
+    features = tf.nest.map_structure(tf.constant, x)
+    targets = tf.nest.map_structure(tf.constant, y)
+    user_weights = tf.constant(np.ones(spec.num_examples, np.float32) if sample_weight is None
+                               else np.asarray(sample_weight, np.float32))
 
     def gather(ids: tf.Tensor, weights: tf.Tensor):
         rows = tf.maximum(ids, 0)
-        return tf.gather(features, rows), tf.gather(labels, rows), weights
+
+        def take(values: tf.Tensor) -> tf.Tensor:
+            return tf.gather(values, rows)
+
+        return (tf.nest.map_structure(take, features), tf.nest.map_structure(take, targets),
+                take(user_weights), weights)
 
     dataset = plan_dataset(spec, first_epoch, end_epoch)
     dataset = dataset.map(gather, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)

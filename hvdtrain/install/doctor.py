@@ -27,7 +27,8 @@ def mpi_library_version() -> str:
         mpi4py.rc.finalize = False
         from mpi4py import MPI
 
-        return MPI.Get_library_version().strip().splitlines()[0]
+        # The C string comes back with its terminating NUL byte.
+        return MPI.Get_library_version().replace("\x00", "").strip().splitlines()[0]
     except Exception as error:  # noqa: BLE001 - report, do not crash, whatever mpi4py raises
         return f"unavailable ({type(error).__name__}: {error})"
 

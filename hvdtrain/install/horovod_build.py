@@ -10,8 +10,9 @@ The compiled extension is tied to the exact TensorFlow it was built against, so 
 cached outside the repository under a key made of the Horovod version, the TensorFlow version,
 the Python tag and the build switches. A second setup run installs the cached wheel in seconds.
 
-Run as ``python -m hvdtrain.install.horovod_build [--gpu]`` from the environment that has TensorFlow;
-``launch/setup.sh`` does that. This module imports nothing heavy so it can be unit-tested.
+Run as ``python -m hvdtrain.install.horovod_build [--gpu]`` from the environment that has
+TensorFlow; ``launch/setup.sh`` does that. This module imports nothing heavy so it can be
+unit-tested.
 """
 
 from __future__ import annotations

@@ -1,19 +1,23 @@
 """Model registry: built-in classifiers by name, or a user's ``package.module:build_fn``.
 
-Every builder receives the input shape (without the batch axis), the number of classes and the
-model config, and returns a Keras model whose output is a softmax over the classes. The output
-layer computes in float32 under mixed precision, so the softmax and the loss stay stable.
+Every built-in builder receives the input shape (without the batch axis), the number of classes
+and the model config, and returns an uncompiled Keras model whose output is a softmax over the
+classes, trained with hvdtrain's default objective (sparse cross-entropy, accuracy). The output
+layer computes in float32 under mixed precision, so the softmax and the loss stay stable. A
+user's ``package.module:build_fn`` receives ``(input_shape, num_classes)`` (``num_classes`` is
+None for targets that are not class ids; ``input_shape`` is a dict for dict features) and may
+return a compiled model: see ``hvdtrain.training.objective``.
 """
 
 from __future__ import annotations
 
-import importlib
-from typing import Callable
+from typing import Any, Callable
 
 import keras
 
 from hvdtrain.config import ModelConfig
 from hvdtrain.errors import UserError
+from hvdtrain.plugins import is_plugin, load_callable
 
 
 class ModelError(UserError):
@@ -88,27 +92,16 @@ Builder = Callable[[tuple[int, ...], int, ModelConfig], keras.Model]
 BUILTIN: dict[str, Builder] = {"mlp": mlp, "cnn": cnn, "resnet": resnet}
 
 
-def _user_builder(path: str) -> Callable[..., object]:
-    module_name, _, function_name = path.partition(":")
-    try:
-        module = importlib.import_module(module_name)
-    except Exception as error:  # noqa: BLE001 - any import failure is the user's to fix
-        raise ModelError(f"cannot import model module '{module_name}' ({type(error).__name__}: "
-                         f"{error}); check the name and that it is on PYTHONPATH") from error
-    builder = getattr(module, function_name, None)
-    if not callable(builder):
-        raise ModelError(f"module '{module_name}' has no function '{function_name}'; "
-                         "give --model package.module:build_fn")
-    return builder
-
-
-def build_model(config: ModelConfig, input_shape: tuple[int, ...],
-                num_classes: int) -> keras.Model:
-    """Build the configured model; a user builder gets ``(input_shape, num_classes)``."""
+def build_model(config: ModelConfig, input_shape: Any, num_classes: int | None) -> keras.Model:
+    """Build the configured model; a user builder gets ``(input_shape, num_classes)`` and may
+    return a compiled model (its loss and metrics are then what the run uses)."""
     if config.model in BUILTIN:
+        if num_classes is None or isinstance(input_shape, dict):
+            raise ModelError(f"built-in model '{config.model}' is a classifier of one input; "
+                             "for these targets or inputs give --model package.module:build_fn")
         model = BUILTIN[config.model](input_shape, num_classes, config)
-    elif ":" in config.model:
-        model = _user_builder(config.model)(input_shape, num_classes)
+    elif is_plugin(config.model):
+        model = load_callable(config.model, "model")(input_shape, num_classes)
     else:
         raise ModelError(f"unknown model '{config.model}'; choose one of "
                          f"{', '.join(BUILTIN)} or give package.module:build_fn")
@@ -118,8 +111,11 @@ def build_model(config: ModelConfig, input_shape: tuple[int, ...],
     return model
 
 
-def check_input_shape(model: keras.Model, name: str, shape: tuple[int, ...]) -> None:
-    """Fail before training when the data's example shape cannot feed the model."""
+def check_input_shape(model: keras.Model, name: str, shape: Any) -> None:
+    """Fail before training when the data's example shape cannot feed the model (checked for
+    single-input models; a multi-input model meets its data at the probe batch)."""
+    if isinstance(shape, dict):
+        return
     expected = tuple(model.input_shape[1:]) if isinstance(model.input_shape, tuple) else None
     if expected is not None and len(expected) == len(shape) and all(
             e is None or e == s for e, s in zip(expected, shape)):

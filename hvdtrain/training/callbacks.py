@@ -16,7 +16,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import keras
 import numpy as np
@@ -31,13 +31,22 @@ from hvdtrain.training.step import StepMath
 from hvdtrain.world import Collectives, World
 
 
-COLUMNS = ("loss", "accuracy", "val_loss", "val_accuracy", "lr", "examples_per_second")
+RUN_COLUMNS = ("lr", "examples_per_second")
+
+
+def _column_key(name: str) -> tuple[int, int, str]:
+    """Training metrics (loss first), then validation metrics (val_loss first), then the run's
+    own columns, then anything else."""
+    if name in RUN_COLUMNS:
+        return (2, RUN_COLUMNS.index(name), "")
+    validation = name.startswith("val_")
+    base = name[4:] if validation else name
+    return (int(validation), 0 if base == "loss" else 1, base)
 
 
 def ordered(logs: dict) -> dict[str, float]:
     """Epoch logs as floats in one fixed column order (the two loops fill logs differently)."""
-    names = [n for n in COLUMNS if n in logs] + sorted(n for n in logs if n not in COLUMNS)
-    return {name: float(logs[name]) for name in names}
+    return {name: float(logs[name]) for name in sorted(logs, key=_column_key)}
 
 
 class EpochMetrics(keras.callbacks.Callback):
@@ -49,10 +58,10 @@ class EpochMetrics(keras.callbacks.Callback):
         self.collectives = collectives
 
     def on_epoch_begin(self, epoch: int, logs: dict | None = None) -> None:
-        self.step.train_sums.reset()
+        self.step.train_metrics.reset()
 
     def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
-        logs.update(self.step.train_sums.global_means(self.collectives))
+        logs.update(self.step.train_metrics.global_results(self.collectives))
 
 
 class StopOnDivergence(keras.callbacks.Callback):
@@ -260,7 +269,7 @@ class Checkpointing(keras.callbacks.Callback):
         resume = self.resume
         if resume.step and epoch == resume.epoch and self.collectives.world.is_chief:
             for variable, value in zip(self.step.epoch_state_variables, resume.epoch_state):
-                variable.assign(np.asarray(value, variable.dtype.as_numpy_dtype))
+                variable.assign(tf.cast(np.asarray(value), variable.dtype))
 
     def on_train_batch_begin(self, batch: int, logs: dict | None = None) -> None:
         if REQUESTS.reason is not None and not self.step.stop_vote.numpy():
@@ -274,7 +283,7 @@ class Checkpointing(keras.callbacks.Callback):
         if not stop and not (self.every and done % self.every == 0):
             return
         # The epoch's metric sums so far, over all ranks: rank 0 keeps them in the checkpoint.
-        sums = self.collectives.allreduce_sum([tf.identity(v)
+        sums = self.collectives.allreduce_sum([tf.convert_to_tensor(v)
                                                for v in self.step.epoch_state_variables])
         name, reasons = self._save({"epoch": self.epoch, "step": done,
                                     "epoch_state": [np.asarray(s).tolist() for s in sums]})
@@ -410,7 +419,7 @@ class RunHooks:
     world: World
     collectives: Collectives
     step: StepMath
-    evaluate: Callable[[], dict[str, float]]
+    evaluate: Callable[[], dict[str, float]] | None
     schedule: WarmupScaledRate
     store: CheckpointStore
     state: dict[str, Any]
@@ -419,13 +428,16 @@ class RunHooks:
     plateau: PlateauDecay | None
     tensorboard: bool
     first_step: FirstStepClock | None = None
+    user_callbacks: Sequence[keras.callbacks.Callback] = ()
     every_steps: int = 0
     resume: ResumePoint = ResumePoint()
 
 
 def standard_callbacks(hooks: RunHooks) -> list[keras.callbacks.Callback]:
     """The callbacks of a run, in the order they must fire at the end of an epoch: first the
-    ones every rank runs (they hold collectives), then rank 0's writers and its report."""
+    ones every rank runs (they hold collectives), then the user's callbacks (every rank; the
+    logs they see already hold the exact global metrics, validation and rate, equal on every
+    rank, so decisions such as early stopping agree), then rank 0's writers and its report."""
     model, optimizer = hooks.step.model, hooks.step.optimizer
     callbacks: list[keras.callbacks.Callback] = [
         StopOnDivergence(hooks.step, hooks.store),
@@ -433,11 +445,12 @@ def standard_callbacks(hooks: RunHooks) -> list[keras.callbacks.Callback]:
         Throughput(hooks.progress.global_batch),
         EpochMetrics(hooks.step, hooks.collectives),
         AverageBatchNormStatistics(model, hooks.collectives),
-        Validation(hooks.evaluate),
+        *([Validation(hooks.evaluate)] if hooks.evaluate is not None else []),
         LearningRateLog(hooks.schedule, optimizer),
     ]
     if hooks.plateau is not None:
         callbacks.append(hooks.plateau)
+    callbacks += hooks.user_callbacks
     plateau = hooks.plateau
     live_state = (lambda: {"plateau": plateau.state()}) if plateau is not None else dict
     callbacks.append(Checkpointing(hooks, live_state))

@@ -42,7 +42,7 @@ from hvdtrain.data.sources import DataBundle
 from hvdtrain.checkpoint import CheckpointStore
 from hvdtrain.training.callbacks import Progress, RunHooks, standard_callbacks
 from hvdtrain.training.schedule import WarmupScaledRate, world_scale
-from hvdtrain.training.step import Evaluation, StepMath, StepOptions
+from hvdtrain.training.step import Evaluation, StepMath
 from hvdtrain.world import Collectives, tf_variables
 
 
@@ -56,6 +56,7 @@ class ElasticRun:
     model: keras.Model
     optimizer: keras.optimizers.Optimizer
     schedule: WarmupScaledRate
+    first_step: StepMath   # the objective and built metric state every world's step keeps
     evaluation: Evaluation
     store: CheckpointStore
     state: dict[str, Any]
@@ -78,13 +79,13 @@ def elastic_loop(run: ElasticRun) -> None:
         tf_variables(run.model.weights + run.optimizer.variables), epoch=run.initial_epoch,
         offset=0)
     optim = config.optim
-    options = StepOptions(1, optim.reduction == "adasum", optim.compression == "fp16")
 
     @collectives.elastic_run
     def train(state: Any) -> None:
         world = collectives.refresh_world()
         run.schedule.set_world_scale(world_scale(optim, world.size))
-        step = StepMath(run.model, run.optimizer, collectives, options)   # for this world
+        step = StepMath(run.model, run.optimizer, collectives, run.first_step.objective,
+                        run.first_step.options, run.first_step.train_metrics)   # this world
         train_step = tf.function(step.train_step, jit_compile=False)
         val_dataset = data.val.dataset(ShardSpec(data.val.num_examples, world,
                                                  config.train.batch_size, "pad", False))
@@ -105,9 +106,9 @@ def elastic_loop(run: ElasticRun) -> None:
             hooks.on_epoch_begin(state.epoch)
             logs: dict = {}
             remaining = spec.remaining
-            for index, (features, labels, weights) in enumerate(
-                    data.train.dataset(spec, state.epoch, state.epoch + 1)):
-                logs = train_step(features, labels, weights)
+            for index, batch in enumerate(data.train.dataset(spec, state.epoch,
+                                                             state.epoch + 1)):
+                logs = train_step(*batch)
                 state.offset += min(spec.global_batch, remaining - index * spec.global_batch)
                 hooks.on_train_batch_end(index, logs)
                 if (index + 1) % config.train.commit_every == 0:

@@ -30,8 +30,7 @@ class DataParallelModel(keras.Model):
         return self.inner(inputs, training=training)
 
     def train_step(self, data):
-        features, labels, weights = data
-        return self.step_math.train_step(features, labels, weights)
+        return self.step_math.train_step(*data)
 
 
 class ContinuedHooks(keras.callbacks.CallbackList):
@@ -89,21 +88,27 @@ def fit_loop(step: StepMath, dataset: tf.data.Dataset, epochs: int, initial_epoc
 def custom_loop(step: StepMath, dataset: tf.data.Dataset, epochs: int, initial_epoch: int,
                 steps_per_epoch: int, callbacks: list[keras.callbacks.Callback],
                 done_steps: int = 0) -> None:
-    """Train with a plain loop around one ``tf.function`` step, firing the same callbacks."""
+    """Train with a plain loop around one ``tf.function`` step, firing the same callbacks. A
+    callback may stop training by setting ``model.stop_training``, as under ``fit``."""
     train_step = tf.function(step.train_step, jit_compile=False)
-    hooks = keras.callbacks.CallbackList(callbacks, add_history=False, add_progbar=False)
+    model = step.model
+    model.stop_training = False
+    hooks = keras.callbacks.CallbackList(callbacks, add_history=False, add_progbar=False,
+                                         model=model)
     batches = iter(dataset.skip(done_steps))
     hooks.on_train_begin()
     for epoch in range(initial_epoch, epochs):
         hooks.on_epoch_begin(epoch)
         logs: dict = {}
         for batch in range(done_steps if epoch == initial_epoch else 0, steps_per_epoch):
-            features, labels, weights = next(batches)
+            element = next(batches)
             hooks.on_train_batch_begin(batch)
-            logs = train_step(features, labels, weights)
+            logs = train_step(*element)
             hooks.on_train_batch_end(batch, logs)
         logs = {name: float(value) for name, value in logs.items()}
         hooks.on_epoch_end(epoch, logs)
+        if model.stop_training:
+            break
     hooks.on_train_end()
 
 

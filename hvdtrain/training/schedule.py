@@ -19,6 +19,8 @@ import keras
 import tensorflow as tf
 
 from hvdtrain.config import OptimConfig
+from hvdtrain.errors import UserError
+from hvdtrain.plugins import is_plugin, load_callable
 
 
 def scale_factor(policy: str, world_size: int) -> float:
@@ -99,7 +101,27 @@ def make_schedule(config: OptimConfig, world_size: int, updates_per_epoch: int,
     )
 
 
+# Optimizers whose constructor takes a ``momentum`` argument (``--momentum`` goes to them).
+WITH_MOMENTUM = ("sgd", "rmsprop")
+
+
 def make_optimizer(config: OptimConfig, schedule: WarmupScaledRate) -> keras.optimizers.Optimizer:
-    if config.optimizer == "adam":
-        return keras.optimizers.Adam(learning_rate=schedule)
-    return keras.optimizers.SGD(learning_rate=schedule, momentum=config.momentum)
+    """The configured optimizer driven by ``schedule`` (scaled and warmed up): a Keras optimizer
+    by name with its defaults, or a user's ``package.module:fn(learning_rate)``."""
+    if is_plugin(config.optimizer):
+        optimizer = load_callable(config.optimizer, "optimizer")(schedule)
+        if not isinstance(optimizer, keras.optimizers.Optimizer):
+            raise UserError(f"'{config.optimizer}' returned {type(optimizer).__name__}, not a "
+                            "keras.optimizers.Optimizer; build it with learning_rate=the "
+                            "schedule it receives and return it")
+        return optimizer
+    arguments = {"learning_rate": schedule}
+    if config.optimizer in WITH_MOMENTUM:
+        arguments["momentum"] = config.momentum
+    return keras_optimizer_classes()[config.optimizer](**arguments)
+
+
+def keras_optimizer_classes() -> dict[str, type]:
+    """Keras' optimizers by lower-case class name (``keras.optimizers.get`` knows only some)."""
+    return {name.lower(): value for name, value in vars(keras.optimizers).items()
+            if isinstance(value, type) and issubclass(value, keras.optimizers.Optimizer)}

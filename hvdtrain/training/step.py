@@ -1,11 +1,17 @@
 """One optimizer step and one evaluation step: the math both training paths share.
 
 Loss scaling: each example's weight is 1/(examples in its global batch, or in its group of
-accumulated batches) (see the pipeline), so ``sum(weight * loss)`` on every rank, summed across
-ranks by the allreduce, is the mean over the global batch; regularisation losses are divided by
-the world size (and the accumulation steps) because every rank (and micro-step) adds them. The
-gradients are therefore summed, not averaged, across ranks, and N ranks with batch b make the
-same update as one process with batch N*b, including the short last batch of an epoch.
+accumulated batches) (see the pipeline), times the user's sample weight, so
+``sum(weight * loss)`` on every rank, summed across ranks by the allreduce, is the mean over the
+global batch; regularisation losses are divided by the world size (and the accumulation steps)
+because every rank (and micro-step) adds them. The gradients are therefore summed, not averaged,
+across ranks, and N ranks with batch b make the same update as one process with batch N*b,
+including the short last batch of an epoch. A source that cannot know the global batch in
+advance (a user's tf.data pipeline, ``normalised`` false) gives weight 1 to real examples; the
+step then sums the real examples across ranks first and divides by that count.
+
+The loss of each example and the metrics come from the model's objective (its compiled loss
+and metrics, or hvdtrain's default): see ``hvdtrain.training.objective``.
 
 Gradient accumulation: k micro-steps add their gradients locally; the k-th reduces the sum
 across ranks in one allreduce and applies it. Because the weights already divide by the group's
@@ -23,8 +29,9 @@ Stop requests: a rank asked to stop (see ``preemption``) sets ``stop_vote``; the
 the same allreduce as the loss, and ``stop_votes`` (the global sum) tells every rank, after the
 same update, that the job stops there.
 
-Metrics are kept as local sums (loss, correct, count) and reduced across ranks once per epoch:
-the global accuracy is exactly global-correct / global-count, not a mean of per-rank means.
+Metrics are Keras metric objects updated locally and reduced across ranks once per epoch by
+summing their state variables: every metric is exact over the global data, not a mean of
+per-rank means.
 """
 
 from __future__ import annotations
@@ -34,67 +41,36 @@ from dataclasses import dataclass
 import keras
 import tensorflow as tf
 
+from hvdtrain.training.objective import MetricState, Objective
 from hvdtrain.world import Collectives
-
-SUM_NAMES = ("loss_sum", "correct", "count")
-
-
-class MetricSums:
-    """Local running sums of (loss, correct predictions, examples), reduced exactly on demand."""
-
-    def __init__(self, name: str) -> None:
-        self.variables = [tf.Variable(0.0, trainable=False, dtype=tf.float64,
-                                      name=f"{name}_{part}") for part in SUM_NAMES]
-
-    def reset(self) -> None:
-        for variable in self.variables:
-            variable.assign(0.0)
-
-    def add(self, per_example_loss: tf.Tensor, correct: tf.Tensor, valid: tf.Tensor) -> None:
-        parts = (per_example_loss * valid, correct * valid, valid)
-        for variable, part in zip(self.variables, parts):
-            variable.assign_add(tf.reduce_sum(tf.cast(part, tf.float64)))
-
-    def local_means(self) -> dict[str, tf.Tensor]:
-        loss_sum, correct, count = self.variables
-        count = tf.maximum(count, 1.0)
-        return {"loss": loss_sum / count, "accuracy": correct / count}
-
-    def global_means(self, collectives: Collectives, prefix: str = "") -> dict[str, float]:
-        loss_sum, correct, count = (float(v) for v in collectives.allreduce_sum(
-            [tf.identity(v) for v in self.variables]))
-        count = max(count, 1.0)
-        return {f"{prefix}loss": loss_sum / count, f"{prefix}accuracy": correct / count}
-
-
-def per_example_outputs(model: keras.Model, x: tf.Tensor, y: tf.Tensor,
-                        training: bool) -> tuple[tf.Tensor, tf.Tensor]:
-    """Per-example cross-entropy (in float32, whatever the compute precision) and correctness."""
-    probabilities = tf.cast(model(x, training=training), tf.float32)
-    per_example = keras.losses.sparse_categorical_crossentropy(y, probabilities)
-    predicted = tf.argmax(probabilities, axis=-1, output_type=y.dtype)
-    return per_example, tf.cast(tf.equal(predicted, y), tf.float32)
 
 
 @dataclass(frozen=True)
 class StepOptions:
-    """How gradients travel: accumulation steps, Adasum or mean, fp16 on the wire."""
+    """How gradients travel (accumulation steps, Adasum or mean, fp16 on the wire) and whether
+    the data's weights already divide by the global batch."""
 
     accumulation_steps: int = 1
     adasum: bool = False
     fp16_compression: bool = False
+    normalised: bool = True
 
 
 class StepMath:
     """Forward, weighted loss, gradients reduced across ranks, optimizer update, metric sums."""
 
     def __init__(self, model: keras.Model, optimizer: keras.optimizers.Optimizer,
-                 collectives: Collectives, options: StepOptions = StepOptions()) -> None:
+                 collectives: Collectives, objective: Objective,
+                 options: StepOptions = StepOptions(),
+                 train_metrics: MetricState | None = None) -> None:
+        """``train_metrics``: built metric state to keep (elastic training makes a step per
+        world and keeps one state); a new one otherwise."""
         self.model = model
         self.optimizer = optimizer
         self.collectives = collectives
+        self.objective = objective
         self.options = options
-        self.train_sums = MetricSums("train")
+        self.train_metrics = train_metrics or objective.new_metrics()
         self.loss_scaling = isinstance(optimizer, keras.optimizers.LossScaleOptimizer)
         # The last update's loss over the whole global batch: equal on every rank, so every
         # rank makes the same decision when it stops being finite.
@@ -107,12 +83,6 @@ class StepMath:
                                 for v in model.trainable_variables]
             self.accumulated_loss = tf.Variable(0.0, trainable=False, dtype=tf.float32)
             self.micro_steps = tf.Variable(0, trainable=False, dtype=tf.int64)
-
-    @property
-    def epoch_state_variables(self) -> list[tf.Variable]:
-        """The epoch's running metric state (summed across ranks when the epoch ends): what a
-        mid-epoch checkpoint saves so the resumed epoch reports an uninterrupted run's values."""
-        return self.train_sums.variables
 
     def _apply(self, gradients: list[tf.Tensor], loss: tf.Tensor) -> None:
         """Reduce across ranks and update, unless the global loss is not finite: then the
@@ -151,11 +121,26 @@ class StepMath:
         tf.cond(self.micro_steps % self.options.accumulation_steps == 0, apply_and_reset,
                 lambda: tf.constant(False))
 
-    def train_step(self, x: tf.Tensor, y: tf.Tensor, weights: tf.Tensor) -> dict[str, tf.Tensor]:
+    @property
+    def epoch_state_variables(self) -> list:
+        """The epoch's running metric state (saved by mid-epoch checkpoints)."""
+        return self.train_metrics.variables
+
+    def _global_weights(self, weights: tf.Tensor) -> tf.Tensor:
+        """Weights that divide by the real examples of the global batch (see the module doc)."""
+        if self.options.normalised:
+            return weights
+        count = self.collectives.allreduce_sum([tf.reduce_sum(weights)])[0]
+        return weights / tf.maximum(count, 1.0)
+
+    def train_step(self, x, y, sample_weight: tf.Tensor,
+                   weights: tf.Tensor) -> dict[str, tf.Tensor]:
         variables = self.model.trainable_variables
+        weights = self._global_weights(weights)
         with tf.GradientTape() as tape:
-            per_example, correct = per_example_outputs(self.model, x, y, training=True)
-            loss = tf.reduce_sum(per_example * weights)
+            predictions = self.model(x, training=True)
+            total, parts = self.objective.per_example_losses(y, predictions)
+            loss = tf.reduce_sum(total * sample_weight * weights)
             if self.model.losses:
                 shares = self.collectives.world.size * self.options.accumulation_steps
                 loss += tf.cast(tf.add_n(self.model.losses), tf.float32) / shares
@@ -167,25 +152,29 @@ class StepMath:
             self._accumulate(gradients, loss)
         else:
             self._apply(gradients, loss)
-        self.train_sums.add(per_example, correct, tf.cast(weights > 0, tf.float32))
-        return self.train_sums.local_means()
+        self.train_metrics.update(y, predictions, total, parts, sample_weight, weights > 0)
+        return self.train_metrics.local_results()
 
 
 class Evaluation:
-    """Exact distributed evaluation: local sums over this rank's shard, reduced once."""
+    """Exact distributed evaluation: local metric state over this rank's shard, reduced once."""
 
-    def __init__(self, model: keras.Model, collectives: Collectives) -> None:
+    def __init__(self, model: keras.Model, collectives: Collectives,
+                 objective: Objective) -> None:
         self.model = model
         self.collectives = collectives
-        self.sums = MetricSums("eval")
+        self.objective = objective
+        self.metrics = objective.new_metrics()
         self._step = tf.function(self._eval_step, jit_compile=False)
 
-    def _eval_step(self, x: tf.Tensor, y: tf.Tensor, weights: tf.Tensor) -> None:
-        per_example, correct = per_example_outputs(self.model, x, y, training=False)
-        self.sums.add(per_example, correct, tf.cast(weights > 0, tf.float32))
+    def _eval_step(self, x, y, sample_weight: tf.Tensor, weights: tf.Tensor) -> None:
+        predictions = self.model(x, training=False)
+        total, parts = self.objective.per_example_losses(y, predictions)
+        self.metrics.update(y, predictions, total, parts, sample_weight, weights > 0)
 
     def run(self, dataset: tf.data.Dataset, prefix: str = "val_") -> dict[str, float]:
-        self.sums.reset()
-        for features, labels, weights in dataset:
-            self._step(features, labels, weights)
-        return self.sums.global_means(self.collectives, prefix=prefix)
+        self.metrics.reset()
+        for batch in dataset:
+            self._step(*batch)
+        return {prefix + name: value
+                for name, value in self.metrics.global_results(self.collectives).items()}

@@ -1,8 +1,8 @@
 """TensorFlow's own data parallelism: ``MultiWorkerMirroredStrategy``, the custom-loop recipe
 from TensorFlow's guide (``strategy.run`` of a step that averages the loss over the global
 batch; the optimizer all-reduces the gradients). One process per worker, each told its place by
-``TF_CONFIG``; ``hvdtrain.bench.compare`` starts them on localhost. Timed with the same synthetic batch
-shape and the same timing loop as ``hvdtrain benchmark``.
+``TF_CONFIG``; ``hvdtrain.bench.compare`` starts them on localhost. Timed with the same
+synthetic batch shape and the same timing loop as ``hvdtrain benchmark``.
 """
 
 from __future__ import annotations

@@ -1,0 +1,135 @@
+"""Users' own workloads, as a user would write them: model builders (``--model workloads:fn``)
+and data functions (``--dataset workloads:fn``), imported by the ranks from tests/ on
+PYTHONPATH. Everything is seeded so runs can be compared number for number."""
+
+from __future__ import annotations
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+import hvdtrain
+
+
+def _digits() -> tuple[np.ndarray, np.ndarray]:
+    from sklearn.datasets import load_digits
+
+    bunch = load_digits()
+    return (bunch.images / 16.0).astype(np.float32)[..., None], bunch.target.astype(np.int64)
+
+
+# --- regression: the MirroredStrategy docs' model shape, compiled with loss="mse" -------------
+
+def regression_data() -> hvdtrain.Arrays:
+    """y = x . w + noise, float targets; 700 training examples (not a multiple of 32)."""
+    rng = np.random.default_rng(7)
+    x = rng.standard_normal((900, 5)).astype(np.float32)
+    y = (x @ rng.standard_normal((5, 1)) + 0.1 * rng.standard_normal((900, 1))).astype(np.float32)
+    return hvdtrain.Arrays(x=x[:700], y=y[:700], x_val=x[700:], y_val=y[700:])
+
+
+def regression_model(input_shape, num_classes) -> keras.Model:
+    assert num_classes is None, "float targets are not class ids"
+    model = keras.Sequential([keras.Input(input_shape), keras.layers.Dense(16, activation="relu"),
+                              keras.layers.Dense(1)])
+    model.compile(optimizer="adam", loss="mse", metrics=["mae"])
+    return model
+
+
+# --- the common Keras idiom: logits out, from_logits=True ----------------------------------------
+
+def logits_model(input_shape, num_classes) -> keras.Model:
+    model = keras.Sequential([keras.Input(input_shape), keras.layers.Flatten(),
+                              keras.layers.Dense(128, activation="relu"),
+                              keras.layers.Dense(num_classes)])
+    model.compile(loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                  metrics=["accuracy"])
+    return model
+
+
+def uncompiled_logits_model(input_shape, num_classes) -> keras.Model:
+    """A logits model left uncompiled: the default loss expects probabilities."""
+    return keras.Sequential([keras.Input(input_shape), keras.layers.Flatten(),
+                             keras.layers.Dense(num_classes)])
+
+
+# --- binary classification scored by AUC and Precision -------------------------------------------
+
+def even_digits() -> hvdtrain.Arrays:
+    """Is the digit even? Float 0/1 targets, fixed split."""
+    x, y = _digits()
+    even = (y % 2 == 0).astype(np.float32)[:, None]
+    return hvdtrain.Arrays(x=x[:1400], y=even[:1400], x_val=x[1400:], y_val=even[1400:])
+
+
+def auc_model(input_shape, num_classes) -> keras.Model:
+    model = keras.Sequential([keras.Input(input_shape), keras.layers.Flatten(),
+                              keras.layers.Dense(32, activation="relu"),
+                              keras.layers.Dense(1, activation="sigmoid")])
+    model.compile(loss="binary_crossentropy", metrics=[keras.metrics.AUC(name="auc"),
+                                                       keras.metrics.Precision(name="precision")])
+    return model
+
+
+# --- two inputs (dict features), two outputs (dict losses, loss_weights, sample weights) ---------
+
+def two_tower_data() -> hvdtrain.Arrays:
+    x, y = _digits()
+    rng = np.random.default_rng(3)
+    extra = rng.standard_normal((len(x), 3)).astype(np.float32)
+    ink = x.reshape(len(x), -1).mean(axis=1, keepdims=True).astype(np.float32)
+    weights = np.where(y < 5, 1.0, 2.0).astype(np.float32)
+    features = {"image": x, "extra": extra}
+    targets = {"digit": y, "ink": ink + 0.1 * extra[:, :1]}
+    return hvdtrain.Arrays(x=features, y=targets, sample_weight=weights)
+
+
+def two_tower_model(input_shape, num_classes) -> keras.Model:
+    image = keras.Input(input_shape["image"], name="image")
+    extra = keras.Input(input_shape["extra"], name="extra")
+    hidden = keras.layers.Dense(64, activation="relu")(keras.layers.Flatten()(image))
+    joined = keras.layers.Concatenate()([hidden, extra])
+    digit = keras.layers.Dense(10, activation="softmax", name="digit")(joined)
+    ink = keras.layers.Dense(1, name="ink")(joined)
+    model = keras.Model({"image": image, "extra": extra}, {"digit": digit, "ink": ink})
+    model.compile(loss={"digit": "sparse_categorical_crossentropy", "ink": "mse"},
+                  loss_weights={"digit": 1.0, "ink": 0.5},
+                  metrics={"digit": ["accuracy"], "ink": ["mae"]})
+    return model
+
+
+# --- a user tf.data pipeline whose ranks hold different numbers of records -----------------------
+
+def uneven_pipeline() -> hvdtrain.Pipeline:
+    """Rank r reads its own part of the digits; rank 0's part is larger, so its pipeline yields
+    more batches than rank 1's: hvdtrain must even the steps out."""
+    x, y = _digits()
+
+    def train(shard: hvdtrain.Shard) -> tf.data.Dataset:
+        cut = 1000 if shard.size > 1 else len(x) - 300
+        rows = np.arange(0, cut) if shard.rank == 0 else np.arange(cut, len(x) - 300)
+        dataset = tf.data.Dataset.from_tensor_slices((x[rows], y[rows]))
+        dataset = dataset.shuffle(len(rows), seed=shard.seed + shard.epoch)
+        return dataset.batch(shard.batch_size)
+
+    def val(shard: hvdtrain.Shard) -> tf.data.Dataset:
+        held = np.arange(len(x) - 300, len(x))[shard.rank::shard.size]
+        return tf.data.Dataset.from_tensor_slices((x[held], y[held])).batch(shard.batch_size)
+
+    return hvdtrain.Pipeline(train=train, val=val, num_classes=10)
+
+
+def early_stop_callbacks() -> list[keras.callbacks.Callback]:
+    """A user's callbacks: stop once validation accuracy passes 0.5 (every rank decides alike:
+    the logs hold the exact global metrics)."""
+    class StopWhenGood(keras.callbacks.Callback):
+        def on_epoch_end(self, epoch, logs=None):
+            if logs["val_accuracy"] > 0.5:
+                self.model.stop_training = True
+
+    return [StopWhenGood()]
+
+
+def adamw(learning_rate) -> keras.optimizers.Optimizer:
+    """A user's optimizer factory: receives hvdtrain's scaled, warmed-up schedule."""
+    return keras.optimizers.AdamW(learning_rate=learning_rate, weight_decay=1e-4)
