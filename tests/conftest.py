@@ -243,10 +243,12 @@ class SlurmCluster:
         self.env = env
         self.directory = directory
 
-    def submit(self, *args: str, launcher: str = "srun", sbatch: tuple[str, ...] = ()) -> str:
+    def submit(self, *args: str, launcher: str = "srun", sbatch: tuple[str, ...] = (),
+               **env: str) -> str:
         """Submit with trainer ``args``; ``sbatch``: more sbatch options (they override the
-        script's own)."""
-        job_env = rank_env(**self.env, HVDTRAIN_REPO=str(REPO), HVDTRAIN_LAUNCHER=launcher)
+        script's own); ``env``: more environment for the job."""
+        job_env = rank_env(**self.env, **env, HVDTRAIN_REPO=str(REPO),
+                           HVDTRAIN_LAUNCHER=launcher)
         result = run(["sbatch", "--parsable", "--ntasks-per-node=2", "--cpus-per-task=1", *sbatch,
                       f"--chdir={self.directory}", f"--output={self.directory}/job-%j.out",
                       f"--error={self.directory}/job-%j.err",

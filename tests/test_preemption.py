@@ -13,6 +13,7 @@ import os
 import re
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -45,6 +46,27 @@ def test_resume_takes_auto_and_keeps_the_bare_flag():
     assert resume("--resume", "--epochs", "3") == "required"
     for yaml_value, mode in ((True, "required"), (False, "never"), ("auto", "auto")):
         assert build_config({"resume": yaml_value}).train.resume == mode
+
+
+def test_a_second_stop_request_ends_the_process_at_once():
+    """Two signals together are one request; one more, later, ends the process at once even
+    while its main thread is blocked (here: sleeping)."""
+    program = ("import os, signal, time\n"
+               "from hvdtrain.training.preemption import REQUESTS\n"
+               "REQUESTS.install(watch_parent=False)\n"
+               "os.kill(os.getpid(), signal.SIGTERM)\n"
+               "os.kill(os.getpid(), signal.SIGUSR1)\n"
+               "time.sleep(0.5)\n"
+               "print('first:', REQUESTS.reason, flush=True)\n"
+               "time.sleep(3.5)\n"
+               "os.kill(os.getpid(), signal.SIGUSR1)\n"
+               "time.sleep(60)\n")
+    result = subprocess.run([sys.executable, "-c", program], env=rank_env(), text=True,
+                            capture_output=True, timeout=50, stdin=subprocess.DEVNULL)
+    assert result.stdout == "first: SIGTERM\n", result.stdout + result.stderr
+    assert result.returncode == 128 + signal.SIGUSR1
+    assert result.stderr == ("hvdtrain: second stop request (SIGUSR1) after SIGTERM: exiting "
+                             "now, without a checkpoint\n")
 
 
 def flip_a_byte(path: Path) -> None:
@@ -272,16 +294,17 @@ def test_a_full_disk_during_a_checkpoint_stops_with_one_line_and_keeps_the_previ
 
 
 @pytest.mark.distributed
-def test_slurm_stop_and_time_limit_requeue_finish_like_an_uninterrupted_run(slurm, tmp_path):
+@pytest.mark.slow
+def test_slurm_stop_and_time_limit_requeue_finish_like_an_uninterrupted_run(slurm, straight_runs):
     """SIGTERM to the job step mid-epoch: the job ends with exit 75 and a mid-epoch checkpoint,
-    nothing remains. Resubmitted with a one-minute time limit (training needs longer), the shipped
+    nothing remains. Resubmitted with a two-minute time limit shorter than its training (each
+    step slowed by a 0.25 s Horovod cycle, which changes timing, not the math), the shipped
     script's SIGUSR1 trap stops the ranks before the limit and requeues the job until training
     ends; the weights and metrics rows equal an uninterrupted run's."""
-    args = [*ARGS, "--epochs", "20", "--loop", "fit"]
-    straight = train(tmp_path, "straight", *args)
     run_dir = slurm.directory / "preempted"
-    args += ["--no-progress", "--run-dir", str(run_dir)]
-    job = slurm.submit(*args)
+    args = [*ARGS, "--loop", "fit", "--no-progress", "--run-dir", str(run_dir)]
+    slow = {"HOROVOD_CYCLE_TIME": "250"}
+    job = slurm.submit(*args, **slow)
     wait_for(lambda: step_checkpoint_after(run_dir) or slurm.finished(job), 240)
     # SIGTERM to the job's step (its ranks), not to srun: srun turns a SIGTERM of its own into
     # SIGKILL for every task (see README).
@@ -297,26 +320,31 @@ def test_slurm_stop_and_time_limit_requeue_finish_like_an_uninterrupted_run(slur
     assert list((run_dir / "checkpoints").glob("epoch-*-step-*")), "no mid-epoch checkpoint"
     assert_nothing_left(run_dir)
 
-    job = slurm.submit(*args, sbatch=("--time=1", "--signal=B:USR1@40"))
-    deadline = time.time() + 600
+    # Slurm warns up to a minute early: the signal comes 50-80 s into each allocation.
+    job = slurm.submit(*args, sbatch=("--time=2", "--signal=B:USR1@10"), **slow)
+    deadline = time.time() + 900
+    pending_since: dict[str, float] = {}
     while (record := slurm.finished(job)) is None:
         assert time.time() < deadline, slurm.output(job)[-3000:]
-        release_a_requeued_job(slurm, job)
+        release_a_requeued_job(slurm, job, pending_since)
         time.sleep(1)
     output = slurm.output(job)
     assert record["JobState"] == "COMPLETED" and record["ExitCode"] == "0:0", output[-3000:]
     assert int(record["Restarts"]) >= 1, output[-3000:]
     assert "requeueing it to continue from the checkpoint" in output
-    assert_same_run(straight, run_dir)
+    assert_same_run(straight_runs["fit"], run_dir)
 
 
-def release_a_requeued_job(slurm, job: str) -> None:
-    """Slurm holds a requeued job back for about two minutes (its begin time); once its last
-    allocation is cleaned up (the node idle again), start it, as a cluster with free nodes
-    would soon."""
+def release_a_requeued_job(slurm, job: str, pending_since: dict[str, float]) -> None:
+    """Slurm holds a requeued job back for about two minutes (its begin time), long enough for
+    the last allocation's batch shell to finish; release it after 10 s instead, as a cluster
+    with free nodes would soon."""
     shown = run(["scontrol", "show", "job", job], 30, env=slurm.env).stdout
     record = dict(re.findall(r"(\w+)=(\S+)", shown))
-    node = run(["sinfo", "-h", "-o", "%T"], 30, env=slurm.env).stdout.strip()
-    if record.get("JobState") == "PENDING" and record.get("Reason") == "BeginTime" and \
-            node == "idle":
+    if record.get("JobState") != "PENDING" or record.get("Reason") != "BeginTime":
+        pending_since.clear()
+        return
+    since = pending_since.setdefault(job, time.time())
+    if time.time() - since > 10:
         run(["scontrol", "update", f"JobId={job}", "StartTime=now"], 30, env=slurm.env)
+        pending_since.clear()
