@@ -1,36 +1,109 @@
 """Rank-0 checkpoints that a crash cannot destroy, and weights-only restore.
 
-A checkpoint is a directory ``checkpoints/epoch-NNNN`` holding the model weights
-(``model.weights.h5``), the optimizer's variables (``optimizer.npz``, including its step counter,
-so the learning-rate schedule resumes where it was) and ``state.json`` (epoch, model identity,
-config). It is written under a temporary name, flushed to disk, and renamed into place in one
-atomic step, so at any instant the newest complete checkpoint is on disk whole. Restore reads
-weights and arrays only: nothing in a checkpoint is executed.
+A checkpoint is a directory ``checkpoints/epoch-NNNN`` (after NNNN whole epochs) or
+``checkpoints/epoch-NNNN-step-SSSSSS`` (SSSSSS steps into the next one) holding the model
+weights (``weights.npz``, in ``model.weights`` order; checkpoints of earlier versions hold
+``model.weights.h5``, still read), the optimizer's variables (``optimizer.npz``, including its step
+counter, so the learning-rate schedule resumes where it was) and ``state.json`` (epoch, step,
+model identity, config, the epoch's running metric state, and the SHA-256 of the other two
+files). It is written under a temporary name, flushed to disk, and renamed into place in one
+atomic step, so at any instant the newest complete checkpoint is on disk whole. A write that
+fails (disk full, quota, permission) removes its partial directory and stops the run with one
+line; the previous checkpoint is untouched. A checkpoint whose files no longer match their
+checksums is set aside on resume, for the one before. Restore reads weights and arrays only:
+nothing in a checkpoint is executed. (Weights are written with NumPy, not HDF5: an HDF5 file
+whose write failed stays open inside the library and fails again, or crashes the process, when
+Python exits.)
+
+The run directory is locked (``fcntl.flock`` on ``.lock``) by rank 0 for the whole run, so a
+second run on the same directory is refused instead of interleaving its checkpoints.
 """
 
 from __future__ import annotations
 
+import errno
+import fcntl
+import hashlib
 import json
 import os
 import re
 import shutil
+import socket
 import zipfile
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import keras
 import numpy as np
 
-from hvdtrain.errors import UserError
+from hvdtrain.errors import CheckpointWriteFailed, UserError
 
-CHECKPOINT_NAME = re.compile(r"epoch-(\d{4,})")
-WEIGHTS_FILE = "model.weights.h5"
+CHECKPOINT_NAME = re.compile(r"epoch-(\d{4,})(?:-step-(\d{6,}))?")
+WEIGHTS_FILE = "weights.npz"
+LEGACY_WEIGHTS_FILE = "model.weights.h5"
 OPTIMIZER_FILE = "optimizer.npz"
 STATE_FILE = "state.json"
+LOCK_FILE = ".lock"
 
 
 class CheckpointError(UserError):
     """A checkpoint cannot be read or does not fit the configured model."""
+
+
+class RunDirectoryBusy(UserError):
+    """Another run holds the run directory's lock."""
+
+
+def checkpoint_name(epoch: int, step: int = 0) -> str:
+    """``epoch-0003`` after 3 epochs; ``epoch-0003-step-000120`` 120 steps into the 4th."""
+    return f"epoch-{epoch:04d}" + (f"-step-{step:06d}" if step else "")
+
+
+def _order(path: Path) -> tuple[int, int]:
+    match = CHECKPOINT_NAME.fullmatch(path.name)
+    return int(match.group(1)), int(match.group(2) or 0)
+
+
+def sha256_of(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _why(error: OSError) -> str:
+    """'No space left on device (ENOSPC)', or the error's text when it has no errno."""
+    if error.errno in errno.errorcode:
+        return f"{os.strerror(error.errno)} ({errno.errorcode[error.errno]})"
+    return str(error)
+
+
+_HELD_LOCKS: dict[Path, int] = {}
+
+
+def lock_run_dir(run_dir: Path) -> None:
+    """Hold an exclusive lock on ``run_dir`` until this process ends, or raise RunDirectoryBusy.
+
+    ``flock`` is released by the kernel when the process dies, however it dies, so a crashed
+    run never leaves a stale lock behind. A second run in this same process (a notebook) reuses
+    the lock it already holds.
+    """
+    key = Path(run_dir).resolve()
+    if key in _HELD_LOCKS:
+        return
+    path = key / LOCK_FILE
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.read(fd, 200).decode(errors="replace").strip() or "unknown"
+        os.close(fd)
+        raise RunDirectoryBusy(f"run directory {run_dir} is in use by another run ({holder}); "
+                               "wait for it to end or choose another --run-dir") from None
+    os.ftruncate(fd, 0)
+    os.write(fd, f"pid {os.getpid()} on {socket.gethostname()}\n".encode())
+    _HELD_LOCKS[key] = fd
 
 
 def _fsync_tree(directory: Path) -> None:
@@ -52,6 +125,12 @@ def atomic_write_text(path: Path, text: str) -> None:
     os.replace(partial, path)
 
 
+def _arrays(path: Path) -> list[np.ndarray]:
+    """The arrays of a NumPy archive in the order they were saved (no pickles)."""
+    with np.load(path, allow_pickle=False) as archive:
+        return [archive[key] for key in sorted(archive.files)]
+
+
 class CheckpointStore:
     """The checkpoints of one run directory."""
 
@@ -60,12 +139,12 @@ class CheckpointStore:
         self.keep = keep
 
     def complete(self) -> list[Path]:
-        """Finished checkpoints, oldest first."""
+        """Finished checkpoints, oldest first (by epoch, then step within the epoch)."""
         if not self.directory.is_dir():
             return []
         found = [p for p in self.directory.iterdir()
                  if CHECKPOINT_NAME.fullmatch(p.name) and (p / STATE_FILE).is_file()]
-        return sorted(found, key=lambda p: int(CHECKPOINT_NAME.fullmatch(p.name).group(1)))
+        return sorted(found, key=_order)
 
     def latest(self) -> Path | None:
         found = self.complete()
@@ -73,17 +152,40 @@ class CheckpointStore:
 
     def save(self, model: keras.Model, optimizer: keras.optimizers.Optimizer,
              state: dict[str, Any]) -> Path:
-        """Write checkpoint ``epoch-<state['epoch']>`` atomically and prune old ones."""
-        self.directory.mkdir(parents=True, exist_ok=True)
-        final = self.directory / f"epoch-{state['epoch']:04d}"
+        """Write checkpoint ``checkpoint_name(state['epoch'], state.get('step', 0))``
+        atomically and prune old ones; a failed write raises CheckpointWriteFailed and leaves
+        the checkpoints on disk as they were."""
+        final = self.directory / checkpoint_name(state["epoch"], state.get("step", 0))
         partial = self.directory / f".partial-{final.name}-{os.getpid()}"
-        self._recover_leftovers()
-        partial.mkdir()
-        model.save_weights(partial / WEIGHTS_FILE)
-        arrays = {f"v{i:04d}": v.numpy() for i, v in enumerate(optimizer.variables)}
-        np.savez(partial / OPTIMIZER_FILE, **arrays)
-        (partial / STATE_FILE).write_text(json.dumps(state, indent=2) + "\n")
+        try:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            self._recover_leftovers()
+            partial.mkdir()
+            self._write(partial, model, optimizer, state)
+        except OSError as error:
+            shutil.rmtree(partial, ignore_errors=True)
+            previous = self.latest()
+            kept = f"the previous checkpoint {previous} is whole" if previous else \
+                "no earlier checkpoint exists"
+            raise CheckpointWriteFailed(
+                f"could not write checkpoint {final.name} in {self.directory}: {_why(error)}; "
+                f"{kept}; free space or fix the quota or permissions, then continue with "
+                "--resume auto") from error
+        return self._move_into_place(partial, final)
+
+    @staticmethod
+    def _write(partial: Path, model: keras.Model, optimizer: keras.optimizers.Optimizer,
+               state: dict[str, Any]) -> None:
+        np.savez(partial / WEIGHTS_FILE, **{f"w{i:04d}": weight
+                                            for i, weight in enumerate(model.get_weights())})
+        np.savez(partial / OPTIMIZER_FILE, **{f"v{i:04d}": v.numpy()
+                                              for i, v in enumerate(optimizer.variables)})
+        files = {name: sha256_of(partial / name) for name in (WEIGHTS_FILE, OPTIMIZER_FILE)}
+        with open(partial / STATE_FILE, "w") as handle:
+            handle.write(json.dumps({**state, "files": files}, indent=2) + "\n")
         _fsync_tree(partial)
+
+    def _move_into_place(self, partial: Path, final: Path) -> Path:
         if final.exists():  # a re-run of the same epoch: keep the old one until the swap
             stale = self.directory / f".stale-{final.name}-{os.getpid()}"
             os.rename(final, stale)
@@ -109,6 +211,48 @@ class CheckpointStore:
             else:
                 shutil.rmtree(stale, ignore_errors=True)
 
+    def newest_intact(self, report: Callable[[str], None]) -> Path | None:
+        """The newest checkpoint whose files match the checksums in its state. Each damaged
+        newer one is renamed ``.damaged-NAME`` (kept for inspection, never loaded) and
+        reported. Raises CheckpointError, changing nothing, when checkpoints exist but none
+        is intact."""
+        found = self.complete()
+        damaged = []
+        for path in reversed(found):
+            problem = self.damage(path)
+            if problem is None:
+                for bad, why in damaged:
+                    aside = bad.with_name(f".damaged-{bad.name}")
+                    shutil.rmtree(aside, ignore_errors=True)
+                    os.rename(bad, aside)
+                    report(f"checkpoint {bad} is damaged ({why}); set aside as {aside.name}, "
+                           f"resuming from {path.name}")
+                return path
+            damaged.append((path, problem))
+        if found:
+            raise CheckpointError(f"no intact checkpoint in {self.directory} (" + "; ".join(
+                f"{path.name}: {why}" for path, why in damaged) + "); start a new --run-dir")
+        return None
+
+    @classmethod
+    def damage(cls, path: Path) -> str | None:
+        """What is wrong with a checkpoint's files, or None when they match their checksums.
+        Checkpoints written before checksums existed are taken as they are."""
+        try:
+            state = json.loads((path / STATE_FILE).read_text())
+        except (OSError, ValueError) as error:
+            return f"{STATE_FILE} is unreadable: {error}"
+        if not isinstance(state, dict):
+            return f"{STATE_FILE} is unreadable: not a mapping"
+        for name, expected in state.get("files", {}).items():
+            try:
+                actual = sha256_of(path / name)
+            except OSError as error:
+                return f"{name}: {_why(error)}"
+            if actual != expected:
+                return f"{name} does not match its SHA-256"
+        return None
+
     @staticmethod
     def read_state(path: Path) -> dict[str, Any]:
         try:
@@ -122,9 +266,11 @@ class CheckpointStore:
                 optimizer: keras.optimizers.Optimizer) -> None:
         """Load weights and optimizer variables (built beforehand) from a checkpoint."""
         try:
-            model.load_weights(path / WEIGHTS_FILE)
-            with np.load(path / OPTIMIZER_FILE, allow_pickle=False) as archive:
-                arrays = [archive[key] for key in sorted(archive.files)]
+            if (path / WEIGHTS_FILE).exists():
+                model.set_weights(_arrays(path / WEIGHTS_FILE))
+            else:
+                model.load_weights(path / LEGACY_WEIGHTS_FILE)
+            arrays = _arrays(path / OPTIMIZER_FILE)
         except (OSError, ValueError, zipfile.BadZipFile) as error:
             raise CheckpointError(f"checkpoint {path} does not fit this model or is unreadable "
                                   f"({error}); check --model or start a new --run-dir") from error

@@ -54,9 +54,16 @@ def _train(args: argparse.Namespace) -> int:
     config = config_from_args(args)
     # Run directories and checkpoints stay private to the user on a shared cluster.
     os.umask(0o077)
+    from hvdtrain.training.preemption import REQUESTS
+    from hvdtrain.world import launched_by_a_launcher
+
+    if not config.train.elastic:   # elastic training handles a lost rank its own way
+        # Before TensorFlow loads (seconds): a stop requested meanwhile is honoured too.
+        REQUESTS.install(watch_parent=launched_by_a_launcher())
     from hvdtrain.training.run import train
 
     train(config)
+    REQUESTS.ignore_from_now()
     return 0
 
 

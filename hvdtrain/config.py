@@ -27,11 +27,15 @@ class ConfigError(UserError):
 
 def option(default: Any, help: str, *, choices: tuple[str, ...] = (),
            minimum: float | None = None, maximum: float | None = None,
-           exclusive_minimum: bool = False, plugin: bool = False) -> Any:
+           exclusive_minimum: bool = False, plugin: bool = False,
+           bare: str | None = None) -> Any:
     """A config field with the metadata the CLI, the docs and the validation are made from.
-    ``plugin``: besides ``choices``, a user's ``package.module:function`` is accepted."""
+    ``plugin``: besides ``choices``, a user's ``package.module:function`` is accepted.
+    ``bare``: for a choice field, the value of the flag given without one (``--resume`` means
+    ``--resume required``); YAML's true and false then mean ``bare`` and the default."""
     meta = {"help": help, "choices": choices, "minimum": minimum, "maximum": maximum,
-            "exclusive_minimum": exclusive_minimum, "plugin": plugin}
+            "exclusive_minimum": exclusive_minimum, "plugin": plugin, "bare": bare,
+            "default": default}
     if isinstance(default, list):
         return field(default_factory=lambda: list(default), metadata=meta)
     return field(default=default, metadata=meta)
@@ -141,7 +145,14 @@ class TrainConfig:
                             choices=("float32", "mixed_float16", "mixed_bfloat16"))
     tensorboard: bool = option(True, "write TensorBoard event files (rank 0)")
     run_dir: str | None = option(None, "run directory (default: runs/<model>-<dataset>-<time>)")
-    resume: bool = option(False, "continue from the newest checkpoint in --run-dir")
+    resume: str = option("never", "continue from the newest checkpoint in --run-dir: never (a "
+                                  "new run), required (--resume alone: fail without a "
+                                  "checkpoint) or auto (continue if there is one, else start; "
+                                  "for requeued jobs)", choices=("never", "required", "auto"),
+                         bare="required")
+    checkpoint_every_steps: int = option(0, "also checkpoint every N steps within an epoch (0: "
+                                            "at epoch ends only); a stop loses at most N steps",
+                                         minimum=0)
     keep_checkpoints: int = option(3, "checkpoints kept on disk (newest first)", minimum=1)
     deterministic: bool = option(False, "enable TensorFlow op determinism (slower)")
     threads: int | None = option(None, "CPU threads per rank (default: cores / local ranks)",
@@ -217,9 +228,13 @@ def _suggest(name: str, candidates: list[str]) -> str:
     return f"; did you mean '{close[0]}'?" if close else ""
 
 
-def _coerce(name: str, value: Any, tp: Any) -> Any:
-    """Check a YAML value's type (ints are accepted where floats are expected)."""
+def _coerce(name: str, value: Any, tp: Any, bare: str | None = None,
+            default: Any = None) -> Any:
+    """Check a YAML value's type (ints are accepted where floats are expected; a choice with a
+    bare value takes true/false for that value and the default)."""
     base, optional, is_list = _base_type(tp)
+    if bare is not None and isinstance(value, bool):
+        return bare if value else default
     if value is None:
         if optional:
             return None
@@ -263,9 +278,17 @@ def validate(config: Config) -> Config:
     """Check every field's type and bounds; raise ConfigError naming the first bad one."""
     for name, (section, f) in field_index().items():
         value = getattr(getattr(config, section), name)
-        _check_bounds(name, _coerce(name, value, _field_type(section, name)), f.metadata)
+        _check_bounds(name, _coerce(name, value, _field_type(section, name), f.metadata["bare"],
+                                    f.metadata["default"]), f.metadata)
     if config.data.dataset == "npz" and not config.data.data_path:
         raise ConfigError("--dataset npz needs --data-path FILE.npz")
+    every, accumulation = config.train.checkpoint_every_steps, config.optim.accumulation_steps
+    if every % accumulation:
+        raise ConfigError(f"--checkpoint-every-steps {every} must be a multiple of "
+                          f"--accumulation-steps {accumulation}: checkpoints fall between updates")
+    if every and config.train.elastic:
+        raise ConfigError("--checkpoint-every-steps does not apply to --elastic, which commits "
+                          "its state every --commit-every steps")
     return config
 
 
@@ -315,8 +338,9 @@ def build_config(overrides: dict[str, Any]) -> Config:
     config = Config()
     index = field_index()
     for name, value in overrides.items():
-        section, _ = index[name]
-        value = _coerce(name, value, _field_type(section, name))
+        section, f = index[name]
+        value = _coerce(name, value, _field_type(section, name), f.metadata["bare"],
+                        f.metadata["default"])
         setattr(getattr(config, section), name, value)
     return validate(config)
 
@@ -342,6 +366,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             kwargs["type"] = base
             if is_list:
                 kwargs["nargs"] = "+"
+            if f.metadata["bare"] is not None:
+                kwargs.update(nargs="?", const=f.metadata["bare"])
             if choices and not f.metadata["plugin"]:
                 kwargs["choices"] = choices
             group.add_argument(flag, metavar=f.name.upper(), **kwargs)

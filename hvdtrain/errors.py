@@ -1,4 +1,9 @@
-"""User-facing failures: shown as a single line, never as a traceback, with their own exit code."""
+"""User-facing failures: shown as a single line, never as a traceback, with their own exit code.
+
+Exit codes: 2 a mistake to fix, 3 the loss diverged, 74 a checkpoint could not be written, 75
+stopped by a signal with a checkpoint written (continue with ``--resume auto``), 76 a rank made
+no progress for ``--stall-timeout`` (the watchdog ended it).
+"""
 
 
 class UserError(Exception):
@@ -11,6 +16,21 @@ class TrainingDiverged(UserError):
     """The loss stopped being finite; the run stopped without saving the bad weights."""
 
     exit_code = 3
+
+
+class CheckpointWriteFailed(UserError):
+    """A checkpoint could not be written (disk full, quota, permission); the previous one is
+    whole. 74 is sysexits' EX_IOERR."""
+
+    exit_code = 74
+
+
+class StoppedBySignal(UserError):
+    """A stop was requested (SIGTERM, SIGINT, SIGUSR1, or the launcher went away); every rank
+    stopped at the same step and rank 0 wrote a checkpoint there. Run the same command with
+    ``--resume auto`` to continue. 75 is sysexits' EX_TEMPFAIL: try again later."""
+
+    exit_code = 75
 
 
 # A rank whose training made no progress for --stall-timeout seconds (a lost node, a cut network:

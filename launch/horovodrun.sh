@@ -10,6 +10,10 @@
 #   --iface NAME      network interface for Horovod's and the controller's traffic
 #   --gloo | --mpi    controller (default: MPI when Horovod has it, as horovodrun chooses)
 #   TRAINER ARGS      passed to 'python -m hvdtrain' (e.g. --model cnn --epochs 10)
+#
+# SIGTERM, SIGINT or SIGUSR1 to this script stops the job cleanly (every rank at one step, a
+# checkpoint, exit 75). horovodrun alone does not: on SIGTERM it exits and its mpirun and ranks
+# train on. See run_relaying_stops in common.sh.
 set -euo pipefail
 
 # shellcheck source=launch/common.sh
@@ -33,4 +37,4 @@ args=(-np "$np")
 [ -n "$hostfile" ] && args+=(--hostfile "$hostfile")
 [ -n "$iface" ] && args+=(--network-interface "$iface")
 [ -n "$controller" ] && args+=("$controller")
-exec horovodrun "${args[@]}" python -m hvdtrain "${trainer_args[@]}"
+run_relaying_stops horovodrun "${args[@]}" python -m hvdtrain "${trainer_args[@]}"

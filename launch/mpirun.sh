@@ -15,7 +15,8 @@
 #
 # Adds: --bind-to none --map-by slot (Horovod manages its own threads), -x for the environment
 # Horovod and TensorFlow read, and --allow-run-as-root when run as root (containers, CI), which
-# Open MPI otherwise refuses.
+# Open MPI otherwise refuses. SIGTERM, SIGINT or SIGUSR1 to this script stops the job cleanly
+# (every rank at one step, a checkpoint, exit 75); see run_relaying_stops in common.sh.
 set -euo pipefail
 
 # shellcheck source=launch/common.sh
@@ -49,6 +50,6 @@ done
 
 if [ -n "$command" ]; then
   # shellcheck disable=SC2086  # --command is a whole command line, split on purpose
-  exec mpirun "${args[@]}" $command
+  run_relaying_stops mpirun "${args[@]}" $command
 fi
-exec mpirun "${args[@]}" "$python" -m hvdtrain "${trainer_args[@]}"
+run_relaying_stops mpirun "${args[@]}" "$python" -m hvdtrain "${trainer_args[@]}"

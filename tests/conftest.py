@@ -67,6 +67,46 @@ def train(tmp: Path, name: str, *args: str, np: int = 2, launcher: str = "horovo
     return run_dir
 
 
+# --- processes of a running job ------------------------------------------------------------
+
+RANK_VARIABLES = ("OMPI_COMM_WORLD_RANK", "HOROVOD_RANK", "PMIX_RANK")
+
+
+def processes_mentioning(marker: str) -> dict[int, dict[str, str]]:
+    """pid -> environment of every process whose command line contains ``marker``."""
+    found = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            if marker not in (entry / "cmdline").read_bytes().decode(errors="replace"):
+                continue
+            raw = (entry / "environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        found[int(entry.name)] = dict(item.decode(errors="replace").split("=", 1)
+                                      for item in raw if b"=" in item)
+    return found
+
+
+def rank_pid(marker: str, rank: int) -> int | None:
+    for pid, env in processes_mentioning(marker).items():
+        if "hvdtrain" in Path(f"/proc/{pid}/cmdline").read_text(errors="replace") and any(
+                env.get(name) == str(rank) for name in RANK_VARIABLES):
+            return pid
+    return None
+
+
+def wait_for(condition, timeout: float, every: float = 0.2):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        value = condition()
+        if value:
+            return value
+        time.sleep(every)
+    raise AssertionError(f"condition not met within {timeout} s")
+
+
 def read_summary(run_dir: Path) -> dict:
     return json.loads((run_dir / "summary.json").read_text())
 
@@ -198,9 +238,13 @@ class SlurmCluster:
         self.env = env
         self.directory = directory
 
-    def submit(self, *args: str, launcher: str = "srun") -> str:
-        job_env = rank_env(**self.env, HVDTRAIN_REPO=str(REPO), HVDTRAIN_LAUNCHER=launcher)
-        result = run(["sbatch", "--parsable", "--ntasks-per-node=2", "--cpus-per-task=1",
+    def submit(self, *args: str, launcher: str = "srun", sbatch: tuple[str, ...] = (),
+               **env: str) -> str:
+        """Submit with trainer ``args``; ``sbatch``: more sbatch options (they override the
+        script's own); ``env``: more environment for the job."""
+        job_env = rank_env(**self.env, **env, HVDTRAIN_REPO=str(REPO),
+                           HVDTRAIN_LAUNCHER=launcher)
+        result = run(["sbatch", "--parsable", "--ntasks-per-node=2", "--cpus-per-task=1", *sbatch,
                       f"--chdir={self.directory}", f"--output={self.directory}/job-%j.out",
                       f"--error={self.directory}/job-%j.err",
                       str(REPO / "launch" / "slurm" / "single_node.sbatch"), *args], 60,

@@ -14,39 +14,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import (BIN, REPO, assert_same_weights, final_weights, rank_env, read_metrics,
-                      read_summary, train)
+from conftest import (BIN, REPO, assert_same_weights, final_weights, processes_mentioning,
+                      rank_env, rank_pid, read_metrics, read_summary, train, wait_for)
 from hvdtrain.checkpoint import CheckpointStore
 
 pytestmark = pytest.mark.distributed
 # A killed rank must end the whole job within this many seconds (measured: a few seconds).
 ABORT_BOUND_S = 30
-RANK_VARIABLES = ("OMPI_COMM_WORLD_RANK", "HOROVOD_RANK", "PMIX_RANK")
-
-
-def processes_mentioning(marker: str) -> dict[int, dict[str, str]]:
-    """pid -> environment of every process whose command line contains ``marker``."""
-    found = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit() or int(entry.name) == os.getpid():
-            continue
-        try:
-            if marker not in (entry / "cmdline").read_bytes().decode(errors="replace"):
-                continue
-            raw = (entry / "environ").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        found[int(entry.name)] = dict(item.decode(errors="replace").split("=", 1)
-                                      for item in raw if b"=" in item)
-    return found
-
-
-def rank_pid(marker: str, rank: int) -> int | None:
-    for pid, env in processes_mentioning(marker).items():
-        if "hvdtrain" in Path(f"/proc/{pid}/cmdline").read_text(errors="replace") and any(
-                env.get(name) == str(rank) for name in RANK_VARIABLES):
-            return pid
-    return None
 
 
 def start(launcher: list[str], run_dir: Path, *args: str) -> subprocess.Popen:
@@ -54,16 +28,6 @@ def start(launcher: list[str], run_dir: Path, *args: str) -> subprocess.Popen:
                              str(run_dir), "--no-progress", *args],
                             env=rank_env(), cwd=run_dir.parent, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, stdin=subprocess.DEVNULL)
-
-
-def wait_for(condition, timeout: float, every: float = 0.2):
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        value = condition()
-        if value:
-            return value
-        time.sleep(every)
-    raise AssertionError(f"condition not met within {timeout} s")
 
 
 LAUNCHERS = {

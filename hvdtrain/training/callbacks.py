@@ -19,11 +19,13 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import keras
+import numpy as np
 import tensorflow as tf
 
 from hvdtrain.checkpoint import CheckpointStore, atomic_write_text
-from hvdtrain.errors import TrainingDiverged
+from hvdtrain.errors import CheckpointWriteFailed, StoppedBySignal, TrainingDiverged
 from hvdtrain.startup import process_age_seconds
+from hvdtrain.training.preemption import REQUESTS
 from hvdtrain.training.schedule import WarmupScaledRate
 from hvdtrain.training.step import StepMath
 from hvdtrain.training.watchdog import Peer, StepWatchdog
@@ -143,22 +145,26 @@ class StallGuard(keras.callbacks.Callback):
 
 
 class Throughput(keras.callbacks.Callback):
-    """Add ``examples_per_second`` (global examples over the epoch's training time) to the logs."""
+    """Add ``examples_per_second`` (global examples over the epoch's training time) to the logs;
+    a resumed epoch counts the steps it ran."""
 
-    def __init__(self, steps: int, global_batch: int) -> None:
+    def __init__(self, global_batch: int) -> None:
         super().__init__()
-        self.examples = steps * global_batch
+        self.global_batch = global_batch
+        self.steps = 0
         self.started = self.last_batch_end = 0.0
 
     def on_epoch_begin(self, epoch: int, logs: dict | None = None) -> None:
         self.started = self.last_batch_end = time.perf_counter()
+        self.steps = 0
 
     def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
         self.last_batch_end = time.perf_counter()
+        self.steps += 1
 
     def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
-        logs["examples_per_second"] = self.examples / max(self.last_batch_end - self.started,
-                                                          1e-9)
+        logs["examples_per_second"] = self.steps * self.global_batch / max(
+            self.last_batch_end - self.started, 1e-9)
 
 
 class AverageBatchNormStatistics(keras.callbacks.Callback):
@@ -258,24 +264,95 @@ class LearningRateLog(keras.callbacks.Callback):
         logs["lr"] = float(self.schedule(int(self.optimizer.iterations.numpy()) - 1))
 
 
-class Checkpoint(keras.callbacks.Callback):
-    """Rank 0 saves model, optimizer, epoch and config after every epoch."""
+@dataclass(frozen=True)
+class ResumePoint:
+    """Where a resumed run starts: after ``epoch`` whole epochs and ``step`` steps of the next
+    (0: at its start), with that epoch's metric state summed over the ranks (rank 0 holds it,
+    the others start from zero: the sums are only ever reduced by adding)."""
 
-    def __init__(self, store: CheckpointStore, model: keras.Model,
-                 optimizer: keras.optimizers.Optimizer, state: dict[str, Any],
-                 live_state: Callable[[], dict[str, Any]] = dict) -> None:
-        """``state``: fixed facts of the run; ``live_state()``: what changes (plateau decay)."""
+    epoch: int = 0
+    step: int = 0
+    epoch_state: tuple = ()
+
+
+class Checkpointing(keras.callbacks.Callback):
+    """Every rank: checkpoint (rank 0 writes) at each epoch end, every ``every_steps`` steps,
+    and at the step where the ranks agreed to stop; then stop every rank if they agreed.
+
+    After each write the ranks exchange rank 0's outcome and their stop requests, so a failed
+    write or a stop ends every rank alike and no rank is left waiting in a collective. A stop
+    agreed at an epoch's last step, or asked for during validation, takes effect after the
+    epoch's callbacks, with the epoch-end checkpoint (a request in the last epoch lets the run
+    finish: saving the final model takes no longer than stopping).
+    """
+
+    def __init__(self, hooks: "RunHooks", live_state: Callable[[], dict[str, Any]]) -> None:
         super().__init__()
-        self.store = store
-        self.inner = model
-        self.optimizer = optimizer
-        self.state = state
+        self.step = hooks.step
+        self.collectives = hooks.collectives
+        self.store = hooks.store
+        self.state = hooks.state
         self.live_state = live_state
+        self.steps = hooks.progress.steps
+        self.every = hooks.every_steps
+        self.resume = hooks.resume
+        self.epoch = 0
+        self.stop_message = ""
+
+    def on_epoch_begin(self, epoch: int, logs: dict | None = None) -> None:
+        if self.stop_message:   # agreed at the previous epoch's end
+            raise StoppedBySignal(self.stop_message)
+        self.epoch = epoch
+        resume = self.resume
+        if resume.step and epoch == resume.epoch and self.collectives.world.is_chief:
+            for variable, value in zip(self.step.epoch_state_variables, resume.epoch_state):
+                variable.assign(tf.cast(np.asarray(value), variable.dtype))
+
+    def on_train_batch_begin(self, batch: int, logs: dict | None = None) -> None:
+        if REQUESTS.reason is not None and not self.step.stop_vote.numpy():
+            self.step.stop_vote.assign(1.0)
+
+    def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
+        done = batch + 1
+        if done == self.steps:   # the epoch end checkpoints (and stops, if agreed)
+            return
+        stop = float(self.step.stop_votes.numpy()) > 0
+        if not stop and not (self.every and done % self.every == 0):
+            return
+        # The epoch's metric sums so far, over all ranks: rank 0 keeps them in the checkpoint.
+        sums = self.collectives.allreduce_sum([tf.convert_to_tensor(v)
+                                               for v in self.step.epoch_state_variables])
+        name, reasons = self._save({"epoch": self.epoch, "step": done,
+                                    "epoch_state": [np.asarray(s).tolist() for s in sums]})
+        if stop:
+            raise StoppedBySignal(f"stopped by {reasons} at epoch {self.epoch + 1}, step "
+                                  f"{done} of {self.steps}; checkpoint {name} written; "
+                                  "continue with the same command and --resume auto")
 
     def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
-        self.store.save(self.inner, self.optimizer, {**self.state, **self.live_state(),
-                                                     "epoch": epoch + 1,
-                                                     "metrics": ordered(logs)})
+        name, reasons = self._save({"epoch": epoch + 1, "metrics": ordered(logs)})
+        if reasons:
+            self.stop_message = (f"stopped by {reasons} after epoch {epoch + 1}; checkpoint "
+                                 f"{name} written; continue with the same command and "
+                                 "--resume auto")
+
+    def _save(self, position: dict[str, Any]) -> tuple[str, str]:
+        """Rank 0 writes; every rank gets the checkpoint's name (or rank 0's write error,
+        raised everywhere) and the stop requests of all ranks ("" when none)."""
+        outcome = ""
+        if self.collectives.world.is_chief:
+            try:
+                outcome = self.store.save(self.step.model, self.step.optimizer, {
+                    **self.state, **self.live_state(), **position}).name
+            except CheckpointWriteFailed as error:
+                outcome = f"error: {error}"
+        shared = self.collectives.allgather_object((outcome, REQUESTS.reason))
+        name = shared[0][0]
+        if name.startswith("error: "):
+            raise CheckpointWriteFailed(name[len("error: "):])
+        reasons = ", ".join(f"{reason} on rank {rank}"
+                            for rank, (_, reason) in enumerate(shared) if reason)
+        return name, reasons
 
 
 class MetricsFiles(keras.callbacks.Callback):
@@ -330,29 +407,33 @@ class Progress(keras.callbacks.Callback):
         self.started = 0.0
         self.last_batch_end = 0.0
         self.next_report = 0
+        self.ran = 0   # steps run in this epoch by this process (fewer in a resumed epoch)
 
     def on_epoch_begin(self, epoch: int, logs: dict | None = None) -> None:
         self.started = self.last_batch_end = time.perf_counter()
         self.next_report = max(1, self.steps // 4)
+        self.ran = 0
 
-    def _rate(self, steps_done: int) -> float:
+    def _rate(self) -> float:
         elapsed = self.last_batch_end - self.started
-        return steps_done * self.global_batch / max(elapsed, 1e-9)
+        return self.ran * self.global_batch / max(elapsed, 1e-9)
 
     def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
         self.last_batch_end = time.perf_counter()
+        self.ran += 1
         done = batch + 1
         if not self.show_bar or (not self.interactive and done < self.next_report):
             return
         width = 30
         filled = int(width * done / self.steps)
         line = (f"  [{'=' * filled}{'.' * (width - filled)}] {done}/{self.steps} "
-                f"{self._rate(done):,.0f} ex/s loss {float(logs['loss']):.4f}")
+                f"{self._rate():,.0f} ex/s loss {float(logs['loss']):.4f}")
         if self.interactive:
             self.stream.write("\r" + line)
         else:
             self.stream.write(line + "\n")
-            self.next_report += max(1, self.steps // 4)
+            while self.next_report <= done:
+                self.next_report += max(1, self.steps // 4)
         self.stream.flush()
 
     def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
@@ -386,6 +467,8 @@ class RunHooks:
     first_step: FirstStepClock | None = None
     watchdog: StepWatchdog | None = None
     user_callbacks: Sequence[keras.callbacks.Callback] = ()
+    every_steps: int = 0
+    resume: ResumePoint = ResumePoint()
 
 
 def standard_callbacks(hooks: RunHooks) -> list[keras.callbacks.Callback]:
@@ -399,7 +482,7 @@ def standard_callbacks(hooks: RunHooks) -> list[keras.callbacks.Callback]:
           else []),
         StopOnDivergence(hooks.step, hooks.store),
         *([hooks.first_step] if hooks.first_step is not None else []),
-        Throughput(hooks.progress.steps, hooks.progress.global_batch),
+        Throughput(hooks.progress.global_batch),
         EpochMetrics(hooks.step, hooks.collectives),
         AverageBatchNormStatistics(model, hooks.collectives),
         *([Validation(hooks.evaluate)] if hooks.evaluate is not None else []),
@@ -408,11 +491,11 @@ def standard_callbacks(hooks: RunHooks) -> list[keras.callbacks.Callback]:
     if hooks.plateau is not None:
         callbacks.append(hooks.plateau)
     callbacks += hooks.user_callbacks
+    plateau = hooks.plateau
+    live_state = (lambda: {"plateau": plateau.state()}) if plateau is not None else dict
+    callbacks.append(Checkpointing(hooks, live_state))
     if hooks.world.is_chief:
-        plateau = hooks.plateau
-        live_state = (lambda: {"plateau": plateau.state()}) if plateau is not None else dict
-        callbacks += [Checkpoint(hooks.store, model, optimizer, hooks.state, live_state),
-                      MetricsFiles(hooks.run_dir)]
+        callbacks.append(MetricsFiles(hooks.run_dir))
         if hooks.tensorboard:
             callbacks.append(TensorBoardEvents(hooks.run_dir / "tensorboard"))
         callbacks.append(hooks.progress)

@@ -28,7 +28,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from hvdtrain.checkpoint import CheckpointStore, atomic_write_text
+from hvdtrain.checkpoint import CheckpointStore, atomic_write_text, lock_run_dir
 from hvdtrain.config import Config, DataConfig
 from hvdtrain.data.files import LABEL_RANGE_MESSAGE, FileSplit
 from hvdtrain.data.pipeline import ShardSpec
@@ -39,7 +39,7 @@ from hvdtrain.plugins import load_callable
 from hvdtrain.plots import plot_curves
 from hvdtrain.training.elastic import ElasticRun, elastic_loop
 from hvdtrain.training.callbacks import (FirstStepClock, MetricsFiles, PlateauDecay, Progress,
-                                         RunHooks, standard_callbacks)
+                                         ResumePoint, RunHooks, standard_callbacks)
 from hvdtrain.training.loops import LOOPS
 from hvdtrain.training.schedule import WarmupScaledRate, make_optimizer, make_schedule
 from hvdtrain.training.objective import Objective, probe
@@ -78,14 +78,16 @@ def chief_decides(collectives: Collectives, decide: Callable[[], Any]) -> Any:
     return value
 
 
-def _usable_run_dir(config: Config) -> Path:
-    """Rank 0: the run directory, created and writable, consistent with --resume."""
+def _usable_run_dir(config: Config) -> tuple[Path, bool]:
+    """Rank 0: the run directory, created, writable and locked for this run, and whether the
+    run resumes there (--resume required, auto, or never)."""
     run_dir = Path(config.train.run_dir) if config.train.run_dir else default_run_dir(config)
     has_run = CheckpointStore(run_dir, 1).latest() is not None
-    if config.train.resume and not has_run:
+    mode = config.train.resume
+    if mode == "required" and not has_run:
         raise UserError(f"--resume: no checkpoint in {run_dir}; drop --resume to start a new "
-                        "run there")
-    if not config.train.resume and has_run:
+                        "run there, or use --resume auto")
+    if mode == "never" and has_run:
         raise UserError(f"{run_dir} already holds a run; pass --resume to continue it or choose "
                         "another --run-dir")
     try:
@@ -93,10 +95,11 @@ def _usable_run_dir(config: Config) -> Path:
         probe = run_dir / ".write-probe"
         probe.write_text("")
         probe.unlink()
+        lock_run_dir(run_dir)
     except OSError as error:
         raise UserError(f"run directory {run_dir} is not writable ({error.strerror}); choose "
                         "another --run-dir") from error
-    return run_dir
+    return run_dir, has_run
 
 
 def weight_fingerprint(model: keras.Model) -> str:
@@ -109,15 +112,17 @@ def weight_fingerprint(model: keras.Model) -> str:
 
 def _restore(model_label: str, store: CheckpointStore, model: keras.Model,
              optimizer: keras.optimizers.Optimizer) -> dict[str, Any]:
-    """Rank 0: load the newest checkpoint into model and optimizer; return its state."""
-    latest = store.latest()
+    """Rank 0: load the newest intact checkpoint into model and optimizer; return its state."""
+    latest = store.newest_intact(lambda line: print(f"hvdtrain: {line}", flush=True))
     state = store.read_state(latest)
     if state.get("model") != model_label:
         raise UserError(f"{latest} was trained with model '{state.get('model')}', not "
                         f"'{model_label}'; resume with the same --model")
     store.restore(latest, model, optimizer)
     return {"epoch": int(state["epoch"]), "plateau": state.get("plateau"),
-            "metrics": state.get("metrics", {})}
+            "metrics": state.get("metrics", {}), "name": latest.name,
+            "resume": ResumePoint(int(state["epoch"]), int(state.get("step", 0)),
+                                  tuple(state.get("epoch_state", ())))}
 
 
 ModelFactory = Callable[[Any, "int | None"], keras.Model]
@@ -179,18 +184,22 @@ def data_errors_named(data: DataBundle):
                         "the labels or set --num-classes") from error
 
 
-def _open_run_dir(config: Config, collectives: Collectives) -> Path:
-    """Checks that need the world size, then the run directory (decided on rank 0)."""
+def _open_run_dir(config: Config, collectives: Collectives) -> tuple[Path, bool]:
+    """Checks that need the world size, then the run directory and whether to resume there
+    (decided on rank 0)."""
     world = collectives.world
     if config.optim.reduction == "adasum" and world.size & (world.size - 1):
         raise UserError(f"--reduction adasum needs a power-of-two number of ranks, not "
                         f"{world.size}; launch 2, 4, 8... ranks or use --reduction mean")
     if not config.train.elastic:
-        return Path(chief_decides(collectives, lambda: str(_usable_run_dir(config))))
+        run_dir, resuming = chief_decides(collectives, lambda: _usable_run_dir(config))
+        return Path(run_dir), resuming
     check_elastic(config, collectives)
     # No collective before the elastic loop (a joining rank starts here): rank 0 alone
     # checks the run directory.
-    return _usable_run_dir(config) if world.is_chief else Path(config.train.run_dir)
+    if world.is_chief:
+        return _usable_run_dir(config)
+    return Path(config.train.run_dir), config.train.resume != "never"
 
 
 def _plan(config: Config, data: DataBundle,
@@ -236,38 +245,41 @@ def _agreed_steps(split: Split, spec: ShardSpec, collectives: Collectives) -> in
 
 
 def _starting_point(config: Config, model_label: str, collectives: Collectives, run_dir: Path,
-                    store: CheckpointStore, trainable: Trainable,
-                    plateau: PlateauDecay | None) -> tuple[int, list[str]]:
-    """Restore on --resume, then give every rank rank 0's weights and optimizer state.
+                    resuming: bool, store: CheckpointStore, trainable: Trainable,
+                    plateau: PlateauDecay | None) -> tuple[ResumePoint, list[str]]:
+    """Restore when resuming, then give every rank rank 0's weights and optimizer state.
 
-    Returns the epoch to start from and each rank's weight fingerprint before the broadcast.
+    Returns where to start and each rank's weight fingerprint before the broadcast.
     """
     world, model, optimizer = collectives.world, trainable.model, trainable.optimizer
     initial_epoch = 0
-    if config.train.resume and config.train.elastic:
+    start = ResumePoint()
+    if resuming and config.train.elastic:
         # Rank 0 restores; the elastic state carries weights and epoch to the others.
         if world.is_chief:
             restored = _restore(model_label, store, model, optimizer)
             initial_epoch = restored["epoch"]
             MetricsFiles(run_dir).resume_at(initial_epoch, restored["metrics"])
-    elif config.train.resume:
+    elif resuming:
         restored = chief_decides(collectives,
                                  lambda: _restore(model_label, store, model, optimizer))
-        initial_epoch = restored["epoch"]
+        initial_epoch, start = restored["epoch"], restored["resume"]
         if plateau is not None and restored["plateau"]:
             plateau.load(restored["plateau"])
         if world.is_chief:
             MetricsFiles(run_dir).resume_at(initial_epoch, restored["metrics"])
-        say(world, f"resuming after epoch {initial_epoch} from {store.latest()}")
+        where = f", step {start.step}" if start.step else ""
+        say(world, f"resuming after epoch {initial_epoch}{where} from "
+                   f"{store.directory / restored['name']}")
     if world.is_chief:   # only now: a rejected run must not overwrite a run's config
         atomic_write_text(run_dir / "config.yaml", config.to_yaml())
     if config.train.elastic:   # the elastic state broadcasts on every (re)start instead
-        return initial_epoch, []
+        return ResumePoint(initial_epoch), []
     before_broadcast = collectives.allgather_object(weight_fingerprint(model))
     # One starting point for every rank: rank 0's weights and optimizer state (not the dropout
     # seeds: those stay rank-local so ranks drop different units).
     collectives.broadcast_variables(tf_variables(model.weights + optimizer.variables))
-    return initial_epoch, before_broadcast
+    return start, before_broadcast
 
 
 @dataclass(frozen=True)
@@ -380,7 +392,7 @@ class Run:
             tf.config.experimental.enable_op_determinism()
         # Ranks start from different seeds on purpose: the broadcast below must make them agree.
         keras.utils.set_random_seed(config.train.seed + world.rank)
-        run_dir = _open_run_dir(config, collectives)
+        run_dir, resuming = _open_run_dir(config, collectives)
         say(world, f"hvdtrain: {world.size} rank(s) on {world.cross_size} node(s); rank 0 on "
                    f"{world.host}, {device}; run directory {run_dir}")
         say(world, "resolved config:\n" + config.to_yaml().rstrip())
@@ -407,8 +419,9 @@ class Run:
                             "validation factory or choose another schedule")
         user_callbacks = self._callbacks()
         store = CheckpointStore(run_dir, config.train.keep_checkpoints)
-        initial_epoch, before_broadcast = _starting_point(
-            config, self.model_label, collectives, run_dir, store, trainable, plateau)
+        start, before_broadcast = _starting_point(
+            config, self.model_label, collectives, run_dir, resuming, store, trainable, plateau)
+        initial_epoch = start.epoch
 
         epochs = config.train.epochs
         validate = None if data.val is None else (lambda: evaluation.run(
@@ -436,10 +449,10 @@ class Run:
             callbacks = standard_callbacks(RunHooks(
                 world, collectives, step, validate, trainable.schedule, store, state, run_dir,
                 progress, plateau, config.train.tensorboard, first_step, watchdog,
-                user_callbacks))
+                user_callbacks, config.train.checkpoint_every_steps, start))
             with data_errors_named(data), stopped_after(watchdog):
                 LOOPS[config.train.loop](step, data.train.dataset(spec, initial_epoch, epochs),
-                                         epochs, initial_epoch, steps, callbacks)
+                                         epochs, initial_epoch, steps, callbacks, start.step)
         trained = time.perf_counter() - started
 
         metrics = {} if data.val is None else evaluation.run(data.val.dataset(val_spec))

@@ -25,6 +25,10 @@ Divergence: the loss is summed across ranks in the gradients' grouped allreduce 
 with fp16 compression or Adasum), so every rank knows the global batch's loss; when it is NaN or
 infinite every rank skips that update and the run stops there.
 
+Stop requests: a rank asked to stop (see ``preemption``) sets ``stop_vote``; the vote rides in
+the same allreduce as the loss, and ``stop_votes`` (the global sum) tells every rank, after the
+same update, that the job stops there.
+
 Metrics are Keras metric objects updated locally and reduced across ranks once per epoch by
 summing their state variables: every metric is exact over the global data, not a mean of
 per-rank means.
@@ -78,6 +82,8 @@ class StepMath:
         # The last update's loss over the whole global batch: equal on every rank, so every
         # rank makes the same decision when it stops being finite.
         self.global_loss = tf.Variable(0.0, trainable=False, dtype=tf.float32)
+        self.stop_vote = tf.Variable(0.0, trainable=False, dtype=tf.float32)
+        self.stop_votes = tf.Variable(0.0, trainable=False, dtype=tf.float32)
         self.accumulated: list[tf.Variable] = []
         if options.accumulation_steps > 1:
             self.accumulated = [tf.Variable(tf.zeros(v.shape, tf.float32), trainable=False)
@@ -88,14 +94,16 @@ class StepMath:
     def _apply(self, gradients: list[tf.Tensor], loss: tf.Tensor) -> None:
         """Reduce across ranks and update, unless the global loss is not finite: then the
         update is skipped on every rank and ``global_loss`` tells the caller to stop."""
+        scalars = [tf.cast(loss, tf.float32), tf.identity(self.stop_vote)]
         if self.options.adasum or self.options.fp16_compression:
-            self.global_loss.assign(self.collectives.allreduce_sum([loss])[0])
+            global_loss, votes = self.collectives.allreduce_sum(scalars)
             gradients = self.collectives.reduce_gradients(
                 gradients, self.options.reduction(self.collectives.world.size))
-        else:   # one collective per step: the loss rides in the gradients' grouped allreduce
-            *gradients, global_loss = self.collectives.reduce_gradients(
-                [*gradients, tf.cast(loss, tf.float32)])
-            self.global_loss.assign(global_loss)
+        else:   # one collective per step: loss and stop vote ride in the gradients' allreduce
+            *gradients, global_loss, votes = self.collectives.reduce_gradients(
+                [*gradients, *scalars])
+        self.global_loss.assign(global_loss)
+        self.stop_votes.assign(votes)
 
         def update() -> tf.Tensor:
             self.optimizer.apply(gradients, self.model.trainable_variables)

@@ -1,0 +1,102 @@
+"""Stop requests: a signal (or the launcher going away) asks every rank to stop at one step.
+
+A cluster stops jobs far more often than they crash: a time limit, preemption, ``scancel``, a pod
+eviction, a ``timeout`` wrapper. Each of these sends a signal to some process of the job, often
+to one rank only or only to the launcher. How hvdtrain turns that into a clean stop:
+
+* **Only a flag.** SIGTERM, SIGINT and SIGUSR1 (Slurm's usual ``--signal`` choice) record the
+  request and nothing else. A thread reads them from Python's wakeup pipe, so a request is seen
+  even while the main thread waits inside a collective or a TensorFlow op.
+* **One agreement.** Before each step a rank with a request casts a vote (``StepMath.stop_vote``)
+  that travels in the step's existing grouped allreduce; a global sum above zero means every
+  rank stops after that same step, so no rank is left waiting in a collective. Rank 0 then
+  writes a checkpoint there and every rank exits with code 75 and one line saying how to go on.
+  At an epoch end the ranks agree once more after validation, so a request that arrives while
+  they validate is honoured before the next epoch; one that arrives during setup is carried by
+  the first step.
+* **A second request ends the process at once** (exit 128 + the signal number), without a
+  checkpoint. Requests less than 3 s apart count as one: one event often reaches a rank
+  twice (a terminal's Ctrl-C reaches the launcher, which forwards it, and the rank itself).
+* **The launcher going away** (its process killed, so the rank's parent changes) is a request
+  too: the ranks stop, checkpoint and exit instead of training on unseen. Their output, which
+  led to the dead launcher, goes to /dev/null from then on.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
+# Requests closer together than this are one event delivered twice, not a second request.
+SAME_EVENT_S = 3.0
+PARENT_POLL_S = 1.0
+
+
+class StopRequests:
+    """This process's stop request: why it was asked to stop, or None."""
+
+    def __init__(self) -> None:
+        self.reason: str | None = None
+        self._first_at = 0.0
+        self._lock = threading.Lock()
+        self._installed = False
+
+    def install(self, watch_parent: bool) -> None:
+        """Route the stop signals here (main thread only) and, when a launcher started this
+        process, watch for that launcher going away. Once per process."""
+        if self._installed:
+            return
+        self._installed = True
+        read_fd, write_fd = os.pipe()
+        os.set_blocking(write_fd, False)
+        for number in STOP_SIGNALS:
+            # The Python-level handler does nothing: the C-level one writes the signal's number
+            # into the wakeup pipe at once, which the thread below reads.
+            signal.signal(number, lambda *_: None)
+        signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)
+        threading.Thread(target=self._read_signals, args=(read_fd,), daemon=True,
+                         name="hvdtrain-stop-signals").start()
+        if watch_parent:
+            threading.Thread(target=self._watch_parent, args=(os.getppid(),), daemon=True,
+                             name="hvdtrain-launcher-watch").start()
+
+    def ignore_from_now(self) -> None:
+        """Training is over and saved: a stop request now has nothing left to stop. (Python
+        restores the default action, which kills, while it shuts down; ignoring stays.)"""
+        if self._installed:
+            for number in STOP_SIGNALS:
+                signal.signal(number, signal.SIG_IGN)
+
+    def request(self, reason: str, exit_code: int) -> None:
+        """Record the first request; end the process at once on a second, later one."""
+        with self._lock:
+            now = time.monotonic()
+            if self.reason is None:
+                self.reason, self._first_at = reason, now
+                return
+            if now - self._first_at < SAME_EVENT_S:
+                return
+        os.write(2, f"hvdtrain: second stop request ({reason}) after {self.reason}: exiting "
+                    "now, without a checkpoint\n".encode())
+        os._exit(exit_code)
+
+    def _read_signals(self, fd: int) -> None:
+        while True:
+            for number in os.read(fd, 64):
+                if number in STOP_SIGNALS:
+                    self.request(signal.Signals(number).name, 128 + number)
+
+    def _watch_parent(self, parent: int) -> None:
+        while os.getppid() == parent:
+            time.sleep(PARENT_POLL_S)
+        # stdout and stderr led to the launcher; writing there now could fail mid-checkpoint.
+        quiet = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(quiet, 1)
+        os.dup2(quiet, 2)
+        self.request("its launcher ending", 128 + signal.SIGTERM)
+
+
+REQUESTS = StopRequests()

@@ -1,0 +1,350 @@
+"""Preemption-safe jobs, for real: a stop signal to the launcher (horovodrun.sh, mpirun.sh, srun)
+mid-epoch, a SIGKILL after a step checkpoint, a Slurm time limit that requeues the job, a full
+disk during a checkpoint, a damaged newest checkpoint and a locked run directory. Every resumed
+run must end with an uninterrupted run's weights and metrics rows."""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import functools
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import (REPO, assert_same_weights, final_weights, launch, processes_mentioning,
+                      rank_env, rank_pid, read_metrics, run, train, wait_for)
+from hvdtrain.checkpoint import CheckpointStore
+from hvdtrain.cli import build_parser
+from hvdtrain.config import build_config, config_from_args
+
+# Short deterministic epochs (45 steps of 2 x 16 digits): long enough to stop mid-run, a step
+# checkpoint every 5 steps.
+ARGS = ["--epochs", "8", "--deterministic", "--hidden-units", "64", "--seed", "5",
+        "--batch-size", "16", "--checkpoint-every-steps", "5", "--no-tensorboard"]
+STOPPED = 75
+GONE_WITHIN_S = 60
+WRAPPERS = {"horovodrun.sh": "fit", "mpirun.sh": "custom"}
+
+
+def test_resume_takes_auto_and_keeps_the_bare_flag():
+    parser = build_parser()
+
+    def resume(*argv: str) -> str:
+        return config_from_args(parser.parse_args(["train", *argv])).train.resume
+
+    assert resume() == "never"
+    assert resume("--resume") == "required"
+    assert resume("--resume", "auto") == "auto"
+    assert resume("--resume", "--epochs", "3") == "required"
+    for yaml_value, mode in ((True, "required"), (False, "never"), ("auto", "auto")):
+        assert build_config({"resume": yaml_value}).train.resume == mode
+
+
+def test_a_second_stop_request_ends_the_process_at_once():
+    """Two signals together are one request; one more, later, ends the process at once even
+    while its main thread is blocked (here: sleeping)."""
+    program = ("import os, signal, time\n"
+               "from hvdtrain.training.preemption import REQUESTS\n"
+               "REQUESTS.install(watch_parent=False)\n"
+               "os.kill(os.getpid(), signal.SIGTERM)\n"
+               "os.kill(os.getpid(), signal.SIGUSR1)\n"
+               "time.sleep(0.5)\n"
+               "print('first:', REQUESTS.reason, flush=True)\n"
+               "time.sleep(3.5)\n"
+               "os.kill(os.getpid(), signal.SIGUSR1)\n"
+               "time.sleep(60)\n")
+    result = subprocess.run([sys.executable, "-c", program], env=rank_env(), text=True,
+                            capture_output=True, timeout=50, stdin=subprocess.DEVNULL)
+    assert result.stdout == "first: SIGTERM\n", result.stdout + result.stderr
+    assert result.returncode == 128 + signal.SIGUSR1
+    assert result.stderr == ("hvdtrain: second stop request (SIGUSR1) after SIGTERM: exiting "
+                             "now, without a checkpoint\n")
+
+
+def flip_a_byte(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def test_a_damaged_newest_checkpoint_is_set_aside_for_the_previous(tmp_path):
+    import keras
+
+    from hvdtrain.config import ModelConfig
+    from hvdtrain.models import build_model
+
+    model = build_model(ModelConfig(hidden_units=[8]), (4,), 3)
+    optimizer = keras.optimizers.SGD()
+    optimizer.build(model.trainable_variables)
+    store = CheckpointStore(tmp_path, 5)
+    older = store.save(model, optimizer, {"epoch": 1})
+    newer = store.save(model, optimizer, {"epoch": 1, "step": 20})
+    assert [p.name for p in store.complete()] == ["epoch-0001", "epoch-0001-step-000020"]
+    flip_a_byte(newer / "weights.npz")
+    lines: list[str] = []
+    assert store.newest_intact(lines.append) == older
+    assert len(lines) == 1 and "epoch-0001-step-000020 is damaged (weights.npz does not " \
+                               "match its SHA-256)" in lines[0], lines
+    assert store.complete() == [older] and (tmp_path / "checkpoints" /
+                                            ".damaged-epoch-0001-step-000020").is_dir()
+
+
+def start_wrapper(wrapper: str, run_dir: Path, *args: str) -> subprocess.Popen:
+    """A 2-rank job through launch/<wrapper>, in its own session (so signals reach only it)."""
+    return subprocess.Popen([str(REPO / "launch" / wrapper), "-np", "2", "--", "--run-dir",
+                             str(run_dir), "--no-progress", *args],
+                            env=rank_env(), cwd=run_dir.parent, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, stdin=subprocess.DEVNULL,
+                            start_new_session=True)
+
+
+def newest_checkpoint(run_dir: Path) -> Path | None:
+    return CheckpointStore(run_dir, 1).latest()
+
+
+def step_checkpoint_after(run_dir: Path, name: str = "") -> Path | None:
+    """The newest checkpoint if it is a mid-epoch one newer than ``name``."""
+    newest = newest_checkpoint(run_dir)
+    if newest is not None and "-step-" in newest.name and newest.name > name:
+        return newest
+    return None
+
+
+def lock_is_held(run_dir: Path) -> bool:
+    """True when some process holds ``run_dir``'s lock (probed without waiting)."""
+    fd = os.open(run_dir / ".lock", os.O_RDWR)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)
+    return False
+
+
+@contextlib.contextmanager
+def holding_the_lock(run_dir: Path):
+    fd = os.open(run_dir / ".lock", os.O_RDWR)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        os.ftruncate(fd, 0)
+        os.write(fd, f"pid {os.getpid()} on test-host\n".encode())
+        yield
+    finally:
+        os.close(fd)
+
+
+def finish(job: subprocess.Popen, timeout: float) -> tuple[int, str]:
+    try:
+        output, _ = job.communicate(timeout=timeout)
+    finally:
+        if job.poll() is None:
+            os.killpg(job.pid, signal.SIGKILL)
+    return job.returncode, output
+
+
+def assert_nothing_left(run_dir: Path) -> None:
+    wait_for(lambda: not processes_mentioning(str(run_dir)), GONE_WITHIN_S)
+
+
+def assert_same_run(straight: Path, resumed: Path) -> None:
+    """Equal final weights, and the same per-epoch rows (throughput aside)."""
+    assert_same_weights(final_weights(straight), final_weights(resumed), atol=1e-6)
+    theirs, ours = read_metrics(straight), read_metrics(resumed)
+    assert [row["epoch"] for row in ours] == [row["epoch"] for row in theirs]
+    for a, b in zip(theirs, ours):
+        for name in ("loss", "accuracy", "val_loss", "val_accuracy", "lr"):
+            assert b[name] == pytest.approx(a[name], rel=1e-6, abs=1e-9), (a["epoch"], name)
+
+
+@pytest.fixture(scope="module")
+def straight_runs(tmp_path_factory):
+    """The uninterrupted runs, one per training loop."""
+    tmp = tmp_path_factory.mktemp("straight")
+    return {loop: train(tmp, f"straight-{loop}", *ARGS, "--loop", loop)
+            for loop in WRAPPERS.values()}
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("wrapper", list(WRAPPERS))
+def test_sigterm_to_the_launcher_stops_at_a_step_and_resume_auto_matches(
+        tmp_path, straight_runs, wrapper):
+    """SIGTERM to the wrapper mid-run: every rank stops at the same step with exit 75 and one
+    line, a mid-epoch checkpoint exists, nothing of the job remains; the job held the run
+    directory's lock. horovodrun.sh: a run on a directory another process holds is refused.
+    mpirun.sh: the newest checkpoint is damaged before the resume, which takes the one before.
+    The resumed run loses a process after a later step checkpoint (horovodrun.sh: SIGKILL to
+    rank 1; mpirun.sh: SIGKILL to mpirun, whose ranks must notice and end) and nothing of it
+    remains; resumed again, both end equal to an uninterrupted run."""
+    loop = WRAPPERS[wrapper]
+    run_dir = tmp_path / "run"
+    args = [*ARGS, "--loop", loop, "--resume", "auto"]
+    job = start_wrapper(wrapper, run_dir, *args)
+    try:
+        wait_for(lambda: step_checkpoint_after(run_dir) or job.poll() is not None, 240)
+        assert lock_is_held(run_dir), "the running job does not hold the run directory's lock"
+        os.kill(job.pid, signal.SIGTERM)
+    finally:
+        code, output = finish(job, 120)
+    assert code == STOPPED, output[-3000:]
+    stops = re.findall(r"hvdtrain: error: (stopped by SIGUSR1 on rank [01].*?--resume auto)",
+                       output)
+    assert len(stops) == 2 and stops[0] == stops[1], output[-3000:]   # every rank, alike
+    assert "Traceback" not in output
+    assert_nothing_left(run_dir)
+    stopped_at = re.search(r"checkpoint (\S+) written", stops[0]).group(1)
+    assert (run_dir / "checkpoints" / stopped_at).is_dir()
+    assert list((run_dir / "checkpoints").glob("epoch-*-step-*")), "no mid-epoch checkpoint"
+
+    if wrapper == "horovodrun.sh":
+        with holding_the_lock(run_dir):   # as another run would
+            second = launch("none", 1, ["--run-dir", str(run_dir), *args])
+        assert second.returncode == 2, second.stdout + second.stderr
+        assert re.search(r"hvdtrain: error: run directory \S+ is in use by another run "
+                         r"\(pid \d+ on \S+\); wait for it", second.stderr), second.stderr
+        victim = functools.partial(rank_pid, str(run_dir), 1)
+    else:
+        flip_a_byte(run_dir / "checkpoints" / stopped_at / "optimizer.npz")
+        victim = functools.partial(launcher_pid, run_dir)
+    job = start_wrapper(wrapper, run_dir, *args)
+    try:
+        wait_for(lambda: step_checkpoint_after(run_dir, stopped_at) or job.poll() is not None,
+                 240)
+        os.kill(wait_for(victim, 30), signal.SIGKILL)
+    finally:
+        code, output = finish(job, 120)
+    assert code != 0, output[-3000:]
+    assert_nothing_left(run_dir)   # mpirun.sh: the ranks saw their launcher die and stopped
+    if wrapper == "mpirun.sh":
+        assert f"checkpoint {run_dir}/checkpoints/{stopped_at} is damaged (optimizer.npz does " \
+               "not match its SHA-256); set aside as .damaged-" in output, output[-3000:]
+    job = start_wrapper(wrapper, run_dir, *args)
+    code, output = finish(job, 240)
+    assert code == 0, output[-3000:]
+    assert_same_run(straight_runs[loop], run_dir)
+
+
+def launcher_pid(run_dir: Path) -> int | None:
+    """The job's mpirun."""
+    return next((pid for pid in processes_mentioning(str(run_dir))
+                 if Path(f"/proc/{pid}/comm").read_text().strip() == "mpirun"), None)
+
+
+@pytest.mark.distributed
+def test_a_full_disk_during_a_checkpoint_stops_with_one_line_and_keeps_the_previous(tmp_path):
+    """The run directory on a 4 MiB tmpfs, filled up after epoch 1: the epoch 2 checkpoint
+    cannot be written. Both ranks stop with the same line and exit 74; epoch 1's checkpoint is
+    whole and loads."""
+    mount = tmp_path / "small-disk"
+    mount.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(mount)],
+                      capture_output=True, timeout=30).returncode != 0:
+        pytest.skip("cannot mount a tmpfs here (needs root)")
+    try:
+        args = ["--hidden-units", "256", "128", "--no-tensorboard"]
+        run_dir = train(mount, "run", "--epochs", "1", *args)
+        (run_dir / "model.keras").unlink()
+        filler = mount / "filler"
+        with open(filler, "wb") as handle:   # fill the disk, then free 100 KiB
+            try:
+                while True:
+                    handle.write(b"\0" * 65536)
+                    handle.flush()
+            except OSError:
+                pass
+        os.truncate(filler, filler.stat().st_size - 100 * 1024)
+        result = launch("horovodrun", 2, ["--run-dir", str(run_dir), "--no-progress",
+                                          "--epochs", "2", "--resume", *args], cwd=tmp_path)
+        output = result.stdout + result.stderr
+        assert result.returncode == 74, output[-3000:]
+        errors = re.findall(r"hvdtrain: error: (could not write checkpoint epoch-0002 .*?"
+                            r"--resume auto)", output)
+        assert len(errors) == 2 and errors[0] == errors[1], output[-3000:]
+        assert "No space left on device (ENOSPC); the previous checkpoint " in errors[0]
+        assert "Traceback" not in output
+        store = CheckpointStore(run_dir, 3)
+        assert [p.name for p in store.complete()] == ["epoch-0001"]
+        assert store.damage(store.latest()) is None
+        assert not list(store.directory.glob(".partial-*"))
+        state = json.loads((store.latest() / "state.json").read_text())
+        assert state["epoch"] == 1 and set(state["files"]) == {"weights.npz",
+                                                               "optimizer.npz"}
+        import keras
+
+        from hvdtrain.config import ModelConfig, OptimConfig
+        from hvdtrain.models import build_model
+        from hvdtrain.training.schedule import make_optimizer, make_schedule
+
+        model = build_model(ModelConfig(hidden_units=[256, 128]), (8, 8, 1), 10)
+        optimizer = make_optimizer(OptimConfig(), make_schedule(OptimConfig(), 2, 23, 2))
+        optimizer.build(model.trainable_variables)
+        store.restore(store.latest(), model, optimizer)
+        assert int(optimizer.iterations.numpy()) == 23
+        assert isinstance(model, keras.Model)
+    finally:
+        subprocess.run(["umount", "-l", str(mount)], timeout=30)
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_slurm_stop_and_time_limit_requeue_finish_like_an_uninterrupted_run(slurm, straight_runs):
+    """SIGTERM to the job step mid-epoch: the job ends with exit 75 and a mid-epoch checkpoint,
+    nothing remains. Resubmitted with a two-minute time limit shorter than its training (each
+    step slowed by a 0.25 s Horovod cycle, which changes timing, not the math), the shipped
+    script's SIGUSR1 trap stops the ranks before the limit and requeues the job until training
+    ends; the weights and metrics rows equal an uninterrupted run's."""
+    run_dir = slurm.directory / "preempted"
+    args = [*ARGS, "--loop", "fit", "--no-progress", "--run-dir", str(run_dir)]
+    slow = {"HOROVOD_CYCLE_TIME": "250"}
+    job = slurm.submit(*args, **slow)
+    wait_for(lambda: step_checkpoint_after(run_dir) or slurm.finished(job), 240)
+    # SIGTERM to the job's step (its ranks), not to srun: srun turns a SIGTERM of its own into
+    # SIGKILL for every task (see README).
+    assert run(["scancel", "--signal=TERM", job], 30, env=slurm.env).returncode == 0
+    record = wait_for(lambda: slurm.finished(job), 120, every=0.5)
+    output = slurm.output(job)
+    # 75, or 143 when srun's --kill-on-bad-exit ended a rank still exiting after another
+    # left with 75; either way every rank stopped at the agreed step first.
+    assert record["ExitCode"] in (f"{STOPPED}:0", "143:0"), output[-3000:]
+    stops = re.findall(r"hvdtrain: error: (stopped by SIGTERM on rank 0, SIGTERM on rank 1 .*)",
+                       output)
+    assert len(stops) == 2 and stops[0] == stops[1], output[-3000:]
+    assert list((run_dir / "checkpoints").glob("epoch-*-step-*")), "no mid-epoch checkpoint"
+    assert_nothing_left(run_dir)
+
+    # Slurm warns up to a minute early: the signal comes 50-80 s into each allocation.
+    job = slurm.submit(*args, sbatch=("--time=2", "--signal=B:USR1@10"), **slow)
+    deadline = time.time() + 900
+    pending_since: dict[str, float] = {}
+    while (record := slurm.finished(job)) is None:
+        assert time.time() < deadline, slurm.output(job)[-3000:]
+        release_a_requeued_job(slurm, job, pending_since)
+        time.sleep(1)
+    output = slurm.output(job)
+    assert record["JobState"] == "COMPLETED" and record["ExitCode"] == "0:0", output[-3000:]
+    assert int(record["Restarts"]) >= 1, output[-3000:]
+    assert "requeueing it to continue from the checkpoint" in output
+    assert_same_run(straight_runs["fit"], run_dir)
+
+
+def release_a_requeued_job(slurm, job: str, pending_since: dict[str, float]) -> None:
+    """Slurm holds a requeued job back for about two minutes (its begin time), long enough for
+    the last allocation's batch shell to finish; release it after 10 s instead, as a cluster
+    with free nodes would soon."""
+    shown = run(["scontrol", "show", "job", job], 30, env=slurm.env).stdout
+    record = dict(re.findall(r"(\w+)=(\S+)", shown))
+    if record.get("JobState") != "PENDING" or record.get("Reason") != "BeginTime":
+        pending_since.clear()
+        return
+    since = pending_since.setdefault(job, time.time())
+    if time.time() - since > 10:
+        run(["scontrol", "update", f"JobId={job}", "StartTime=now"], 30, env=slurm.env)
+        pending_since.clear()
