@@ -52,8 +52,6 @@ class OneLineParser(argparse.ArgumentParser):
 
 def _train(args: argparse.Namespace) -> int:
     config = config_from_args(args)
-    # Run directories and checkpoints stay private to the user on a shared cluster.
-    os.umask(0o077)
     from hvdtrain.training.preemption import REQUESTS
     from hvdtrain.world import launched_by_a_launcher
 
