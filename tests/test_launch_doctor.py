@@ -30,6 +30,9 @@ def test_doctor_without_a_launcher_is_a_world_of_one():
     result = launch("none", 1, ["doctor"])
     assert result.returncode == 0, result.stdout + result.stderr
     assert "[rank 0/1]" in result.stdout and "verdict: PASS" in result.stdout
+    assert "Open MPI v4" in result.stdout and "\x00" not in result.stdout
+    # TensorFlow's native start-up notices (oneDNN, absl) are not shown on a normal run.
+    assert "oneDNN" not in result.stderr and "absl::InitializeLog" not in result.stderr
 
 
 def test_version_flag():

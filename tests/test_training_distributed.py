@@ -86,7 +86,8 @@ def test_user_model_and_npz_train_and_eval_is_exact(session_tmp):
     correct = np.argmax(model.predict(x_val, verbose=0), axis=1) == y_val
     shard_means = correct[:64].mean(), correct[64:].mean()
     reported = read_summary(run)["metrics"]["val_accuracy"]
-    assert reported == pytest.approx(correct.mean(), abs=1e-9)
+    # The global value to float32 resolution (Keras keeps metric state in float32).
+    assert reported == pytest.approx(correct.mean(), abs=1e-6)
     assert abs(np.mean(shard_means) - correct.mean()) > 0.02   # a mean of means would differ
     assert correct[:64].mean() > 0.8                            # the plugin model learned
 

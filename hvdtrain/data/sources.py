@@ -37,7 +37,9 @@ class Split(Protocol):
     rank waiting in the allreduce), each ``(features, targets, sample_weight, weight)``:
     ``sample_weight`` is the user's per-example weight (ones when there is none) and ``weight``
     is 0 for padding, else 1/(real examples in the global batch) when ``normalised``, else 1
-    (the step then divides by the global count it reduces across ranks).
+    (the step then divides by the global count it reduces across ranks). A ``normalised``
+    source knows the whole plan on every rank, so its ``steps_per_epoch`` is the same on every
+    rank; the others' counts are agreed across ranks (the largest) before training.
     """
 
     normalised: bool

@@ -32,7 +32,7 @@ from hvdtrain.checkpoint import CheckpointStore, atomic_write_text, lock_run_dir
 from hvdtrain.config import Config, DataConfig
 from hvdtrain.data.files import LABEL_RANGE_MESSAGE, FileSplit
 from hvdtrain.data.pipeline import ShardSpec
-from hvdtrain.data.sources import ArraySplit, DataBundle, load_source
+from hvdtrain.data.sources import ArraySplit, DataBundle, Split, load_source
 from hvdtrain.errors import UserError
 from hvdtrain.models import build_model, check_input_shape
 from hvdtrain.plugins import load_callable
@@ -205,8 +205,9 @@ def _plan(config: Config, data: DataBundle,
           collectives: Collectives) -> tuple[ShardSpec, int, ShardSpec | None]:
     """(training shard spec, steps per epoch, validation shard spec), or a one-line error.
 
-    Every rank reports the steps its source gives it and all take the largest: equal for the
-    built-in sources by construction, and what evens out a user's pipeline."""
+    Built-in sources and arrays give every rank the same steps by construction; for a user's
+    pipeline every rank reports its own count and all take the largest. Only then is there a
+    collective here: an elastic rank joining a running job starts here and must meet none."""
     world = collectives.world
     batch, optim = config.train.batch_size, config.optim
     if not data.train.normalised and optim.accumulation_steps > 1:
@@ -216,7 +217,7 @@ def _plan(config: Config, data: DataBundle,
     examples = data.train.num_examples
     spec = ShardSpec(examples or 0, world, batch, config.data.remainder, True,
                      config.train.seed, optim.accumulation_steps)
-    steps = max(collectives.allgather_object(data.train.steps_per_epoch(spec)))
+    steps = _agreed_steps(data.train, spec, collectives)
     spec = dataclasses.replace(spec, agreed_steps=steps)
     if steps == 0:
         raise UserError(f"{examples} training examples cannot fill one update of "
@@ -232,8 +233,14 @@ def _plan(config: Config, data: DataBundle,
     if data.val is None:
         return spec, steps, None
     val_spec = ShardSpec(data.val.num_examples or 0, world, batch, "pad", False)
-    val_steps = max(collectives.allgather_object(data.val.steps_per_epoch(val_spec)))
+    val_steps = _agreed_steps(data.val, val_spec, collectives)
     return spec, steps, dataclasses.replace(val_spec, agreed_steps=val_steps)
+
+
+def _agreed_steps(split: Split, spec: ShardSpec, collectives: Collectives) -> int:
+    """The split's steps per epoch, the most any rank counts where ranks count their own."""
+    steps = split.steps_per_epoch(spec)
+    return steps if split.normalised else max(collectives.allgather_object(steps))
 
 
 def _starting_point(config: Config, model_label: str, collectives: Collectives, run_dir: Path,
