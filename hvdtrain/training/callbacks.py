@@ -309,10 +309,12 @@ class Checkpointing(keras.callbacks.Callback):
                 variable.assign(tf.cast(np.asarray(value), variable.dtype))
 
     def on_train_batch_begin(self, batch: int, logs: dict | None = None) -> None:
+        REQUESTS.step_begins()
         if REQUESTS.reason is not None and not self.step.stop_vote.numpy():
             self.step.stop_vote.assign(1.0)
 
     def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
+        REQUESTS.step_ends()
         done = batch + 1
         if done == self.steps:   # the epoch end checkpoints (and stops, if agreed)
             return

@@ -15,8 +15,13 @@ to one rank only or only to the launcher. How hvdtrain turns that into a clean s
   they validate is honoured before the next epoch; one that arrives during setup is carried by
   the first step.
 * **A second request ends the process at once** (exit 128 + the signal number), without a
-  checkpoint. Requests less than 3 s apart count as one: one event often reaches a rank
-  twice (a terminal's Ctrl-C reaches the launcher, which forwards it, and the rank itself).
+  checkpoint. Requests less than 3 s apart count as one: one event often reaches a rank twice
+  (a terminal's Ctrl-C reaches the launcher, which forwards it, and the rank itself).
+* **A rank that cannot reach the agreement leaves at once** too: after a request, a step that
+  has run ten times longer than the slowest step so far (and at least 10 s) is stuck in a
+  collective with a rank that is gone (srun's ``--kill-on-bad-exit`` sends SIGTERM to the
+  survivors of a dead rank, for instance). Only the stop path is timed here; a rank stuck
+  without a request is the step-progress watchdog's business.
 * **The launcher going away** (its process killed, so the rank's parent changes) is a request
   too: the ranks stop, checkpoint and exit instead of training on unseen. Their output, which
   led to the dead launcher, goes to /dev/null from then on.
@@ -33,6 +38,10 @@ STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
 # Requests closer together than this are one event delivered twice, not a second request.
 SAME_EVENT_S = 3.0
 PARENT_POLL_S = 1.0
+# A step that runs this many times longer than the slowest step seen (and at least STUCK_MIN_S)
+# after a stop request is stuck in a collective.
+STUCK_FACTOR = 10
+STUCK_MIN_S = 10.0
 
 
 class StopRequests:
@@ -43,6 +52,9 @@ class StopRequests:
         self._first_at = 0.0
         self._lock = threading.Lock()
         self._installed = False
+        self._step_began: float | None = None
+        self._steps_timed = 0
+        self._slowest_step = 0.0
 
     def install(self, watch_parent: bool) -> None:
         """Route the stop signals here (main thread only) and, when a launcher started this
@@ -63,6 +75,25 @@ class StopRequests:
             threading.Thread(target=self._watch_parent, args=(os.getppid(),), daemon=True,
                              name="hvdtrain-launcher-watch").start()
 
+    def step_begins(self) -> None:
+        self._step_began = time.monotonic()
+
+    def step_ends(self) -> None:
+        """Time the step (not the first: it traces and compiles) for the stuck-step limit."""
+        if self._step_began is not None and self._steps_timed:
+            self._slowest_step = max(self._slowest_step, time.monotonic() - self._step_began)
+        self._steps_timed += 1
+        self._step_began = None
+
+    def _stuck_for(self) -> float | None:
+        """Seconds the current step has run past the limit, or None while within it."""
+        began = self._step_began
+        if began is None or self._steps_timed < 2:
+            return None
+        limit = max(STUCK_MIN_S, STUCK_FACTOR * self._slowest_step)
+        running = time.monotonic() - began
+        return running if running > limit else None
+
     def ignore_from_now(self) -> None:
         """Training is over and saved: a stop request now has nothing left to stop. (Python
         restores the default action, which kills, while it shuts down; ignoring stays.)"""
@@ -76,11 +107,21 @@ class StopRequests:
             now = time.monotonic()
             if self.reason is None:
                 self.reason, self._first_at = reason, now
+                threading.Thread(target=self._leave_if_stuck, args=(exit_code,), daemon=True,
+                                 name="hvdtrain-stop-deadline").start()
                 return
             if now - self._first_at < SAME_EVENT_S:
                 return
         os.write(2, f"hvdtrain: second stop request ({reason}) after {self.reason}: exiting "
                     "now, without a checkpoint\n".encode())
+        os._exit(exit_code)
+
+    def _leave_if_stuck(self, exit_code: int) -> None:
+        while (stuck := self._stuck_for()) is None:
+            time.sleep(0.5)
+        os.write(2, f"hvdtrain: stop requested ({self.reason}) but this rank's step has not "
+                    f"ended for {stuck:.0f} s: another rank is gone or stuck; exiting now, "
+                    "without a checkpoint\n".encode())
         os._exit(exit_code)
 
     def _read_signals(self, fd: int) -> None:
