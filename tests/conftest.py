@@ -282,9 +282,9 @@ def slurm(tmp_path_factory):
     conf.write_text(SLURM_CONF.format(host=socket.gethostname().split(".")[0],
                                       cpus=os.cpu_count(), dir=directory))
     started_munge = False
-    # The standard munged answers on this socket; another munged (the multi-node cluster's own,
-    # on its own socket) does not serve this cluster.
-    if not Path("/run/munge/munge.socket.2").is_socket():
+    # Is the standard munged answering on its default socket? (Another munged, such as the
+    # multi-node cluster's own on its own socket, does not serve this cluster.)
+    if run(["munge", "-n"], 10).returncode != 0:
         Path("/run/munge").mkdir(exist_ok=True)
         shutil.chown("/run/munge", "munge", "munge")
         assert run(["munged", "--force"], 30).returncode == 0
