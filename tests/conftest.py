@@ -26,6 +26,9 @@ RUN_TIMEOUT = 240
 def rank_env(**extra: str) -> dict[str, str]:
     """The environment every launched rank gets: quiet TensorFlow, CPU only, our venv first."""
     env = dict(os.environ)
+    # A pytest run inside the ranks (the drop-in's rank checks) must not take this run's
+    # options: a --basetemp there would empty this run's temporary directory.
+    env.pop("PYTEST_ADDOPTS", None)
     env.update({
         "PATH": f"{BIN}{os.pathsep}{env.get('PATH', '')}",
         "TF_CPP_MIN_LOG_LEVEL": "2",
