@@ -225,8 +225,9 @@ def test_a_node_cut_off_mid_epoch_ends_the_job_and_resume_continues(cluster, tmp
     # node2's own lines cannot reach the launcher (its link is down): node1's ranks report,
     # each naming the two ranks that stopped answering.
     stalled = re.findall(r"hvdtrain: error: (rank \d of 4 on node\d) stalled: no training step "
-                         r"finished for \d+ s \(limit 10 s, --stall-timeout\) while waiting for "
-                         # the cut can land in a step or in an epoch end (epochs are 12 steps)
+                         r"finished for \d+ s \(limit \d+ s, --stall-timeout\) while waiting for "
+                         # the cut can land in a step or in an epoch end (epochs are 12 steps);
+                         # the step after an epoch end has twice the limit
                          r"(?:training step \d+|the end of epoch \d+)[^;]*; no answer from "
                          r"rank 2 on node2, rank 3 on "
                          rf"node2; ending this rank \(exit {STALLED_EXIT_CODE}\)", output)
