@@ -82,7 +82,7 @@ def run(args: argparse.Namespace) -> tuple[bool, dict[str, Any]]:
     from hvdtrain.training.objective import Objective, probe
     from hvdtrain.training.schedule import make_optimizer, make_schedule
     from hvdtrain.training.step import StepMath
-    from hvdtrain.world import init_collectives, place_devices, tf_variables
+    from hvdtrain.world import init_collectives, place_devices
 
     collectives = init_collectives()
     world = collectives.world
@@ -92,7 +92,7 @@ def run(args: argparse.Namespace) -> tuple[bool, dict[str, Any]]:
     optimizer = make_optimizer(OptimConfig(warmup_epochs=0),
                                make_schedule(OptimConfig(warmup_epochs=0), world.size, 1, 1))
     optimizer.build(model.trainable_variables)
-    collectives.broadcast_variables(tf_variables(model.weights + optimizer.variables))
+    collectives.broadcast_variables(model.weights + optimizer.variables)
     rng = np.random.default_rng(world.rank)
     batch = (tf.constant(rng.standard_normal((args.batch_size, *shape), dtype=np.float32)),
              tf.constant(rng.integers(0, classes, args.batch_size)),

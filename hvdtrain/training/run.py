@@ -45,8 +45,7 @@ from hvdtrain.training.schedule import WarmupScaledRate, make_optimizer, make_sc
 from hvdtrain.training.objective import Objective, probe
 from hvdtrain.training.step import Evaluation, StepMath, StepOptions
 from hvdtrain.training.watchdog import stopped_after, watchdog_for
-from hvdtrain.world import (Collectives, World, init_collectives, place_devices,
-                            tf_variables)
+from hvdtrain.world import Collectives, World, init_collectives, place_devices
 
 
 def say(world: World, message: str) -> None:
@@ -278,7 +277,7 @@ def _starting_point(config: Config, model_label: str, collectives: Collectives, 
     before_broadcast = collectives.allgather_object(weight_fingerprint(model))
     # One starting point for every rank: rank 0's weights and optimizer state (not the dropout
     # seeds: those stay rank-local so ranks drop different units).
-    collectives.broadcast_variables(tf_variables(model.weights + optimizer.variables))
+    collectives.broadcast_variables(model.weights + optimizer.variables)
     return start, before_broadcast
 
 
