@@ -69,6 +69,37 @@ def test_a_second_stop_request_ends_the_process_at_once():
                              "now, without a checkpoint\n")
 
 
+def test_a_stop_request_stuck_behind_an_ended_rank_leaves_within_seconds():
+    """srun's --kill-on-bad-exit sends SIGTERM to the survivors of a dead rank, and they wait in
+    a collective that can never finish: the stop path asks the heartbeat ports and leaves as
+    soon as one refuses (a process that has ended), long before the 10 s stuck limit or
+    Slurm's SIGKILL. A peer that still answers is not blamed."""
+    program = ("import os, signal, time\n"
+               "from hvdtrain.training.preemption import REQUESTS\n"
+               "from hvdtrain.training.watchdog import Heartbeat, Peer, StepWatchdog\n"
+               "alive, ended = Heartbeat(), Heartbeat()\n"
+               "ended.close()\n"
+               "dog = StepWatchdog('rank 0 of 3 on here')\n"
+               "dog.peers = [Peer(1, '127.0.0.1', alive.port), Peer(2, '127.0.0.1', ended.port)]\n"
+               "REQUESTS.install(watch_parent=False)\n"
+               "REQUESTS.watch_peers(dog.gone_peers)\n"
+               "for _ in range(3):\n"
+               "    REQUESTS.step_begins(); time.sleep(0.05); REQUESTS.step_ends()\n"
+               "REQUESTS.step_begins()\n"
+               "os.kill(os.getpid(), signal.SIGTERM)\n"
+               "print('stuck at', time.monotonic(), flush=True)\n"
+               "time.sleep(60)\n")
+    began = time.monotonic()
+    result = subprocess.run([sys.executable, "-c", program], env=rank_env(), text=True,
+                            capture_output=True, timeout=50, stdin=subprocess.DEVNULL)
+    stuck_at = float(result.stdout.split()[-1])
+    assert result.returncode == 128 + signal.SIGTERM, result.stdout + result.stderr
+    assert 2 <= time.monotonic() - stuck_at < 8 and stuck_at > began
+    assert re.fullmatch(r"hvdtrain: stop requested \(SIGTERM\) but this rank's step has waited "
+                        r"\d+ s for rank 2 on 127\.0\.0\.1, whose process has ended; exiting "
+                        r"now, without a checkpoint\n", result.stderr), result.stderr
+
+
 def flip_a_byte(path: Path) -> None:
     data = bytearray(path.read_bytes())
     data[len(data) // 2] ^= 0xFF

@@ -111,7 +111,8 @@ class FirstStepClock(keras.callbacks.Callback):
 class StallGuard(keras.callbacks.Callback):
     """Feed the rank's ``StepWatchdog``: a beat after every step, a pause over each epoch's end
     (validation and its collectives, rank 0's checkpoint). First in the list, so the pause
-    starts before any other epoch-end callback."""
+    starts before any other epoch-end callback. The stop path asks its heartbeat probes which
+    ranks are gone (``StopRequests.watch_peers``)."""
 
     def __init__(self, watchdog: StepWatchdog, collectives: Collectives) -> None:
         super().__init__()
@@ -126,6 +127,7 @@ class StallGuard(keras.callbacks.Callback):
         self.watchdog.peers = [Peer(rank, host, port)
                                for rank, (host, port) in enumerate(addresses)
                                if rank != world.rank]
+        REQUESTS.watch_peers(self.watchdog.gone_peers)
         self.watchdog.start()
 
     def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:

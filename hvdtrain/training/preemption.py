@@ -17,11 +17,15 @@ to one rank only or only to the launcher. How hvdtrain turns that into a clean s
 * **A second request ends the process at once** (exit 128 + the signal number), without a
   checkpoint. Requests less than 3 s apart count as one: one event often reaches a rank twice
   (a terminal's Ctrl-C reaches the launcher, which forwards it, and the rank itself).
-* **A rank that cannot reach the agreement leaves at once** too: after a request, a step that
-  has run ten times longer than the slowest step so far (and at least 10 s) is stuck in a
-  collective with a rank that is gone (srun's ``--kill-on-bad-exit`` sends SIGTERM to the
-  survivors of a dead rank, for instance). Only the stop path is timed here; a rank stuck
-  without a request is the step-progress watchdog's business.
+* **A rank that cannot reach the agreement leaves at once** too (exit 128 + the signal number,
+  one line naming why): srun's ``--kill-on-bad-exit`` sends SIGTERM to the survivors of a dead
+  rank, for instance, and Slurm kills them KillWait seconds later (30 s by default). After a
+  request, a step that has run three times longer than the slowest step so far (and at least
+  2 s) asks the other ranks' heartbeat ports (the watchdog's): one that refuses the connection
+  belongs to a rank whose process has ended, so the step can never finish. A step that has run
+  ten times longer than the slowest (and at least 10 s) is stuck whatever the reason. Only the
+  stop path is timed here; a rank stuck without a request is the step-progress watchdog's
+  business.
 * **The launcher going away** (its process killed, so the rank's parent changes) is a request
   too: the ranks stop, checkpoint and exit instead of training on unseen. Their output, which
   led to the dead launcher, goes to /dev/null from then on.
@@ -33,6 +37,7 @@ import os
 import signal
 import threading
 import time
+from typing import Callable
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
 # Requests closer together than this are one event delivered twice, not a second request.
@@ -42,6 +47,9 @@ PARENT_POLL_S = 1.0
 # after a stop request is stuck in a collective.
 STUCK_FACTOR = 10
 STUCK_MIN_S = 10.0
+# ... and this many times longer (at least PEER_CHECK_MIN_S) is worth asking whether a peer is gone.
+PEER_CHECK_FACTOR = 3
+PEER_CHECK_MIN_S = 2.0
 
 
 class StopRequests:
@@ -55,6 +63,7 @@ class StopRequests:
         self._step_began: float | None = None
         self._steps_timed = 0
         self._slowest_step = 0.0
+        self._gone_peers: Callable[[], list[str]] = list
 
     def install(self, watch_parent: bool) -> None:
         """Route the stop signals here (main thread only) and, when a launcher started this
@@ -85,14 +94,30 @@ class StopRequests:
         self._steps_timed += 1
         self._step_began = None
 
-    def _stuck_for(self) -> float | None:
-        """Seconds the current step has run past the limit, or None while within it."""
+    def watch_peers(self, gone_peers: Callable[[], list[str]]) -> None:
+        """Where the stop path asks which other ranks' processes have ended (the watchdog's
+        ``gone_peers``; by default nobody is known to be gone)."""
+        self._gone_peers = gone_peers
+
+    def _running_past(self, factor: float, floor_s: float) -> float | None:
+        """Seconds the current step has run, when that is past ``factor`` times the slowest
+        step and ``floor_s``; else None."""
         began = self._step_began
         if began is None or self._steps_timed < 2:
             return None
-        limit = max(STUCK_MIN_S, STUCK_FACTOR * self._slowest_step)
         running = time.monotonic() - began
-        return running if running > limit else None
+        return running if running > max(floor_s, factor * self._slowest_step) else None
+
+    def _why_stuck(self) -> str | None:
+        """Why the current step can never end, or None while it may."""
+        if (running := self._running_past(STUCK_FACTOR, STUCK_MIN_S)) is not None:
+            return (f"this rank's step has not ended for {running:.0f} s: another rank is gone "
+                    "or stuck")
+        if (running := self._running_past(PEER_CHECK_FACTOR, PEER_CHECK_MIN_S)) is not None:
+            if gone := self._gone_peers():
+                return (f"this rank's step has waited {running:.0f} s for {', '.join(gone)}, "
+                        "whose process has ended")
+        return None
 
     def ignore_from_now(self) -> None:
         """Training is over and saved: a stop request now has nothing left to stop. (Python
@@ -117,10 +142,9 @@ class StopRequests:
         os._exit(exit_code)
 
     def _leave_if_stuck(self, exit_code: int) -> None:
-        while (stuck := self._stuck_for()) is None:
+        while (why := self._why_stuck()) is None:
             time.sleep(0.5)
-        os.write(2, f"hvdtrain: stop requested ({self.reason}) but this rank's step has not "
-                    f"ended for {stuck:.0f} s: another rank is gone or stuck; exiting now, "
+        os.write(2, f"hvdtrain: stop requested ({self.reason}) but {why}; exiting now, "
                     "without a checkpoint\n".encode())
         os._exit(exit_code)
 

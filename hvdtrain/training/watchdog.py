@@ -34,8 +34,9 @@ names those that do not answer (a vanished node, a dead or frozen process).
 
 Interface (kept small on purpose; other code arms its own waits with it):
 ``start()``, ``beat()``, ``suspended(what)`` (a context manager), ``pause(what)``/``resume()``,
-``stop()``, ``limit()``, ``serve_heartbeat()`` and ``peers`` (the ``Peer`` list probed when it
-fires); ``stopped_after(watchdog)`` stops it however a block ends.
+``stop()``, ``limit()``, ``serve_heartbeat()``, ``peers`` (the ``Peer`` list probed when it
+fires) and ``gone_peers()`` (the stop path's quick check for ranks whose process has ended);
+``stopped_after(watchdog)`` stops it however a block ends.
 """
 
 from __future__ import annotations
@@ -190,6 +191,12 @@ class StepWatchdog:
         self._heartbeat = Heartbeat()
         return self._heartbeat.port
 
+    def gone_peers(self) -> list[str]:
+        """``rank R on HOST`` for every other rank whose process has ended (see ``is_gone``);
+        nothing once stopped, when the peers' ports may be closed for good reasons."""
+        peers = [] if self._stopped.is_set() else list(self.peers)
+        return [f"rank {peer.rank} on {peer.host}" for peer in peers if is_gone(peer)]
+
     def stop(self) -> None:
         """Stop watching and serving (idempotent)."""
         self._stopped.set()
@@ -270,6 +277,18 @@ def answers(peer: Peer, timeout_s: float) -> bool:
         with socket.create_connection((peer.host, peer.port), timeout=timeout_s) as connection:
             connection.settimeout(timeout_s)
             return connection.recv(6) == b"alive\n"
+    except OSError:
+        return False
+
+
+def is_gone(peer: Peer) -> bool:
+    """True only when the peer's host answers but nothing listens on its heartbeat port: its
+    process has ended (a silent or slow host is not proof, so it is not gone)."""
+    try:
+        with socket.create_connection((peer.host, peer.port), timeout=PROBE_TIMEOUT_S):
+            return False
+    except ConnectionRefusedError:
+        return True
     except OSError:
         return False
 
