@@ -72,3 +72,43 @@ def test_timeline_breakdown_reads_a_horovod_timeline(tmp_path):
         assert row["period_ms"] == pytest.approx(2.0 * (index + 1) + 1.0)
     with pytest.raises(ValueError, match="give the sweep's --repeats"):
         timeline_breakdown(path, repeats=3)
+
+
+def test_scaling_rows_share_and_bus_bandwidth_from_the_compute_floor():
+    """Communication share is what a step spends beyond one process's step; the bus bandwidth
+    is the ring's 2 (n-1)/n x gradient bytes over that time (half the bytes with fp16)."""
+    from hvdtrain.bench.scaling import parse_hosts, summarize, variant_names
+
+    assert parse_hosts("node1:2,node2:2,node3") == ["node1", "node1", "node2", "node2", "node3"]
+    assert variant_names([0, 8]) == ["single", "hvdtrain", "hvdtrain-fp16",
+                                     "hvdtrain-hierarchical", "hvdtrain-fusion-0MiB",
+                                     "hvdtrain-fusion-8MiB", "minimal", "multiworker"]
+
+    def result(step: float) -> dict:
+        return {"step_seconds_median": step, "examples_per_second_total": 64 / step,
+                "parameters": 25_000_000}
+
+    rows = summarize({"big": {"single": [result(0.3), result(0.1), result(0.2)],
+                              "hvdtrain": [result(1.2)], "hvdtrain-fp16": [result(0.7)],
+                              "minimal": [result(0.1)]}}, ranks=4, link_gbit=1.0)
+    by_name = {row["variant"]: row for row in rows}
+    assert by_name["single"]["step_seconds"] == 0.2 and "communication_share" not in by_name[
+        "single"]
+    full = by_name["hvdtrain"]
+    assert full["communication_share"] == pytest.approx(1.0 / 1.2)
+    assert full["bus_gbytes_per_second"] == pytest.approx(1.5 * 100e6 / 1.0 / 1e9)
+    assert full["fraction_of_link"] == pytest.approx(0.15 / 0.125)
+    assert by_name["hvdtrain-fp16"]["bus_gbytes_per_second"] == pytest.approx(
+        1.5 * 50e6 / 0.5 / 1e9)
+    # Faster than the floor (noise): no share, no bandwidth, no division by zero.
+    assert by_name["minimal"]["communication_share"] == 0.0
+    assert by_name["minimal"]["bus_gbytes_per_second"] is None
+
+
+def test_scaling_refuses_an_unknown_variant_with_one_line(capsys):
+    from hvdtrain.bench.scaling import main
+
+    assert main(["--hosts", "a:1,b:1", "--variants", "hvdtrain-fusion-3MiB"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("hvdtrain: error: unknown variant hvdtrain-fusion-3MiB; choose from ")
+    assert err.count("\n") == 1

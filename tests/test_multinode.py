@@ -243,3 +243,36 @@ def test_a_node_cut_off_mid_epoch_ends_the_job_and_resume_continues(cluster, tmp
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
     assert [row["epoch"] for row in read_metrics(run_dir)] == list(range(1, int(more) + 1))
     assert_two_nodes_two_ranks_each(run_dir)
+
+
+# --- scaling over the network ------------------------------------------------------------------
+
+def test_scaling_study_across_the_nodes(cluster, tmp_path):
+    """The scaling command at a tiny size, one rank per node: hvdtrain with fp16 and with a
+    fusion threshold of its own (both travel through mpirun), TensorFlow's
+    MultiWorkerMirroredStrategy with its second worker started over ssh on node2, and the
+    allreduce sweep across the nodes. Asserts no times: every row is whole and consistent."""
+    out = tmp_path / "scaling"
+    result = on_node1(cluster, [str(BIN / "python"), "-m", "hvdtrain.bench.scaling", "--hosts",
+                                "node1:1,node2:1", "--iface", netcluster.NODE_INTERFACE,
+                                "--models", "mlp", "--variants", "hvdtrain-fp16",
+                                "hvdtrain-fusion-0MiB", "multiworker", "--fusion-mib", "0",
+                                "--threads", "1", "--batch-size", "16", "--warmup-steps", "1",
+                                "--steps", "3", "--repeats", "1", "--comm-repeats", "1",
+                                "--link-gbit", "1", "--output-dir", str(out)], tmp_path)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    report = yaml.safe_load((out / "scaling.json").read_text())
+    assert report["ranks"] == 2 and report["link_gbit"] == 1
+    rows = {row["variant"]: row for row in report["rows"]}
+    assert list(rows) == ["single", "hvdtrain-fp16", "hvdtrain-fusion-0MiB", "multiworker"]
+    parameters = yaml.safe_load((out / "mlp-single-1.json").read_text())["parameters"]
+    for name, row in rows.items():
+        assert row["model"] == "mlp" and row["parameters"] == parameters > 0
+        assert row["examples_per_second"] == pytest.approx(
+            16 * (1 if name == "single" else 2) / row["step_seconds"], rel=1e-6)
+        if name != "single":
+            assert 0 <= row["communication_share"] < 1
+    fp16 = yaml.safe_load((out / "mlp-hvdtrain-fp16-1.json").read_text())
+    assert fp16["compression"] == "fp16" and fp16["world_size"] == 2
+    assert [row["bytes"] for row in report["allreduce"]][-1] == 64 << 20
+    assert "| mlp | multiworker |" in result.stdout

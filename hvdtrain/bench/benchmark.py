@@ -20,17 +20,43 @@ DEFAULT_SHAPES = {"mlp": (28, 28, 1), "cnn": (28, 28, 1), "resnet": (32, 32, 3),
                   "resnet50": (224, 224, 3)}
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
+def add_timing_arguments(parser: argparse.ArgumentParser) -> None:
+    """What every timed variant takes, hvdtrain's benchmark and the baselines alike, so that
+    a comparison hands each the same model, batch and timing loop."""
     parser.add_argument("--model", default="cnn", choices=sorted(DEFAULT_SHAPES),
                         help="model to time (default: cnn)")
+    parser.add_argument("--input-shape", type=int, nargs="+", metavar="N",
+                        help="example shape instead of the model's default (e.g. resnet50 at "
+                             "32 32 3: its 23.6M-parameter gradient at a CPU's compute)")
     parser.add_argument("--batch-size", type=int, default=64, help="per rank (default: 64)")
-    parser.add_argument("--loop", default="custom", choices=("custom", "fit"),
-                        help="training path (default: custom)")
     parser.add_argument("--warmup-steps", type=int, default=10,
                         help="untimed steps first (tracing, allocation; default: 10)")
     parser.add_argument("--steps", type=int, default=30, help="steps per repeat (default: 30)")
     parser.add_argument("--repeats", type=int, default=5, help="timed repeats (default: 5)")
     parser.add_argument("--output", type=Path, help="write the result as JSON here (rank 0)")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_timing_arguments(parser)
+    parser.add_argument("--loop", default="custom", choices=("custom", "fit"),
+                        help="training path (default: custom)")
+    parser.add_argument("--compression", default="none", choices=("none", "fp16"),
+                        help="gradients on the wire (default: none)")
+
+
+def synthetic_problem(args: argparse.Namespace, rank: int):
+    """(model, one synthetic batch (x, y) held on the device) for this rank: the same for
+    hvdtrain and every baseline."""
+    import numpy as np
+    import tensorflow as tf
+
+    shape = tuple(args.input_shape or DEFAULT_SHAPES[args.model])
+    classes = 1000 if args.model == "resnet50" and not args.input_shape else 10
+    model = build_benchmark_model(args.model, shape, classes)
+    rng = np.random.default_rng(rank)
+    batch = (tf.constant(rng.standard_normal((args.batch_size, *shape), dtype=np.float32)),
+             tf.constant(rng.integers(0, classes, args.batch_size)))
+    return model, batch
 
 
 def build_benchmark_model(name: str, shape: tuple[int, ...], classes: int):
@@ -75,31 +101,27 @@ def _fit_step(step, batch):
 
 def run(args: argparse.Namespace) -> tuple[bool, dict[str, Any]]:
     """(is this rank 0, the result gathered from every rank)."""
-    import numpy as np
     import tensorflow as tf
 
     from hvdtrain.config import OptimConfig
     from hvdtrain.training.objective import Objective, probe
     from hvdtrain.training.schedule import make_optimizer, make_schedule
-    from hvdtrain.training.step import StepMath
+    from hvdtrain.training.step import StepMath, StepOptions
     from hvdtrain.world import init_collectives, place_devices
 
     collectives = init_collectives()
     world = collectives.world
     place_devices(world)
-    shape, classes = DEFAULT_SHAPES[args.model], 1000 if args.model == "resnet50" else 10
-    model = build_benchmark_model(args.model, shape, classes)
+    model, (x, y) = synthetic_problem(args, world.rank)
     optimizer = make_optimizer(OptimConfig(warmup_epochs=0),
                                make_schedule(OptimConfig(warmup_epochs=0), world.size, 1, 1))
     optimizer.build(model.trainable_variables)
     collectives.broadcast_variables(model.weights + optimizer.variables)
-    rng = np.random.default_rng(world.rank)
-    batch = (tf.constant(rng.standard_normal((args.batch_size, *shape), dtype=np.float32)),
-             tf.constant(rng.integers(0, classes, args.batch_size)),
-             tf.ones([args.batch_size]),
+    batch = (x, y, tf.ones([args.batch_size]),
              tf.fill([args.batch_size], 1.0 / (args.batch_size * world.size)))
     objective = Objective.for_model(model)
-    step = StepMath(model, optimizer, collectives, objective)
+    step = StepMath(model, optimizer, collectives, objective,
+                    StepOptions(fp16_compression=args.compression == "fp16"))
     probe(model, objective, batch, [step.train_metrics], args.model)
     run_step = (_fit_step(step, batch) if args.loop == "fit"
                 else tf.function(step.train_step, jit_compile=False))
@@ -109,8 +131,10 @@ def run(args: argparse.Namespace) -> tuple[bool, dict[str, Any]]:
     everyone = collectives.allgather_object(rank_result)
     medians = [statistics.median(r["step_seconds"]) for r in everyone]
     return world.is_chief, {
-        "model": args.model, "loop": args.loop, "world_size": world.size,
-        "batch_size_per_rank": args.batch_size, "input_shape": list(shape),
+        "model": args.model, "loop": args.loop, "compression": args.compression,
+        "world_size": world.size, "batch_size_per_rank": args.batch_size,
+        "input_shape": list(x.shape[1:]),
+        "parameters": sum(int(v.shape.num_elements()) for v in model.trainable_variables),
         "warmup_steps": args.warmup_steps, "steps": args.steps, "repeats": args.repeats,
         "step_seconds_median": max(medians),
         "step_seconds_spread": max(max(r["step_seconds"]) - min(r["step_seconds"])

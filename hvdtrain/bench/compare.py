@@ -22,64 +22,15 @@ import argparse
 import json
 import os
 import shutil
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
+from hvdtrain.bench.variants import python, run_checked, run_multiworker, variant_env
+
 REPO = Path(__file__).resolve().parents[2]
-
-
-def _python() -> str:
-    return sys.executable
-
-
-def _env(threads: int) -> dict[str, str]:
-    """Every variant gets the same CPU threads per process, the same quiet TensorFlow and
-    hvdtrain's runtime defaults for Horovod and MPI (which a hand-written loop could set too),
-    so the ratios measure code, not environment. The harness runs on CPUs only."""
-    from hvdtrain.world import runtime_defaults
-
-    return {**runtime_defaults(gpus_visible=False), **os.environ, "TF_CPP_MIN_LOG_LEVEL": "2",
-            "CUDA_VISIBLE_DEVICES": os.environ.get("CUDA_VISIBLE_DEVICES", ""),
-            "TF_NUM_INTRAOP_THREADS": str(threads), "TF_NUM_INTEROP_THREADS":
-            str(min(2, threads)),
-            "PATH": f"{Path(_python()).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
-
-
-def _run(command: list[str], env: dict[str, str], timeout: int = 1200) -> None:
-    result = subprocess.run(command, env=env, text=True, capture_output=True,
-                            timeout=timeout, stdin=subprocess.DEVNULL)
-    if result.returncode != 0:
-        raise RuntimeError(f"{' '.join(command[:6])}... failed:\n{result.stderr[-3000:]}")
-
-
-def _free_ports(count: int) -> list[int]:
-    sockets = [socket.socket() for _ in range(count)]
-    for s in sockets:
-        s.bind(("localhost", 0))
-    ports = [s.getsockname()[1] for s in sockets]
-    for s in sockets:
-        s.close()
-    return ports
-
-
-def run_multiworker(common: list[str], np: int, env: dict[str, str], output: Path) -> None:
-    ports = _free_ports(np)
-    cluster = {"worker": [f"localhost:{p}" for p in ports]}
-    configs = [json.dumps({"cluster": cluster, "task": {"type": "worker", "index": i}})
-               for i in range(np)]
-    workers = [subprocess.Popen(
-        [_python(), "-m", "hvdtrain.bench.baselines.multiworker", *common, "--output", str(output)],
-        env=dict(env, TF_CONFIG=config), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-        text=True, stdin=subprocess.DEVNULL) for config in configs]
-    for worker in workers:
-        _, err = worker.communicate(timeout=1200)
-        if worker.returncode != 0:
-            raise RuntimeError(f"MultiWorkerMirroredStrategy worker failed:\n{err[-3000:]}")
 
 
 def launch_to_first_step(horovodrun: list[str], env: dict[str, str], out: Path) -> dict:
@@ -87,8 +38,8 @@ def launch_to_first_step(horovodrun: list[str], env: dict[str, str], out: Path) 
     run_dir = out / "startup-run"
     shutil.rmtree(run_dir, ignore_errors=True)
     launched = time.time()
-    _run([*horovodrun, _python(), "-m", "hvdtrain", "--epochs", "1", "--run-dir", str(run_dir)],
-         env)
+    run_checked([*horovodrun, python(), "-m", "hvdtrain", "--epochs", "1", "--run-dir",
+                 str(run_dir)], env)
     summary = json.loads((run_dir / "summary.json").read_text())
     return {"launch_to_first_step_seconds": summary["first_step_unix_time"] - launched,
             "process_start_to_first_step_seconds": summary["first_step_seconds"],
@@ -148,26 +99,27 @@ def main(argv: list[str] | None = None) -> int:
     out = args.output_dir
     out.mkdir(parents=True, exist_ok=True)
     threads = max(1, (os.cpu_count() or 1) // args.np)
-    env = _env(threads)
+    env = variant_env(threads)
     common = ["--model", args.model, "--batch-size", str(args.batch_size), "--steps",
               str(args.steps), "--repeats", str(args.repeats)]
-    horovodrun = [str(Path(_python()).with_name("horovodrun")), "-np", str(args.np)]
+    horovodrun = [str(Path(python()).with_name("horovodrun")), "-np", str(args.np)]
     print(f"comparing on {args.np} rank(s) x batch {args.batch_size}, {threads} thread(s) "
           f"each, model {args.model}", flush=True)
     for round_ in range(1, args.rounds + 1):
         # Every variant once per round, in the same order: a slow spell of the machine hits
         # all of them alike, and the median over rounds discards it.
         for loop in ("custom", "fit"):
-            _run([*horovodrun, _python(), "-m", "hvdtrain", "benchmark", *common, "--loop",
-                  loop, "--output", str(out / f"hvdtrain-{loop}-{round_}.json")], env)
-        _run([*horovodrun, _python(), "-m", "hvdtrain.bench.baselines.minimal_horovod", *common,
-              "--output", str(out / f"minimal-{round_}.json")], env)
-        run_multiworker(common, args.np, env, out / f"multiworker-{round_}.json")
-        _run([_python(), "-m", "hvdtrain", "benchmark", *common, "--output",
-              str(out / f"single-{round_}.json")], _env(os.cpu_count() or 1))
-    _run([str(REPO / "launch" / "mpirun.sh"), "-np", str(args.np), "--command",
-          f"{_python()} -m hvdtrain.bench.comm --repeats {args.comm_repeats} --output "
-          f"{out / 'comm.json'}"], env)
+            run_checked([*horovodrun, python(), "-m", "hvdtrain", "benchmark", *common,
+                         "--loop", loop, "--output", str(out / f"hvdtrain-{loop}-{round_}.json")],
+                        env)
+        run_checked([*horovodrun, python(), "-m", "hvdtrain.bench.baselines.minimal_horovod",
+                     *common, "--output", str(out / f"minimal-{round_}.json")], env)
+        run_multiworker(common, ["localhost"] * args.np, env, out / f"multiworker-{round_}.json")
+        run_checked([python(), "-m", "hvdtrain", "benchmark", *common, "--output",
+                     str(out / f"single-{round_}.json")], variant_env(os.cpu_count() or 1))
+    run_checked([str(REPO / "launch" / "mpirun.sh"), "-np", str(args.np), "--command",
+                 f"{python()} -m hvdtrain.bench.comm --repeats {args.comm_repeats} --output "
+                 f"{out / 'comm.json'}"], env)
     startup = launch_to_first_step(horovodrun, env, out)
     report = summarize(out, args, input_pipeline_sweep(args.batch_size), startup)
     (out / "compare.json").write_text(json.dumps(report, indent=2) + "\n")

@@ -11,29 +11,23 @@ import argparse
 import json
 import statistics
 import sys
-from pathlib import Path
+
+from hvdtrain.bench.benchmark import add_timing_arguments
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="cnn")
-    parser.add_argument("--batch-size", type=int, default=64)
-    parser.add_argument("--warmup-steps", type=int, default=10)
-    parser.add_argument("--steps", type=int, default=30)
-    parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--output", type=Path)
+    add_timing_arguments(parser)
     args = parser.parse_args(argv)
 
     import horovod.tensorflow as hvd
     import keras
-    import numpy as np
     import tensorflow as tf
 
-    from hvdtrain.bench.benchmark import DEFAULT_SHAPES, build_benchmark_model, time_steps
+    from hvdtrain.bench.benchmark import synthetic_problem, time_steps
 
     hvd.init()
-    shape, classes = DEFAULT_SHAPES[args.model], 1000 if args.model == "resnet50" else 10
-    model = build_benchmark_model(args.model, shape, classes)
+    model, batch = synthetic_problem(args, hvd.rank())
     optimizer = keras.optimizers.SGD(0.05 * hvd.size(), momentum=0.9)
     optimizer.build(model.trainable_variables)
     hvd.broadcast_variables([v.value for v in model.weights + optimizer.variables], 0)
@@ -48,9 +42,6 @@ def main(argv: list[str] | None = None) -> int:
         optimizer.apply(grads, model.trainable_variables)
         return {"loss": loss}
 
-    rng = np.random.default_rng(hvd.rank())
-    batch = (tf.constant(rng.standard_normal((args.batch_size, *shape), dtype=np.float32)),
-             tf.constant(rng.integers(0, classes, args.batch_size)))
     times = time_steps(step, batch, args.warmup_steps, args.steps, args.repeats)
     medians = hvd.allgather_object(statistics.median(times))
     if hvd.rank() == 0 and args.output:

@@ -11,37 +11,28 @@ import argparse
 import json
 import statistics
 import sys
-from pathlib import Path
+
+from hvdtrain.bench.benchmark import add_timing_arguments
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="cnn")
-    parser.add_argument("--batch-size", type=int, default=64, help="per worker")
-    parser.add_argument("--warmup-steps", type=int, default=10)
-    parser.add_argument("--steps", type=int, default=30)
-    parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--output", type=Path, help="written by worker 0")
+    add_timing_arguments(parser)
     args = parser.parse_args(argv)
 
     import keras
-    import numpy as np
     import tensorflow as tf
 
-    from hvdtrain.bench.benchmark import DEFAULT_SHAPES, build_benchmark_model, time_steps
+    from hvdtrain.bench.benchmark import synthetic_problem, time_steps
 
     strategy = tf.distribute.MultiWorkerMirroredStrategy()
     workers = strategy.num_replicas_in_sync
-    shape, classes = DEFAULT_SHAPES[args.model], 1000 if args.model == "resnet50" else 10
+    task = strategy.cluster_resolver.task_id
     global_batch = args.batch_size * workers
     with strategy.scope():
-        model = build_benchmark_model(args.model, shape, classes)
+        model, batch = synthetic_problem(args, task)
         optimizer = keras.optimizers.SGD(0.05 * workers, momentum=0.9)
         optimizer.build(model.trainable_variables)
-    task = strategy.cluster_resolver.task_id
-    rng = np.random.default_rng(task)
-    batch = (tf.constant(rng.standard_normal((args.batch_size, *shape), dtype=np.float32)),
-             tf.constant(rng.integers(0, classes, args.batch_size)))
 
     def replica_step(x, y):
         with tf.GradientTape() as tape:

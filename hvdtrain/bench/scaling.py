@@ -1,0 +1,197 @@
+"""``python -m hvdtrain.bench.scaling``: data parallelism across nodes, over their network.
+
+For each model, on the nodes named by ``--hosts`` (one rank or worker per slot), back to back
+and with the same per-rank batch and CPU threads per process:
+
+* ``single``: one process on this node, no communication: the compute floor of a step;
+* ``hvdtrain``: ``hvdtrain benchmark`` across the nodes (Open MPI through ``launch/mpirun.sh``),
+  and the same with ``--compression fp16``, with each ``--fusion-mib`` value as Horovod's tensor
+  fusion threshold (``HOROVOD_FUSION_THRESHOLD``; Horovod's default is 128 MiB) and with
+  ``HOROVOD_HIERARCHICAL_ALLREDUCE=1``;
+* ``minimal``: the minimal hand-written Horovod loop (``baselines.minimal_horovod``);
+* ``multiworker``: TensorFlow's ``MultiWorkerMirroredStrategy`` (workers started over ssh);
+* the allreduce sweep (``hvdtrain.bench.comm``) across the same nodes.
+
+Per variant: the median step time, examples/second, the communication share of a step
+(1 - single / step: what the step spends beyond its own compute) and the bus bandwidth the
+gradient exchange reached, 2 (n-1)/n x gradient bytes / (step - single), against the link's
+limit (``--link-gbit``). Writes ``scaling.json`` to ``--output-dir`` and prints a table.
+
+``resnet50`` runs at 32x32x3 here: ResNet-50's 23.6M-parameter gradient (94 MB in float32, what
+crosses the network) at a compute that CPUs finish in a fraction of a second.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import statistics
+import sys
+from pathlib import Path
+
+from hvdtrain.bench.variants import python, run_checked, run_multiworker, variant_env
+
+REPO = Path(__file__).resolve().parents[2]
+SHAPES = {"resnet50": [32, 32, 3]}
+HOROVOD_VARIANTS = ("hvdtrain", "hvdtrain-fp16", "hvdtrain-hierarchical", "minimal")
+
+
+def parse_hosts(text: str) -> list[str]:
+    """``node1:2,node2:2`` -> one entry per slot: [node1, node1, node2, node2]."""
+    slots = []
+    for item in text.split(","):
+        host, _, count = item.partition(":")
+        slots += [host] * int(count or 1)
+    return slots
+
+
+def variant_names(fusion_mib: list[float]) -> list[str]:
+    return ["single", *HOROVOD_VARIANTS[:3],
+            *(f"hvdtrain-fusion-{mib:g}MiB" for mib in fusion_mib),
+            *HOROVOD_VARIANTS[3:], "multiworker"]
+
+
+def run_variant(name: str, args: argparse.Namespace, model: str, output: Path) -> None:
+    """Time one variant of one model; its result lands in ``output`` (JSON)."""
+    common = ["--model", model, "--batch-size", str(args.batch_size), "--warmup-steps",
+              str(args.warmup_steps), "--steps", str(args.steps), "--repeats", str(args.repeats),
+              *(["--input-shape", *map(str, SHAPES[model])] if model in SHAPES else []),
+              "--output", str(output)]
+    env = variant_env(args.threads)
+    if name == "single":
+        run_checked([python(), "-m", "hvdtrain", "benchmark", *common], env, args.timeout)
+        return
+    hosts = parse_hosts(args.hosts)
+    if name == "multiworker":
+        run_multiworker(common[:-2], hosts, env, output, args.ssh, args.timeout)
+        return
+    program = [python(), "-m", "hvdtrain.bench.baselines.minimal_horovod", *common]
+    if name.startswith("hvdtrain"):
+        program = [python(), "-m", "hvdtrain", "benchmark", *common]
+    if name == "hvdtrain-fp16":
+        program += ["--compression", "fp16"]
+    elif name == "hvdtrain-hierarchical":
+        env["HOROVOD_HIERARCHICAL_ALLREDUCE"] = "1"
+    elif name.startswith("hvdtrain-fusion-"):
+        mib = float(name.removeprefix("hvdtrain-fusion-").removesuffix("MiB"))
+        env["HOROVOD_FUSION_THRESHOLD"] = str(int(mib * 2 ** 20))
+    run_checked([*mpirun(args), "--command", shlex.join(program)], env, args.timeout)
+
+
+def mpirun(args: argparse.Namespace) -> list[str]:
+    """``launch/mpirun.sh`` across the nodes (the environment's HOROVOD_* and TF_* travel)."""
+    return [str(REPO / "launch" / "mpirun.sh"), "-np", str(len(parse_hosts(args.hosts))),
+            "-H", args.hosts, *(["--iface", args.iface] if args.iface else []),
+            *(["--ssh", args.ssh] if args.ssh != "ssh" else [])]
+
+
+def summarize(results: dict[str, dict[str, list[dict]]], ranks: int,
+              link_gbit: float | None) -> list[dict]:
+    """One row per model and variant, medians over rounds."""
+    rows = []
+    link_gbytes = link_gbit / 8 if link_gbit else None
+    for model, variants in results.items():
+        floor = statistics.median(r["step_seconds_median"] for r in variants["single"])
+        parameters = variants["single"][0]["parameters"]
+        for name, rounds in variants.items():
+            step = statistics.median(r["step_seconds_median"] for r in rounds)
+            row = {"model": model, "variant": name, "parameters": parameters,
+                   "step_seconds": step, "examples_per_second":
+                   statistics.median(r["examples_per_second_total"] for r in rounds)}
+            if name != "single":
+                wire_bytes = parameters * (2 if name == "hvdtrain-fp16" else 4)
+                exchange = step - floor
+                row["communication_share"] = max(0.0, exchange / step)
+                row["bus_gbytes_per_second"] = (2 * (ranks - 1) / ranks * wire_bytes / exchange
+                                                / 1e9 if exchange > 0 else None)
+                if link_gbytes and row["bus_gbytes_per_second"] is not None:
+                    row["fraction_of_link"] = row["bus_gbytes_per_second"] / link_gbytes
+            rows.append(row)
+    return rows
+
+
+def print_table(rows: list[dict]) -> None:
+    print("| model | variant | step ms | examples/s | communication share | bus GB/s "
+          "(of link) |")
+    print("|---|---|---|---|---|---|")
+    for row in rows:
+        share = (f"{row['communication_share']:.0%}" if "communication_share" in row else "")
+        bus = row.get("bus_gbytes_per_second")
+        bus_text = "" if bus is None else f"{bus:.3f}"
+        if "fraction_of_link" in row:
+            bus_text += f" ({row['fraction_of_link']:.0%})"
+        print(f"| {row['model']} | {row['variant']} | {row['step_seconds'] * 1e3:,.0f} | "
+              f"{row['examples_per_second']:,.1f} | {share} | {bus_text} |")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m hvdtrain.bench.scaling",
+                                     description=__doc__.splitlines()[0])
+    parser.add_argument("--hosts", required=True,
+                        help="nodes and slots, as for mpirun -H: node1:1,node2:1")
+    parser.add_argument("--iface", help="the network the ranks use (name or subnet)")
+    parser.add_argument("--ssh", default="ssh", help="how to reach the nodes (default: ssh)")
+    parser.add_argument("--models", nargs="+", default=["cnn", "resnet50"])
+    parser.add_argument("--variants", nargs="+", help="a subset of the variants (default: all)")
+    parser.add_argument("--fusion-mib", type=float, nargs="*", default=[0.0, 8.0],
+                        help="tensor fusion thresholds to try (MiB; default: 0 8)")
+    parser.add_argument("--batch-size", type=int, default=32, help="per rank (default: 32)")
+    parser.add_argument("--warmup-steps", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="run every variant this many times, interleaved (median reported)")
+    parser.add_argument("--threads", type=int, default=max(1, (os.cpu_count() or 1) // 2),
+                        help="CPU threads per process (default: half this node's cores)")
+    parser.add_argument("--link-gbit", type=float,
+                        help="each node's link in Gbit/s, to report bandwidth as its fraction")
+    parser.add_argument("--comm-repeats", type=int, default=3,
+                        help="repeats of the allreduce sweep across the nodes (0: skip it)")
+    parser.add_argument("--timeout", type=int, default=1800, help="seconds per variant")
+    parser.add_argument("--output-dir", type=Path, default=Path("bench-scaling"))
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    names = variant_names(args.fusion_mib)
+    chosen = ["single", *(args.variants or names)]
+    unknown = sorted(set(chosen) - set(names))
+    if unknown:
+        print(f"hvdtrain: error: unknown variant {', '.join(unknown)}; choose from "
+              f"{', '.join(names)}", file=sys.stderr)
+        return 2
+    chosen = [name for name in names if name in chosen]
+    out = args.output_dir
+    out.mkdir(parents=True, exist_ok=True)
+    results: dict[str, dict[str, list[dict]]] = {}
+    for model in args.models:
+        results[model] = {name: [] for name in chosen}
+        for round_ in range(1, args.rounds + 1):
+            for name in chosen:
+                output = out / f"{model}-{name}-{round_}.json"
+                print(f"{model}: {name} (round {round_})", flush=True)
+                run_variant(name, args, model, output)
+                results[model][name].append(json.loads(output.read_text()))
+    ranks = len(parse_hosts(args.hosts))
+    report = {"hosts": args.hosts, "ranks": ranks, "threads_per_process": args.threads,
+              "batch_size_per_rank": args.batch_size, "link_gbit": args.link_gbit,
+              "rows": summarize(results, ranks, args.link_gbit)}
+    if args.comm_repeats:
+        sweep = out / "allreduce.json"
+        run_checked([*mpirun(args), "--command", shlex.join(
+            [python(), "-m", "hvdtrain.bench.comm", "--repeats", str(args.comm_repeats),
+             "--output", str(sweep)])], variant_env(args.threads), args.timeout)
+        report["allreduce"] = json.loads(sweep.read_text())
+    (out / "scaling.json").write_text(json.dumps(report, indent=2) + "\n")
+    print_table(report["rows"])
+    for row in report.get("allreduce", []):
+        print(f"allreduce {row['bytes'] / 2 ** 20:g} MiB: bus {row['hvdtrain_bus_gbps']:.3f} "
+              f"GB/s (hvdtrain), {row['mpi_bus_gbps']:.3f} GB/s (MPI)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
