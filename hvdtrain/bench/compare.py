@@ -28,9 +28,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from hvdtrain.bench.variants import python, run_checked, run_multiworker, variant_env
-
-REPO = Path(__file__).resolve().parents[2]
+from hvdtrain.bench.variants import (MPIRUN_WRAPPER, python, run_checked, run_multiworker,
+                                     variant_env)
 
 
 def launch_to_first_step(horovodrun: list[str], env: dict[str, str], out: Path) -> dict:
@@ -117,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
         run_multiworker(common, ["localhost"] * args.np, env, out / f"multiworker-{round_}.json")
         run_checked([python(), "-m", "hvdtrain", "benchmark", *common, "--output",
                      str(out / f"single-{round_}.json")], variant_env(os.cpu_count() or 1))
-    run_checked([str(REPO / "launch" / "mpirun.sh"), "-np", str(args.np), "--command",
+    run_checked([str(MPIRUN_WRAPPER), "-np", str(args.np), "--command",
                  f"{python()} -m hvdtrain.bench.comm --repeats {args.comm_repeats} --output "
                  f"{out / 'comm.json'}"], env)
     startup = launch_to_first_step(horovodrun, env, out)

@@ -31,9 +31,9 @@ import statistics
 import sys
 from pathlib import Path
 
-from hvdtrain.bench.variants import python, run_checked, run_multiworker, variant_env
+from hvdtrain.bench.variants import (MPIRUN_WRAPPER, python, run_checked, run_multiworker,
+                                     variant_env)
 
-REPO = Path(__file__).resolve().parents[2]
 SHAPES = {"resnet50": [32, 32, 3]}
 
 
@@ -54,17 +54,16 @@ def variant_names(fusion_mib: list[float]) -> list[str]:
 
 def run_variant(name: str, args: argparse.Namespace, model: str, output: Path) -> None:
     """Time one variant of one model; its result lands in ``output`` (JSON)."""
-    common = ["--model", model, "--batch-size", str(args.batch_size), "--warmup-steps",
+    timing = ["--model", model, "--batch-size", str(args.batch_size), "--warmup-steps",
               str(args.warmup_steps), "--steps", str(args.steps), "--repeats", str(args.repeats),
-              *(["--input-shape", *map(str, SHAPES[model])] if model in SHAPES else []),
-              "--output", str(output)]
+              *(["--input-shape", *map(str, SHAPES[model])] if model in SHAPES else [])]
     env = variant_env(args.threads)
+    if name == "multiworker":
+        run_multiworker(timing, parse_hosts(args.hosts), env, output, args.ssh, args.timeout)
+        return
+    common = [*timing, "--output", str(output)]
     if name == "single":
         run_checked([python(), "-m", "hvdtrain", "benchmark", *common], env, args.timeout)
-        return
-    hosts = parse_hosts(args.hosts)
-    if name == "multiworker":
-        run_multiworker(common[:-2], hosts, env, output, args.ssh, args.timeout)
         return
     program = [python(), "-m", "hvdtrain.bench.baselines.minimal_horovod", *common]
     if name.startswith("hvdtrain"):
@@ -81,7 +80,7 @@ def run_variant(name: str, args: argparse.Namespace, model: str, output: Path) -
 
 def mpirun(args: argparse.Namespace) -> list[str]:
     """``launch/mpirun.sh`` across the nodes (the environment's HOROVOD_* and TF_* travel)."""
-    return [str(REPO / "launch" / "mpirun.sh"), "-np", str(len(parse_hosts(args.hosts))),
+    return [str(MPIRUN_WRAPPER), "-np", str(len(parse_hosts(args.hosts))),
             "-H", args.hosts, *(["--iface", args.iface] if args.iface else []),
             *(["--ssh", args.ssh] if args.ssh != "ssh" else [])]
 

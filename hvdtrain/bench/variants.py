@@ -13,6 +13,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+# Open MPI with the flags and environment hvdtrain's ranks need (multi-node options included).
+MPIRUN_WRAPPER = Path(__file__).resolve().parents[2] / "launch" / "mpirun.sh"
 # What a MultiWorkerMirroredStrategy worker started over ssh needs from this environment.
 FORWARDED = ("PATH", "PYTHONPATH", "CUDA_VISIBLE_DEVICES", "OMPI_MCA_mpi_yield_when_idle")
 

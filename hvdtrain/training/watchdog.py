@@ -194,8 +194,7 @@ class StepWatchdog:
     def gone_peers(self) -> list[str]:
         """``rank R on HOST`` for every other rank whose process has ended (see ``is_gone``);
         nothing once stopped, when the peers' ports may be closed for good reasons."""
-        peers = [] if self._stopped.is_set() else list(self.peers)
-        return [f"rank {peer.rank} on {peer.host}" for peer in peers if is_gone(peer)]
+        return [] if self._stopped.is_set() else peers_where(is_gone, list(self.peers))
 
     def stop(self) -> None:
         """Stop watching and serving (idempotent)."""
@@ -293,13 +292,19 @@ def is_gone(peer: Peer) -> bool:
         return False
 
 
-def unanswered(peers: list[Peer], timeout_s: float = PROBE_TIMEOUT_S) -> list[str]:
-    """``rank R on HOST`` for every peer whose heartbeat does not answer (probed in parallel)."""
+def peers_where(test: Callable[[Peer], bool], peers: list[Peer]) -> list[str]:
+    """``rank R on HOST`` for every peer that ``test`` (a probe) picks, probed in parallel so
+    that silent hosts cost one probe timeout, not one each."""
     if not peers:
         return []
     with ThreadPoolExecutor(max_workers=min(32, len(peers))) as pool:
-        alive = list(pool.map(lambda peer: answers(peer, timeout_s), peers))
-    return [f"rank {peer.rank} on {peer.host}" for peer, ok in zip(peers, alive) if not ok]
+        picked = list(pool.map(test, peers))
+    return [f"rank {peer.rank} on {peer.host}" for peer, yes in zip(peers, picked) if yes]
+
+
+def unanswered(peers: list[Peer], timeout_s: float = PROBE_TIMEOUT_S) -> list[str]:
+    """``rank R on HOST`` for every peer whose heartbeat does not answer."""
+    return peers_where(lambda peer: not answers(peer, timeout_s), peers)
 
 
 def end_open_mpi_daemon(parent: int) -> None:
