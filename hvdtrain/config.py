@@ -44,6 +44,8 @@ def option(default: Any, help: str, *, choices: tuple[str, ...] = (),
 # The model or dataset of a run whose model or data was handed to ``hvdtrain.fit`` as an object.
 PYTHON_OBJECT = "python"
 # Keras 3's optimizers by the names keras.optimizers.get accepts.
+# The rate of the optimizer hvdtrain builds (sgd for an uncompiled model) when none is given.
+DEFAULT_LEARNING_RATE = 0.05
 KERAS_OPTIMIZERS = ("sgd", "adam", "adamw", "rmsprop", "adagrad", "adadelta", "adamax",
                     "adafactor", "nadam", "ftrl", "lion", "lamb")
 
@@ -82,9 +84,13 @@ class DataConfig:
     cache: bool = option(False, "tfrecord, csv: cache parsed records in memory after epoch 1")
     validation_split: float = option(0.2, "fraction held out for validation when the source "
                                           "has no split of its own", minimum=0.0, maximum=0.9)
-    remainder: str = option("pad", "last partial global batch each epoch: pad (every example "
-                                   "once, zero-weight padding) or drop (skip it)",
-                            choices=("pad", "drop"))
+    shuffle: bool = option(True, "shuffle the training examples every epoch (in-memory and "
+                                 "file data; a user's dataset object shuffles itself)")
+    remainder: str = option("auto", "last partial global batch each epoch: pad (every example "
+                                    "once, zero-weight padding), drop (skip it), or auto (pad "
+                                    "for hvdtrain's step; drop for a model's own train_step, "
+                                    "whose per-rank mean needs equal batches)",
+                            choices=("auto", "pad", "drop"))
     synthetic_examples: int = option(2048, "examples in the synthetic dataset", minimum=1)
     synthetic_shape: list[int] = option([32], "shape of one synthetic example", minimum=1)
     synthetic_classes: int = option(10, "classes in the synthetic dataset", minimum=2)
@@ -104,13 +110,16 @@ class ModelConfig:
 
 @dataclass
 class OptimConfig:
-    optimizer: str = option("sgd", "Keras optimizer by name, or package.module:fn taking the "
-                                   "(scaled, warmed-up) learning-rate schedule",
-                            choices=KERAS_OPTIMIZERS, plugin=True)
-    learning_rate: float = option(0.05, "learning rate for one rank at --batch-size; scaled by "
-                                        "world size", minimum=0.0, exclusive_minimum=True)
-    momentum: float = option(0.9, "momentum of sgd and rmsprop (0 for none)", minimum=0.0,
-                             maximum=0.999)
+    optimizer: str = option("auto", "auto (the optimizer the model was compiled with, else "
+                                    "sgd), a Keras optimizer by name, or package.module:fn "
+                                    "taking the base learning rate",
+                            choices=("auto", *KERAS_OPTIMIZERS), plugin=True)
+    learning_rate: float | None = option(None, "learning rate for one rank at --batch-size; "
+                                               "scaled by world size (default: the compiled "
+                                               f"optimizer's own, else {DEFAULT_LEARNING_RATE})",
+                                         minimum=0.0, exclusive_minimum=True)
+    momentum: float = option(0.9, "momentum of sgd and rmsprop built by hvdtrain (0 for none)",
+                             minimum=0.0, maximum=0.999)
     lr_scaling: str = option("linear", "learning-rate scaling with world size",
                              choices=("linear", "sqrt", "none"))
     warmup_epochs: float = option(2.0, "epochs of linear warmup from the unscaled rate to the "
@@ -135,7 +144,15 @@ class OptimConfig:
 
 @dataclass
 class TrainConfig:
-    epochs: int = option(20, "epochs to train", minimum=1)
+    epochs: int = option(20, "epochs to train (the index of the last epoch, as in Keras)",
+                         minimum=1)
+    initial_epoch: int = option(0, "the epoch to start at (Keras' initial_epoch; a resumed run "
+                                   "starts where its checkpoint is)", minimum=0)
+    steps_per_epoch: int | None = option(None, "steps per epoch (default: one pass over the "
+                                               "data; required for a dataset that repeats "
+                                               "forever)", minimum=1)
+    validation_freq: int = option(1, "validate after every N-th epoch (Keras' "
+                                     "validation_freq)", minimum=1)
     batch_size: int = option(32, "examples per rank per step (global batch = this x ranks)",
                              minimum=1)
     loop: str = option("fit", "training path: Keras fit or a custom tf.function loop",

@@ -1,6 +1,7 @@
 """User-facing failures: shown as a single line, never as a traceback, with their own exit code.
 
-Exit codes: 2 a mistake to fix, 3 the loss diverged, 74 a checkpoint could not be written, 75
+Exit codes: 1 another rank failed (its error is shown by that rank), 2 a mistake to fix, 3 the
+loss diverged, 74 a checkpoint could not be written, 75
 stopped by a signal with a checkpoint written (continue with ``--resume auto``), 76 a rank made
 no progress for ``--stall-timeout`` (the watchdog ended it).
 """
@@ -23,6 +24,13 @@ class CheckpointWriteFailed(UserError):
     whole. 74 is sysexits' EX_IOERR."""
 
     exit_code = 74
+
+
+class PeerFailed(UserError):
+    """Another rank ended with an error (it shows it); this one stopped with it instead of
+    waiting for that rank in a collective."""
+
+    exit_code = 1
 
 
 class StoppedBySignal(UserError):

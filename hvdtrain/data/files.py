@@ -137,6 +137,8 @@ class FileSplit:
                 end_epoch: int = 1) -> tf.data.Dataset:
         """(features, labels, sample weights, loss weights) batches for epochs
         ``[first_epoch, end_epoch)``."""
+        if not spec.equal_steps:
+            return self._unpadded(spec)
         steps, batch = self.steps_per_epoch(spec), spec.batch_size
         group = batch * spec.accumulation_steps
         cached = None
@@ -171,6 +173,17 @@ class FileSplit:
 
         epochs = tf.data.Dataset.range(first_epoch, end_epoch)
         return epochs.flat_map(epoch_batches).prefetch(tf.data.AUTOTUNE)
+
+    def _unpadded(self, spec: ShardSpec) -> tf.data.Dataset:
+        """This rank's records once, in file order, unpadded (evaluation under a model's own
+        ``test_step``)."""
+        records = self._records(spec, self._assignment(spec, 0)[0])
+
+        def with_weights(x: tf.Tensor, y: tf.Tensor) -> tuple:
+            ones = tf.ones([tf.shape(x)[0]], tf.float32)
+            return x, y, ones, ones
+
+        return records.batch(spec.batch_size).map(with_weights).prefetch(tf.data.AUTOTUNE)
 
 
 def expand(pattern: str | None, what: str) -> tuple[str, ...]:
