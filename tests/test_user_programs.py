@@ -28,7 +28,7 @@ from user_programs import PROGRAMS  # noqa: E402
 pytestmark = pytest.mark.distributed
 BATCH = 32   # per rank; the reference runs 2 x BATCH in one process
 EXACT = ["custom_train_step", "preprocessing", "text_transformer", "lstm_timeseries",
-         "convnet_callbacks", "regularised_regression"]
+         "convnet_callbacks", "regularised_regression", "keras_arguments", "py_dataset"]
 
 
 @pytest.fixture(scope="module")
@@ -116,9 +116,23 @@ def test_keras_callbacks_decide_as_in_one_process_and_write_once(runs):
     assert len(ours["history"]["loss"]) == len(theirs["history"]["loss"]) < 12
     assert ours["history"]["learning_rate"] == pytest.approx(theirs["history"]["learning_rate"])
     assert min(theirs["history"]["learning_rate"]) < max(theirs["history"]["learning_rate"])
-    log = (out / "hvdtrain-convnet_callbacks" / "log.csv").read_text().splitlines()
+    timed = "examples_per_second"     # each rank's own clock
+    assert ({k: v for k, v in ranks[1]["convnet_callbacks"]["history"].items() if k != timed}
+            == {k: v for k, v in ours["history"].items() if k != timed})
+    written = out / "hvdtrain-convnet_callbacks"
+    log = (written / "log.csv").read_text().splitlines()
     assert len(log) == 1 + len(ours["history"]["loss"])        # a header, one row per epoch
-    assert (out / "hvdtrain-convnet_callbacks" / "best.keras").stat().st_size > 0
+    assert (written / "best.keras").stat().st_size > 0
+    assert len(list((written / "tensorboard" / "train").glob("events.out.tfevents.*"))) == 1
+
+
+def test_keras_arguments_and_a_rate_scheduler_behave_as_in_one_process(runs):
+    """validation_split takes the same last quarter, validation runs after epochs 2 and 4
+    only, training starts at initial_epoch 1, and the scheduler's halved rates are used."""
+    ranks, reference, _ = runs
+    ours, theirs = ranks[0]["keras_arguments"], reference["keras_arguments"]
+    assert len(ours["history"]["loss"]) == len(theirs["history"]["loss"]) == 3
+    assert len(ours["history"]["val_loss"]) == len(theirs["history"]["val_loss"]) == 2
 
 
 def test_rank_dependent_adapt_ends_with_rank_0s_vocabulary_everywhere(runs):

@@ -23,12 +23,12 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 
-from user_programs import PROGRAMS, Program, convnet_callback_list
+from user_programs import CALLBACKS, PROGRAMS, Program
 
 
 def plain_keras_fit(program: Program, batch: int, directory: Path) -> dict[str, Any]:
     fit = dict(program.fit)
-    callbacks = convnet_callback_list(str(directory)) if fit.pop("callbacks", None) else []
+    callbacks = _callbacks(fit, directory)
     x = fit["x"]
     for key in ("x", "validation_data"):     # Keras takes datasets batched
         if isinstance(fit.get(key), tf.data.Dataset) and not _batched(fit[key]):
@@ -36,6 +36,11 @@ def plain_keras_fit(program: Program, batch: int, directory: Path) -> dict[str, 
     history = program.model.fit(batch_size=None if isinstance(x, tf.data.Dataset) else batch,
                                 callbacks=callbacks, verbose=0, **fit)
     return {"history": history.history}
+
+
+def _callbacks(fit: dict[str, Any], directory: Path) -> list:
+    name = fit.pop("callbacks", None)
+    return CALLBACKS[name](str(directory)) if name else []
 
 
 def _batched(dataset: tf.data.Dataset) -> bool:
@@ -48,7 +53,7 @@ def hvdtrain_fit(program: Program, batch: int, directory: Path) -> dict[str, Any
     import hvdtrain
 
     fit = dict(program.fit)
-    callbacks = convnet_callback_list(str(directory)) if fit.pop("callbacks", None) else []
+    callbacks = _callbacks(fit, directory)
     x, y = fit.pop("x"), fit.pop("y", None)
     result = hvdtrain.fit(program.model, x, y, batch_size=batch, callbacks=callbacks,
                           run_dir=str(directory / "run"), lr_scaling="none", warmup_epochs=0,

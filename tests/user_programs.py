@@ -353,6 +353,7 @@ def convnet_callback_list(directory: str) -> list[keras.callbacks.Callback]:
             keras.callbacks.ModelCheckpoint(f"{directory}/best.keras", monitor="val_accuracy",
                                             save_best_only=True),
             keras.callbacks.CSVLogger(f"{directory}/log.csv"),
+            keras.callbacks.TensorBoard(f"{directory}/tensorboard"),
             keras.callbacks.TerminateOnNaN()]
 
 
@@ -418,6 +419,57 @@ def regularised_regression(batch_size: int) -> Program:
                            "validation_data": (x[768:], y[768:])})
 
 
+# --- 10. model.fit's own arguments on arrays --------------------------------------------------
+
+def keras_arguments(batch_size: int) -> Program:
+    """Binary labels of shape (N,) under a (N, 1) sigmoid output (Keras matches the ranks),
+    sample weights, Keras' validation_split (the last quarter), validation every second epoch,
+    a start at initial_epoch 1, and a LearningRateScheduler that halves the rate each epoch."""
+    x, y = _digits()
+    keras.utils.set_random_seed(15)
+    odd = (y % 2).astype(np.float32)
+    weights = np.where(y < 3, 2.0, 1.0).astype(np.float32)
+    model = keras.Sequential([keras.Input((8, 8, 1)), keras.layers.Flatten(),
+                              keras.layers.Dense(16, activation="relu"),
+                              keras.layers.Dense(1, activation="sigmoid")])
+    model.compile(optimizer=keras.optimizers.SGD(0.2), loss="binary_crossentropy",
+                  metrics=["accuracy"])
+    return Program(model, {"x": x[:1280], "y": odd[:1280], "sample_weight": weights[:1280],
+                           "validation_split": 0.25, "validation_freq": 2, "epochs": 4,
+                           "initial_epoch": 1, "shuffle": False, "callbacks": "halving"})
+
+
+def halving_callback_list(directory: str) -> list[keras.callbacks.Callback]:
+    return [keras.callbacks.LearningRateScheduler(lambda epoch, rate: rate * 0.5)]
+
+
+# --- 11. A keras.utils.PyDataset --------------------------------------------------------------
+
+class DigitBatches(keras.utils.PyDataset):
+    def __init__(self, x: np.ndarray, y: np.ndarray, batch_size: int) -> None:
+        super().__init__()
+        self.x, self.y, self.batch_size = x, y, batch_size
+
+    def __len__(self) -> int:
+        return -(-len(self.x) // self.batch_size)
+
+    def __getitem__(self, index: int):
+        rows = slice(index * self.batch_size, (index + 1) * self.batch_size)
+        return self.x[rows], self.y[rows]
+
+
+def py_dataset(batch_size: int) -> Program:
+    x, y = _digits()
+    keras.utils.set_random_seed(16)
+    model = keras.Sequential([keras.Input((8, 8, 1)), keras.layers.Flatten(),
+                              keras.layers.Dense(10, activation="softmax")])
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss="sparse_categorical_crossentropy",
+                  metrics=["accuracy"])
+    return Program(model, {"x": DigitBatches(x[:1000], y[:1000], batch_size), "epochs": 2,
+                           "shuffle": False,
+                           "validation_data": DigitBatches(x[1000:], y[1000:], batch_size)})
+
+
 PROGRAMS: dict[str, Callable[[int], Program]] = {
     "custom_train_step": custom_train_step,
     "gan": gan,
@@ -428,4 +480,12 @@ PROGRAMS: dict[str, Callable[[int], Program]] = {
     "convnet_callbacks": convnet_callbacks,
     "user_dataset": user_dataset,
     "regularised_regression": regularised_regression,
+    "keras_arguments": keras_arguments,
+    "py_dataset": py_dataset,
+}
+
+# The callbacks a program names, made where it runs (they may hold paths).
+CALLBACKS: dict[str, Callable[[str], list[keras.callbacks.Callback]]] = {
+    "convnet": convnet_callback_list,
+    "halving": halving_callback_list,
 }

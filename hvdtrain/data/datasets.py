@@ -9,7 +9,8 @@ sample_weight)``). How a rank takes its share:
   same order, so N ranks x b compute what 1 x N*b does.
 * **Batched** (``.batch``, ``.padded_batch``, ``timeseries_dataset_from_array``,
   ``image_dataset_from_directory``, a ``PyDataset``): rank r keeps batches r, r+N, ...: its
-  batches are per-rank batches, as given (``--batch-size`` does not apply).
+  batches are per-rank batches, as given (``--batch-size`` does not apply). A ``PyDataset``'s
+  batch order is shuffled every epoch (seeded) unless ``shuffle`` is off, as Keras does.
 
 Every rank must run the same number of steps. hvdtrain's own step (which divides by the real
 examples of the global batch, counted in the step) pads a rank that runs short with
@@ -56,17 +57,24 @@ def four_tuple(element: Any) -> tuple[Any, Any, tf.Tensor, tf.Tensor]:
     return x, () if y is None else y, weights, tf.ones([rows], tf.float32)
 
 
-def py_dataset_as_tf(source: keras.utils.PyDataset, rank: int, size: int) -> tf.data.Dataset:
-    """A ``PyDataset``'s batches r, r+N, ... as a ``tf.data.Dataset`` (on_epoch_end is called
-    after every pass, as Keras does)."""
+def py_dataset_as_tf(source: keras.utils.PyDataset, spec: ShardSpec,
+                     first_epoch: int = 0) -> tf.data.Dataset:
+    """A ``PyDataset``'s batches as a ``tf.data.Dataset``: each pass (epoch) orders the batch
+    indices (shuffled by (seed, epoch) when ``spec.shuffle``, as Keras shuffles a PyDataset's
+    batches) and this rank takes every N-th; ``on_epoch_end`` is called after every pass, as
+    Keras does."""
     first = source[0]
     signature = tf.nest.map_structure(
         lambda value: tf.TensorSpec((None, *np.shape(value)[1:]),
                                     tf.as_dtype(np.asarray(value).dtype)), first)
+    passes = iter(range(first_epoch, 1 << 30))
 
     def batches():
-        for index in range(rank, len(source), size):
-            yield source[index]
+        order = np.arange(len(source))
+        if spec.shuffle:
+            order = np.random.default_rng((spec.seed, next(passes))).permutation(order)
+        for index in order[spec.world.rank::spec.world.size]:
+            yield source[int(index)]
         source.on_epoch_end()
 
     return tf.data.Dataset.from_generator(batches, output_signature=signature)
@@ -111,11 +119,11 @@ class DatasetSplit:
         x = keras_parts(self._element_spec())[0]
         return tf.nest.map_structure(lambda spec: tuple(spec.shape[1:]), x)
 
-    def _rank_batches(self, spec: ShardSpec) -> tf.data.Dataset:
+    def _rank_batches(self, spec: ShardSpec, first_epoch: int = 0) -> tf.data.Dataset:
         """This rank's batches, as the user's elements (before weights and padding)."""
         size, rank = spec.world.size, spec.world.rank
         if isinstance(self.source, keras.utils.PyDataset):
-            return py_dataset_as_tf(self.source, rank, size)
+            return py_dataset_as_tf(self.source, spec, first_epoch)
         if not isinstance(self.source, tf.data.Dataset):
             raise DatasetError(f"expected a tf.data.Dataset, got {type(self.source).__name__}")
         if self.batched:
@@ -147,7 +155,7 @@ class DatasetSplit:
 
     def dataset(self, spec: ShardSpec, first_epoch: int = 0,
                 end_epoch: int = 1) -> tf.data.Dataset:
-        batches = self._weighted(self._rank_batches(spec))
+        batches = self._weighted(self._rank_batches(spec, first_epoch))
         if not spec.equal_steps:
             return batches.prefetch(tf.data.AUTOTUNE)
         steps = spec.steps_per_epoch

@@ -258,6 +258,12 @@ class RateControl(keras.callbacks.Callback):
             optimizer.learning_rate = base * self.schedule.multiplier(step) * self.factors[name]
             self.last_set[name] = float(optimizer.learning_rate)
 
+    def on_train_begin(self, logs: dict | None = None) -> None:
+        """The rates as training finds them (built, or restored), so a change a callback makes
+        before the first step (at the first epoch's begin) is seen as one."""
+        for name, (optimizer, _) in self.bases.items():
+            self.last_set[name] = float(optimizer.learning_rate)
+
     def on_train_batch_begin(self, batch: int, logs: dict | None = None) -> None:
         self.set_rates()
 
@@ -573,11 +579,13 @@ class ChiefOnly(keras.callbacks.Callback):
 
     def set_model(self, model: keras.Model) -> None:
         super().set_model(model)
-        self.inner.set_model(model)
+        if self.is_chief:     # TensorBoard writes its graph already here
+            self.inner.set_model(model)
 
     def set_params(self, params: dict) -> None:
         super().set_params(params)
-        self.inner.set_params(params)
+        if self.is_chief:
+            self.inner.set_params(params)
 
 
 def rank_aware(callbacks: Sequence[keras.callbacks.Callback],
