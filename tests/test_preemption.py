@@ -128,11 +128,11 @@ def test_a_damaged_newest_checkpoint_is_set_aside_for_the_previous(tmp_path):
                                             ".damaged-epoch-0001-step-000020").is_dir()
 
 
-def start_wrapper(wrapper: str, run_dir: Path, *args: str) -> subprocess.Popen:
+def start_wrapper(wrapper: str, run_dir: Path, *args: str, **env: str) -> subprocess.Popen:
     """A 2-rank job through launch/<wrapper>, in its own session (so signals reach only it)."""
     return subprocess.Popen([str(REPO / "launch" / wrapper), "-np", "2", "--", "--run-dir",
                              str(run_dir), "--no-progress", *args],
-                            env=rank_env(), cwd=run_dir.parent, stdout=subprocess.PIPE,
+                            env=rank_env(**env), cwd=run_dir.parent, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, stdin=subprocess.DEVNULL,
                             start_new_session=True)
 

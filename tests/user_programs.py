@@ -489,3 +489,29 @@ CALLBACKS: dict[str, Callable[[str], list[keras.callbacks.Callback]]] = {
     "convnet": convnet_callback_list,
     "halving": halving_callback_list,
 }
+
+
+# --- The GAN through the command line: --model user_programs:gan_model, --dataset ...:images -
+
+def gan_model(input_shape, num_classes) -> keras.Model:
+    """``--model`` builder: the GAN of program 2, compiled, for images of ``input_shape``."""
+    latent = 8
+    discriminator = keras.Sequential([keras.Input(input_shape), keras.layers.Flatten(),
+                                      keras.layers.Dense(32), keras.layers.LeakyReLU(0.2),
+                                      keras.layers.Dense(1, activation="sigmoid")],
+                                     name="discriminator")
+    generator = keras.Sequential([keras.Input((latent,)), keras.layers.Dense(32),
+                                  keras.layers.LeakyReLU(0.2),
+                                  keras.layers.Dense(int(np.prod(input_shape)),
+                                                     activation="sigmoid"),
+                                  keras.layers.Reshape(input_shape)], name="generator")
+    model = GAN(discriminator, generator, latent, _counter())
+    model.compile(d_optimizer=keras.optimizers.Adam(0.001),
+                  g_optimizer=keras.optimizers.Adam(0.001),
+                  loss_fn=keras.losses.BinaryCrossentropy())
+    return model
+
+
+def digit_images() -> np.ndarray:
+    """``--dataset`` function: images alone (a GAN has no targets)."""
+    return _digits()[0][:1024]
