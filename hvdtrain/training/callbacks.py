@@ -267,6 +267,12 @@ class RateControl(keras.callbacks.Callback):
     def on_train_batch_begin(self, batch: int, logs: dict | None = None) -> None:
         self.set_rates()
 
+    def on_train_end(self, logs: dict | None = None) -> None:
+        """Remember each optimizer's base rate and the rate last set, so a next ``fit`` of the
+        same model (a notebook) starts from the base again, not from the scaled rate."""
+        for name, (optimizer, base) in self.bases.items():
+            optimizer._hvdtrain_rates = (base, float(optimizer.learning_rate))
+
 
 class TensorBoardEvents(keras.callbacks.Callback):
     """Rank 0 writes every epoch's logs (losses, metrics, rate, examples/second) as TensorBoard

@@ -63,10 +63,10 @@ class CompiledObjective:
 
 def compiled_objective(model: keras.Model) -> CompiledObjective:
     """The loss, metrics and optimizer a model was compiled with, or the default."""
-    if not getattr(model, "compiled", False) or getattr(model, "loss", None) is None:
-        return CompiledObjective()
     arguments = compile_arguments(model)
-    return CompiledObjective(loss=model.loss,
+    if not getattr(model, "compiled", False) or arguments.get("loss") is None:
+        return CompiledObjective()
+    return CompiledObjective(loss=arguments["loss"],
                              loss_weights=arguments.get("loss_weights"),
                              metrics=arguments.get("metrics"),
                              weighted_metrics=arguments.get("weighted_metrics"),

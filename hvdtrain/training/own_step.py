@@ -69,15 +69,17 @@ class OwnStep:
     skips_non_finite_updates = False
 
     def __init__(self, model: keras.Model, collectives: Collectives, keras_element: Any,
-                 compression: bool = False) -> None:
+                 reduction: GradientReduction = GradientReduction("average")) -> None:
         """``keras_element(x, y, sample_weight)``: the batch as Keras ``fit`` would hand it to
-        ``train_step`` for this data (``x``, ``(x, y)`` or ``(x, y, sample_weight)``)."""
+        ``train_step`` for this data (``x``, ``(x, y)`` or ``(x, y, sample_weight)``);
+        ``reduction``: how the optimizers combine gradients (average, or Adasum of the ranks'
+        mean gradients; fp16 on the wire)."""
         self.model = model
         self.collectives = collectives
         self.optimizers = owned_optimizers(model)
         self.optimizer = next(iter(self.optimizers.values()), None)
         self.keras_element = keras_element
-        self.reduction = GradientReduction("average", compression)
+        self.reduction = reduction
         self._model_step = type(model).train_step.__get__(model)
         (self.global_loss, self.stop_vote, self.stop_votes, self.callback_stop_vote,
          self.callback_stop_votes) = vote_variables()

@@ -54,8 +54,8 @@ from hvdtrain.training.own_step import OwnStep
 from hvdtrain.training.step import Evaluation, StepMath, StepOptions, TrainingStep
 from hvdtrain.training.trainable import Trainable, own_step_reason, prepare
 from hvdtrain.training.watchdog import stopped_after, watchdog_for
-from hvdtrain.world import (PEER_SHUT_DOWN, Collectives, World, init_collectives,
-                            place_devices)
+from hvdtrain.world import (PEER_SHUT_DOWN, Collectives, GradientReduction, World,
+                            init_collectives, place_devices)
 
 
 def say(world: World, message: str) -> None:
@@ -446,8 +446,9 @@ class Run:
               collectives: Collectives) -> TrainingStep:
         optim = self.config.optim
         if trainable.own_step is not None:
+            op = "adasum" if optim.reduction == "adasum" else "average"
             return OwnStep(trainable.model, collectives, data.keras_element,
-                           optim.compression == "fp16")
+                           GradientReduction(op, optim.compression == "fp16"))
         return StepMath(trainable.model, trainable.optimizer, collectives, trainable.objective,
                         StepOptions(optim.accumulation_steps, optim.reduction == "adasum",
                                     optim.compression == "fp16", data.train.normalised))

@@ -109,8 +109,8 @@ WITH_MOMENTUM = ("sgd", "rmsprop")
 
 def make_optimizer(config: OptimConfig, schedule: WarmupScaledRate) -> keras.optimizers.Optimizer:
     """The configured optimizer at the schedule's starting rate (``RateControl`` moves it): a
-    Keras optimizer by name with its defaults, or a user's ``package.module:fn(learning_rate)``
-    called with the base rate."""
+    Keras optimizer by name with its defaults (``auto``, with no compiled optimizer to take:
+    sgd), or a user's ``package.module:fn(learning_rate)`` called with the base rate."""
     if is_plugin(config.optimizer):
         optimizer = load_callable(config.optimizer, "optimizer")(schedule.base)
         if not isinstance(optimizer, keras.optimizers.Optimizer):
@@ -118,10 +118,11 @@ def make_optimizer(config: OptimConfig, schedule: WarmupScaledRate) -> keras.opt
                             "keras.optimizers.Optimizer; build it with the learning rate it "
                             "receives and return it")
         return optimizer
+    name = "sgd" if config.optimizer == "auto" else config.optimizer   # nothing compiled
     arguments = {"learning_rate": schedule.base}
-    if config.optimizer in WITH_MOMENTUM:
+    if name in WITH_MOMENTUM:
         arguments["momentum"] = config.momentum
-    return keras_optimizer_classes()[config.optimizer](**arguments)
+    return keras_optimizer_classes()[name](**arguments)
 
 
 def keras_optimizer_classes() -> dict[str, type]:

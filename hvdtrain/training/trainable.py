@@ -16,7 +16,7 @@ follow.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import keras
 
@@ -38,20 +38,22 @@ def own_step_reason(model: keras.Model, data: DataBundle) -> str | None:
         return f"it defines {', '.join(methods)}"
     if not data.targets:
         return "the data has no targets"
-    if getattr(model, "compiled", False) and getattr(model, "loss", None) is None:
+    if getattr(model, "compiled", False) and compile_arguments(model).get("loss") is None:
         return "it was compiled without a loss (Keras trains it on its add_loss losses)"
     return None
 
 
 def settable_rate(optimizer: keras.optimizers.Optimizer) -> float | None:
-    """The optimizer's current rate, or None when it is a ``LearningRateSchedule`` (Keras
-    cannot set such a rate)."""
+    """The optimizer's rate for one rank, or None when it is a ``LearningRateSchedule`` (Keras
+    cannot set such a rate). After an earlier run of this model it is that run's base rate,
+    unless the user has set another since (``RateControl.on_train_end``)."""
     try:
         rate = float(optimizer.learning_rate)
         optimizer.learning_rate = rate
     except TypeError:
         return None
-    return rate
+    base, last = getattr(optimizer, "_hvdtrain_rates", (rate, rate))
+    return base if rate == last else rate
 
 
 @dataclass
@@ -99,7 +101,7 @@ def _exact_optimizer(config: Config, model: keras.Model,
             compiled.learning_rate = optim.learning_rate
         return compiled, f"the model's compiled {type(compiled).__name__}"
     named = "sgd" if optim.optimizer == "auto" else optim.optimizer
-    optimizer = make_optimizer(replace(optim, optimizer=named), schedule)
+    optimizer = make_optimizer(optim, schedule)
     if config.train.precision == "mixed_float16":
         optimizer = keras.optimizers.LossScaleOptimizer(optimizer)
     if compiled is None:
