@@ -73,7 +73,9 @@ def test_a_killed_rank_fails_the_slurm_job(slurm):
     os.kill(victim, signal.SIGKILL)
     killed = time.time()
     record = wait_for(lambda: slurm.finished(job), ABORT_BOUND_S + 60, every=0.5)
-    assert time.time() - killed < ABORT_BOUND_S
+    took = time.time() - killed
+    print(f"slurm abort took {took:.1f} s")
+    assert took < ABORT_BOUND_S
     assert record["JobState"] in ("FAILED", "CANCELLED") and record["ExitCode"] != "0:0"
     time.sleep(2)
     assert processes_mentioning(str(run_dir)) == {}

@@ -259,10 +259,12 @@ class RateControl(keras.callbacks.Callback):
             self.last_set[name] = float(optimizer.learning_rate)
 
     def on_train_begin(self, logs: dict | None = None) -> None:
-        """The rates as training finds them (built, or restored), so a change a callback makes
-        before the first step (at the first epoch's begin) is seen as one."""
-        for name, (optimizer, _) in self.bases.items():
-            self.last_set[name] = float(optimizer.learning_rate)
+        """Set the rates for the coming step at once (an elastic segment that starts at an
+        epoch's end runs no step, yet logs its world's rate), and note them, so a change a
+        callback makes before the first step (at the first epoch's begin) is seen as one."""
+        for name in self.bases:
+            self.last_set[name] = None
+        self.set_rates()
 
     def on_train_batch_begin(self, batch: int, logs: dict | None = None) -> None:
         self.set_rates()

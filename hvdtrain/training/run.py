@@ -39,7 +39,8 @@ from hvdtrain.config import Config, DataConfig
 from hvdtrain.data.files import LABEL_RANGE_MESSAGE, FileSplit
 from hvdtrain.data.pipeline import ShardSpec
 from hvdtrain.data.sources import ArraySplit, DataBundle, Split, load_source
-from hvdtrain.errors import PeerFailed, UserError
+from hvdtrain.errors import (CheckpointWriteFailed, PeerFailed, StoppedBySignal,
+                             TrainingDiverged, UserError)
 from hvdtrain.models import build_model, check_input_shape
 from hvdtrain.plugins import load_callable
 from hvdtrain.plots import plot_curves
@@ -144,6 +145,16 @@ def seed_everything(seed: int, rank: int) -> None:
     on every rank and its shards stay disjoint."""
     keras.utils.set_random_seed(seed + rank)
     tf.random.set_seed(seed)
+
+
+def raised_here(error: BaseException) -> bool:
+    """Whether an error began on this rank (the user's code, a one-rank mistake) while its
+    peers may wait for it in a collective, rather than in a collective (a peer is gone, Horovod
+    is down: shutting Horovod down then could wait on the dead peer) or by agreement of every
+    rank (a stop, a divergence, a failed checkpoint write)."""
+    if isinstance(error, (StoppedBySignal, TrainingDiverged, CheckpointWriteFailed)):
+        return False
+    return "Horovod" not in str(error) and not isinstance(error, tf.errors.UnavailableError)
 
 
 ModelFactory = Callable[[Any, "int | None"], keras.Model]
@@ -404,11 +415,12 @@ class Run:
             try:
                 return self._train(collectives)
             except BaseException as error:
-                if collectives.world.size > 1 and not self.config.train.elastic:
-                    collectives.shutdown()   # no peer waits for this rank in a collective
                 if PEER_SHUT_DOWN in str(error):
                     raise PeerFailed("another rank ended with an error (shown by that rank); "
                                      "this rank stopped with it") from error
+                if raised_here(error) and collectives.world.size > 1 and (
+                        not self.config.train.elastic):
+                    collectives.shutdown()   # no peer waits for this rank in a collective
                 raise
 
     def _callbacks(self) -> list[keras.callbacks.Callback]:
