@@ -149,9 +149,9 @@ def seed_everything(seed: int, rank: int) -> None:
 
 def raised_here(error: BaseException) -> bool:
     """Whether an error began on this rank (the user's code, a one-rank mistake) while its
-    peers may wait for it in a collective, rather than in a collective (a peer is gone, Horovod
-    is down: shutting Horovod down then could wait on the dead peer) or by agreement of every
-    rank (a stop, a divergence, a failed checkpoint write)."""
+    peers may wait for it in a collective, rather than in a collective (a peer's process is
+    gone: shutting Horovod down then waits on it, until Slurm kills the rank, measured) or by
+    agreement of every rank (a stop, a divergence, a failed checkpoint write)."""
     if isinstance(error, (StoppedBySignal, TrainingDiverged, CheckpointWriteFailed)):
         return False
     return "Horovod" not in str(error) and not isinstance(error, tf.errors.UnavailableError)
@@ -415,12 +415,15 @@ class Run:
             try:
                 return self._train(collectives)
             except BaseException as error:
-                if PEER_SHUT_DOWN in str(error):
+                peer_failed = PEER_SHUT_DOWN in str(error)
+                if (peer_failed or raised_here(error)) and collectives.world.size > 1 and (
+                        not self.config.train.elastic):
+                    # No peer waits for this rank in a collective; the next run starts
+                    # Horovod afresh.
+                    collectives.shutdown()
+                if peer_failed:
                     raise PeerFailed("another rank ended with an error (shown by that rank); "
                                      "this rank stopped with it") from error
-                if raised_here(error) and collectives.world.size > 1 and (
-                        not self.config.train.elastic):
-                    collectives.shutdown()   # no peer waits for this rank in a collective
                 raise
 
     def _callbacks(self) -> list[keras.callbacks.Callback]:
