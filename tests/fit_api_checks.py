@@ -134,3 +134,8 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+
+
+def failing_on_rank_1() -> list[keras.callbacks.Callback]:
+    """``--callbacks fit_api_checks:failing_on_rank_1``: the user's callback fails on rank 1."""
+    return [FailAt(1, (1,), "the user's callback failed on rank 1")]
