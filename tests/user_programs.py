@@ -515,3 +515,15 @@ def gan_model(input_shape, num_classes) -> keras.Model:
 def digit_images() -> np.ndarray:
     """``--dataset`` function: images alone (a GAN has no targets)."""
     return _digits()[0][:1024]
+
+
+def dropout_mlp(input_shape, num_classes) -> keras.Model:
+    """``--model`` builder: a compiled MLP with dropout (random draws that a checkpoint must
+    carry for a resumed run to equal an uninterrupted one)."""
+    model = keras.Sequential([keras.Input(input_shape), keras.layers.Flatten(),
+                              keras.layers.Dense(64, activation="relu"),
+                              keras.layers.Dropout(0.3),
+                              keras.layers.Dense(num_classes, activation="softmax")])
+    model.compile(optimizer=keras.optimizers.Adam(0.005),
+                  loss="sparse_categorical_crossentropy", metrics=["accuracy"])
+    return model
