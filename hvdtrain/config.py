@@ -167,6 +167,10 @@ class TrainConfig:
                                   "checkpoint) or auto (continue if there is one, else start; "
                                   "for requeued jobs)", choices=("never", "required", "auto"),
                          bare="required")
+    accept_changes: bool = option(False, "with --resume: continue a run whose settings "
+                                         "(learning rate, schedule, batch size, ...) differ "
+                                         "from its checkpoint's; its model, data and "
+                                         "optimizers must still match")
     checkpoint_every_steps: int = option(0, "also checkpoint every N steps within an epoch (0: "
                                             "at epoch ends only); a stop loses at most N steps",
                                          minimum=0)

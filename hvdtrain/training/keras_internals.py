@@ -63,6 +63,11 @@ def set_initial_epoch(model: keras.Model, epoch: int | None) -> None:
     model._initial_epoch = epoch
 
 
+def initial_epoch_of(model: keras.Model) -> int:
+    """The epoch ``BackupAndRestore`` told ``fit`` to start at (0: none)."""
+    return int(getattr(model, "_initial_epoch", None) or 0)
+
+
 def keras_version() -> tuple[int, int]:
     major, minor = keras.__version__.split(".")[:2]
     return int(major), int(minor)

@@ -48,10 +48,11 @@ from hvdtrain.training.elastic import ElasticRun, elastic_loop
 from hvdtrain.training.adapted_state import agree_on_adapted_state
 from hvdtrain.training.callbacks import (FirstStepClock, MetricsFiles, PlateauDecay, Progress,
                                          ResumePoint, RunHooks, standard_callbacks)
-from hvdtrain.training.keras_internals import set_initial_epoch, sublayers
+from hvdtrain.training.keras_internals import initial_epoch_of, set_initial_epoch, sublayers
 from hvdtrain.training.loops import LOOPS
 from hvdtrain.training.objective import probe
 from hvdtrain.training.own_step import OwnStep
+from hvdtrain.training.resume_check import check_resumable, optimizers_changed
 from hvdtrain.training.step import Evaluation, StepMath, StepOptions, TrainingStep
 from hvdtrain.training.trainable import Trainable, own_step_reason, prepare
 from hvdtrain.training.watchdog import stopped_after, watchdog_for
@@ -120,15 +121,23 @@ def weight_fingerprint(model: keras.Model) -> str:
     return digest.hexdigest()[:16]
 
 
-def _restore(model_label: str, store: CheckpointStore, model: keras.Model,
+def _restore(run: dict[str, Any], accept_changes: bool, store: CheckpointStore,
+             model: keras.Model,
              optimizers: dict[str, keras.optimizers.Optimizer]) -> dict[str, Any]:
-    """Rank 0: load the newest intact checkpoint into the model and its optimizers; return its
-    state (and every rank's random-generator state, for the ranks to take their own)."""
+    """Rank 0: check that the newest intact checkpoint was trained with what this ``run``
+    trains (``resume_check``), load it into the model and its optimizers; return its state (and
+    every rank's random-generator state, for the ranks to take their own)."""
     latest = store.newest_intact(lambda line: print(f"hvdtrain: {line}", flush=True))
     state = store.read_state(latest)
-    if state.get("model") != model_label:
+    if state.get("model") != run["model"]:
         raise UserError(f"{latest} was trained with model '{state.get('model')}', not "
-                        f"'{model_label}'; resume with the same --model")
+                        f"'{run['model']}'; resume with the same --model")
+    changed = check_resumable(state, run, latest, accept_changes)
+    if changed:
+        print(f"hvdtrain: continuing {latest} with changed data or settings "
+              f"({'; '.join(changed)}), as --accept-changes asks", flush=True)
+    if optimizers_changed(state, run):   # only the weights carry over
+        optimizers, state["optimizers"], state["rates"] = {}, {}, {}
     store.restore(latest, model, optimizers)
     return {"epoch": int(state["epoch"]), "plateau": state.get("plateau"),
             "rates": state.get("rates", {}), "built_for": state.get("optimizers", {}),
@@ -283,48 +292,60 @@ def _agreed_steps(split: Split, spec: ShardSpec, collectives: Collectives) -> in
     return min(counts) if spec.remainder == "drop" else max(counts)
 
 
-def _starting_point(config: Config, model_label: str, collectives: Collectives, run_dir: Path,
-                    resuming: bool, store: CheckpointStore, step: TrainingStep,
+def _resumed(restored: dict[str, Any], world: World, run_dir: Path, store: CheckpointStore,
+             step: TrainingStep, trainable: Trainable,
+             plateau: PlateauDecay | None) -> ResumePoint:
+    """Every rank, after rank 0 restored a checkpoint: the same optimizers built, this rank's
+    own random-generator state back, the rate factors and plateau state loaded; rank 0 makes
+    the metrics files end at the checkpoint's epoch."""
+    build_optimizers(trainable.model, step.optimizers, restored["built_for"])
+    if restored["rank_states"][world.rank:world.rank + 1]:
+        assign_rank_state(trainable.model, restored["rank_states"][world.rank])
+    if plateau is not None and restored["plateau"]:
+        plateau.load(restored["plateau"])
+    trainable.rates.load(restored["rates"])
+    start = restored["resume"]
+    if world.is_chief:
+        MetricsFiles(run_dir).resume_at(start.epoch, restored["metrics"])
+    where = f", step {start.step}" if start.step else ""
+    say(world, f"resuming after epoch {start.epoch}{where} from "
+               f"{store.directory / restored['name']}")
+    return start
+
+
+def _starting_point(config: Config, run: dict[str, Any], collectives: Collectives,
+                    run_dir: Path, resuming: bool, store: CheckpointStore, step: TrainingStep,
                     trainable: Trainable, plateau: PlateauDecay | None,
                     backup: keras.callbacks.BackupAndRestore | None
                     ) -> tuple[ResumePoint, list[str]]:
     """Restore when resuming (or from a user's ``BackupAndRestore``), then give every rank rank
     0's weights and optimizer state; each rank keeps (or takes back) its own random-generator
-    state. Returns where to start and each rank's weight fingerprint before the broadcast."""
+    state. ``run``: what this run trains (saved in its checkpoints, compared with theirs).
+    Returns where to start and each rank's weight fingerprint before the broadcast."""
     world, model, optimizers = collectives.world, trainable.model, step.optimizers
-    initial_epoch = 0
+
+    def restore() -> dict[str, Any]:
+        return _restore(run, config.train.accept_changes, store, model, optimizers)
+
     start = ResumePoint()
     if resuming and config.train.elastic:
         # Rank 0 restores; the elastic state carries weights and epoch to the others.
         if world.is_chief:
-            restored = _restore(model_label, store, model, optimizers)
-            initial_epoch = restored["epoch"]
-            MetricsFiles(run_dir).resume_at(initial_epoch, restored["metrics"])
+            restored = restore()
+            start = ResumePoint(restored["epoch"])
+            MetricsFiles(run_dir).resume_at(start.epoch, restored["metrics"])
     elif resuming:
-        restored = chief_decides(collectives,
-                                 lambda: _restore(model_label, store, model, optimizers))
-        initial_epoch, start = restored["epoch"], restored["resume"]
-        build_optimizers(model, optimizers, restored["built_for"])
-        if restored["rank_states"][world.rank:world.rank + 1]:
-            assign_rank_state(model, restored["rank_states"][world.rank])
-        if plateau is not None and restored["plateau"]:
-            plateau.load(restored["plateau"])
-        trainable.rates.load(restored["rates"])
-        if world.is_chief:
-            MetricsFiles(run_dir).resume_at(initial_epoch, restored["metrics"])
-        where = f", step {start.step}" if start.step else ""
-        say(world, f"resuming after epoch {initial_epoch}{where} from "
-                   f"{store.directory / restored['name']}")
+        start = _resumed(chief_decides(collectives, restore), world, run_dir, store, step,
+                         trainable, plateau)
     elif backup is not None:
-        initial_epoch = chief_decides(collectives, lambda: _from_backup(backup, model))
-        start = ResumePoint(initial_epoch)
-        if initial_epoch:
-            say(world, f"BackupAndRestore: continuing after epoch {initial_epoch} from "
+        start = ResumePoint(chief_decides(collectives, lambda: _from_backup(backup, model)))
+        if start.epoch:
+            say(world, f"BackupAndRestore: continuing after epoch {start.epoch} from "
                        f"{backup.backup_dir}")
     if world.is_chief:   # only now: a rejected run must not overwrite a run's config
         atomic_write_text(run_dir / "config.yaml", config.to_yaml())
     if config.train.elastic:   # the elastic state broadcasts on every (re)start instead
-        return ResumePoint(initial_epoch), []
+        return ResumePoint(start.epoch), []
     changed = agree_on_adapted_state(model, collectives)
     if changed:
         print(f"note: rank {world.rank}'s adapted state of {', '.join(changed)} differed from "
@@ -342,7 +363,7 @@ def _from_backup(backup: keras.callbacks.BackupAndRestore, model: keras.Model) -
     the epoch to start at), done once before the broadcast instead."""
     backup.set_model(model)
     backup.on_train_begin()
-    epoch = int(getattr(model, "_initial_epoch", None) or 0)
+    epoch = initial_epoch_of(model)
     set_initial_epoch(model, None)
     return epoch
 
@@ -544,15 +565,18 @@ class Run:
         backup = next((c for c in user_callbacks
                        if isinstance(c, keras.callbacks.BackupAndRestore)), None)
         store = CheckpointStore(run_dir, config.train.keep_checkpoints)
+        state = {"model": self.model_label, "dataset": config.data.dataset,
+                 "input_shape": data.input_shape, "num_classes": data.num_classes,
+                 "examples": data.train.num_examples,
+                 "optimizer_classes": {name: type(optimizer).__name__
+                                       for name, optimizer in step.optimizers.items()},
+                 "world_size": world.size, "config": config.to_dict()}
         start, before_broadcast = _starting_point(
-            config, self.model_label, collectives, run_dir, resuming, store, step, trainable,
-            plateau, backup)
+            config, state, collectives, run_dir, resuming, store, step, trainable, plateau,
+            backup)
         initial_epoch = max(start.epoch, config.train.initial_epoch)
 
         epochs = config.train.epochs
-        state = {"model": self.model_label, "dataset": config.data.dataset,
-                 "input_shape": data.input_shape, "num_classes": data.num_classes,
-                 "world_size": world.size, "config": config.to_dict()}
         say(world, f"training {self.model_label} on {config.data.dataset}: "
                    f"{data.train.num_examples or 'pipeline'} examples, {steps} steps/epoch, "
                    f"global batch {spec.global_batch}, remainder policy '{spec.remainder}'")
