@@ -12,6 +12,7 @@ import difflib
 import os
 import re
 import sys
+import time
 import traceback
 from dataclasses import dataclass
 from typing import Callable, NoReturn
@@ -22,6 +23,10 @@ from hvdtrain.data import convert
 from hvdtrain.config import add_arguments, config_from_args
 from hvdtrain.errors import UserError
 from hvdtrain.startup import hide_native_notices
+from hvdtrain.world import ended_by_another_rank, leave_horovod
+
+# A rank whose collective failed because another rank left waits this long before it exits.
+AFTER_ANOTHER_RANK_S = 1.0
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -143,3 +148,11 @@ def main(argv: list[str] | None = None) -> int:
             traceback.print_exc()
         print(f"hvdtrain: error: {error}", file=sys.stderr, flush=True)
         return error.exit_code
+    except Exception as error:
+        if debug or not ended_by_another_rank(error):
+            raise
+        # Another rank failed and said why: leave quietly, after it, so that the launcher
+        # reports its exit code (the first non-zero one), not this rank's.
+        leave_horovod()
+        time.sleep(AFTER_ANOTHER_RANK_S)
+        return 1

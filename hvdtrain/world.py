@@ -196,6 +196,19 @@ class HorovodCollectives:
         return self._hvd.elastic.run(function)
 
 
+def ended_by_another_rank(error: BaseException) -> bool:
+    """True for the error a collective raises on this rank when another rank has left the job
+    (it failed, reported why, and shut Horovod down as its process ended): this rank has
+    nothing to add to that report."""
+    return "Horovod has been shut down" in str(error)
+
+
+def leave_horovod() -> None:
+    """Shut Horovod down now (it would at exit): its MPI_Finalize is what a rank that has
+    already left waits for before its own process can end."""
+    horovod_tensorflow().shutdown()
+
+
 def horovod_tensorflow() -> ModuleType:
     """The ``horovod.tensorflow`` module: the trainer's collectives use it, and the drop-in API
     (``hvdtrain.tensorflow``, ``hvdtrain.keras``) re-exports its unchanged names from here."""

@@ -42,13 +42,14 @@ def test_version_flag():
 
 def test_version_help_and_a_mistake_answer_without_loading_tensorflow():
     """The CLI imports TensorFlow and Keras only for a command that needs them (seconds saved
-    on every --version, --help and mistyped flag)."""
+    on every --version, --help, mistyped flag and option value out of range)."""
     probe = ("import sys\nfrom hvdtrain.cli import main\n"
-             "codes = [main(['--version']), main(['--epoch', '3'])]\n"
+             "codes = [main(['--version']), main(['--epoch', '3']), "
+             "main(['--learning-rate', 'nan'])]\n"
              "print(codes, sorted({'tensorflow', 'keras', 'horovod'} & set(sys.modules)))")
     result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
                             timeout=60, stdin=subprocess.DEVNULL)
-    assert result.stdout.splitlines()[-1] == "[0, 2] []", result.stdout + result.stderr
+    assert result.stdout.splitlines()[-1] == "[0, 2, 2] []", result.stdout + result.stderr
 
 
 def test_launcher_detection_from_environment():

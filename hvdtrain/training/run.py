@@ -30,7 +30,7 @@ import tensorflow as tf
 
 from hvdtrain.checkpoint import CheckpointStore, atomic_write_text, lock_run_dir
 from hvdtrain.config import Config, DataConfig
-from hvdtrain.data.files import LABEL_RANGE_MESSAGE, FileSplit
+from hvdtrain.data.files import LABEL_RANGE_MESSAGE, FileSplit, corrupt_record_message
 from hvdtrain.data.pipeline import ShardSpec
 from hvdtrain.data.sources import ArraySplit, DataBundle, Split, load_source
 from hvdtrain.errors import UserError
@@ -172,9 +172,7 @@ def data_errors_named(data: DataBundle):
     try:
         yield
     except tf.errors.DataLossError as error:
-        raise UserError("a TFRecord file is corrupt or truncated "
-                        f"({str(error).splitlines()[0][:160]}); regenerate it with "
-                        "'hvdtrain convert'") from error
+        raise UserError(corrupt_record_message((data.train, data.val), str(error))) from error
     except tf.errors.InvalidArgumentError as error:
         if LABEL_RANGE_MESSAGE not in str(error):
             raise
