@@ -226,3 +226,50 @@ def test_elastic_run_survives_a_slot_leaving_and_joining(tmp_path):
     for row in rows:
         assert row["lr"] == pytest.approx(0.05 * row["world_size"])
     assert read_summary(run_dir)["weights_identical"]
+
+
+def test_elastic_run_continues_on_the_survivor_when_a_rank_is_terminated(tmp_path):
+    """2 -> 1: rank 1 gets SIGTERM mid-epoch (under --elastic a signalled rank leaves at once);
+    the survivor's step fails in its grouped allreduce, which Horovod's elastic loop alone would
+    take for the end of training. It must re-form the world on its own, continue from the last
+    commit and finish every epoch. Commits only at epoch ends: a commit also checks for host
+    changes, which would otherwise often reach the survivor before its step fails. Two host
+    names for one machine: Horovod blacklists the host of a failed rank, and a job whose every
+    host is blacklisted stops."""
+    discover = tmp_path / "discover.sh"
+    discover.write_text("#!/bin/sh\necho localhost:1\necho 127.0.0.1:1\n")
+    discover.chmod(0o755)
+    run_dir = tmp_path / "elastic"
+    epochs = 3
+    job = subprocess.Popen(
+        [str(BIN / "horovodrun"), "-np", "2", "--min-np", "1", "--max-np", "2",
+         "--host-discovery-script", str(discover), "--network-interface", "lo",
+         str(BIN / "python"), "-m", "hvdtrain", "--elastic", "--run-dir", str(run_dir),
+         "--epochs", str(epochs), "--batch-size", "8", "--commit-every", "1000",
+         "--warmup-epochs", "0", "--no-progress", "--dataset", "synthetic",
+         "--synthetic-examples", "8000", "--synthetic-shape", "16", "--hidden-units", "16"],
+        env=rank_env(), cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        text=True, stdin=subprocess.DEVNULL)
+    segments = run_dir / "elastic.jsonl"
+
+    def logged() -> list[dict]:
+        text = segments.read_text() if segments.exists() else ""
+        return [json.loads(line) for line in text.splitlines() if line]
+
+    try:
+        wait_for(lambda: job.poll() is not None or any(s["epoch"] == 2 for s in logged()), 240)
+        assert job.poll() is None, job.stdout.read()[-3000:]
+        time.sleep(1.0)                                  # into epoch 2
+        os.kill(wait_for(lambda: rank_pid(str(run_dir), 1), 30), signal.SIGTERM)
+        output, _ = job.communicate(timeout=240)
+    finally:
+        if job.poll() is None:
+            job.kill()
+    assert job.returncode == 0, output[-3000:]
+    segments_seen = [(s["epoch"], s["world_size"]) for s in logged()]
+    assert segments_seen == [(1, 2), (2, 2), (2, 1), (3, 1)], logged()
+    rows = read_metrics(run_dir)
+    assert [row["epoch"] for row in rows] == list(range(1, epochs + 1))
+    assert rows[-1]["world_size"] == 1
+    assert read_summary(run_dir)["world_size"] == 1
+    assert processes_mentioning(str(run_dir)) == {}
