@@ -192,26 +192,31 @@ class HorovodCollectives:
         return keras_elastic_state_class()(variables, **attributes)
 
     def elastic_run(self, function: Callable[..., Any]) -> Callable[..., Any]:
-        """Horovod's elastic retry loop: on a world change, reset, restore or sync, rerun.
+        """Horovod's elastic retry loop: on a world change, reset, restore or sync, rerun."""
+        return elastic_retry(function)
 
-        Horovod's loop retries a TensorFlow UnknownError only when it names HorovodAllreduce,
-        HorovodAllgather or HorovodBroadcast, and returns None for any other, as if training
-        had ended. The step's gradients travel in a HorovodGroupedAllreduce, so a lost rank
-        would end training early and pass for its end. Here every error of a Horovod
-        collective is retried, and any other UnknownError passes through as a RuntimeError."""
-        import tensorflow as tf
-        from horovod.common.exceptions import HorovodInternalError
 
-        @functools.wraps(function)
-        def attempt(*args: Any, **kwargs: Any) -> Any:
-            try:
-                return function(*args, **kwargs)
-            except tf.errors.UnknownError as error:
-                if "Horovod" in error.message:   # a collective failed: the world changed
-                    raise HorovodInternalError(error) from error
-                raise RuntimeError(error.message) from error
+def elastic_retry(function: Callable[..., Any]) -> Callable[..., Any]:
+    """Horovod's elastic retry loop (``horovod.tensorflow.elastic.run``), retrying every error
+    of a Horovod collective: the trainer's and the drop-in's ``elastic.run``.
 
-        return self._hvd.elastic.run(attempt)
+    Horovod's loop retries a TensorFlow UnknownError only when it names HorovodAllreduce,
+    HorovodAllgather or HorovodBroadcast, and returns None for any other, as if training had
+    ended. Gradients travel in a HorovodGroupedAllreduce, so a lost rank would end training
+    early and pass for its end. Any other UnknownError passes through as a RuntimeError."""
+    import tensorflow as tf
+    from horovod.common.exceptions import HorovodInternalError
+
+    @functools.wraps(function)
+    def attempt(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return function(*args, **kwargs)
+        except tf.errors.UnknownError as error:
+            if "Horovod" in error.message:   # a collective failed: the world changed
+                raise HorovodInternalError(error) from error
+            raise RuntimeError(error.message) from error
+
+    return horovod_tensorflow().elastic.run(attempt)
 
 
 def ended_by_another_rank(error: BaseException) -> bool:
