@@ -17,7 +17,7 @@ import traceback
 from dataclasses import dataclass
 from typing import Callable, NoReturn
 
-from hvdtrain import __version__, inference
+from hvdtrain import __version__, inference, output
 from hvdtrain.bench import benchmark
 from hvdtrain.data import convert
 from hvdtrain.config import add_arguments, config_from_args
@@ -128,9 +128,17 @@ def _with_default_command(argv: list[str]) -> list[str]:
 
 def entry() -> NoReturn:
     """The console script and ``python -m hvdtrain``: ``main`` with TensorFlow's native
-    start-up notices filtered out of stderr."""
+    start-up notices filtered out of stderr, and output that a lost launcher cannot break."""
     hide_native_notices()
-    sys.exit(main())
+    output.install()
+    code = main()
+    from hvdtrain.training.preemption import REQUESTS
+
+    if REQUESTS.launcher_gone():   # MPI's finalisation would wait for the dead launcher's daemon
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)
 
 
 def main(argv: list[str] | None = None) -> int:

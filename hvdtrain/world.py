@@ -273,6 +273,18 @@ def runtime_defaults(gpus_visible: bool) -> dict[str, str]:
     return defaults
 
 
+# Seconds Open MPI waits before it ends a rank whose local daemon (mpirun or orted) is gone.
+LOST_DAEMON_GRACE_S = 120
+
+
+def hold_open_mpi_abort() -> None:
+    """Before MPI starts, in a rank that stops itself when its launcher dies (the trainer's
+    ranks: ``training/preemption.py``): Open MPI ends such a rank (exit 195) as soon as it
+    notices that its daemon is gone, even mid-checkpoint; delayed, the rank's own stop
+    (checkpoint, exit 75) comes first. A setting of the user's wins."""
+    os.environ.setdefault("OMPI_MCA_mpi_abort_delay", str(LOST_DAEMON_GRACE_S))
+
+
 def apply_runtime_defaults(gpus_visible: bool) -> None:
     """Set ``runtime_defaults`` in this process's environment, before MPI and Horovod start;
     a variable the user has set keeps the user's value."""

@@ -263,6 +263,30 @@ def test_sigterm_to_the_launcher_stops_at_a_step_and_resume_auto_matches(
     assert_same_run(straight_runs[loop], run_dir)
 
 
+@pytest.mark.distributed
+def test_ranks_whose_mpirun_is_killed_stop_with_their_exit_code_and_log_the_line(tmp_path):
+    """mpirun SIGKILLed mid-run (under launch/mpirun.sh): its ranks, whose output now leads
+    nowhere, stop at one step with a checkpoint and exit 75 (they exited 120, Python's failed
+    flush of the dead pipe, or 195, Open MPI ending a rank whose daemon is gone), and the stop
+    line is in rank 0's run log. A subreaper collects the orphaned ranks' exit codes."""
+    run_dir = tmp_path / "run"
+    result = subprocess.run(
+        [sys.executable, str(REPO / "tests" / "orphan_reaper.py"), "--when",
+         str(run_dir / "checkpoints" / "epoch-*-step-*"), "--kill", "mpirun", "--",
+         str(REPO / "launch" / "mpirun.sh"), "-np", "2", "--", "--run-dir", str(run_dir),
+         "--no-progress", *ARGS], env=rank_env(), cwd=tmp_path, text=True,
+        capture_output=True, timeout=240, stdin=subprocess.DEVNULL)
+    report = json.loads(result.stdout.splitlines()[-1])
+    assert report["command"] != 0 and list(report["orphans"].values()) == [STOPPED] * 2, report
+    lines = re.findall(r"hvdtrain: error: .*", (run_dir / "hvdtrain.log").read_text())
+    assert len(lines) == 1 and re.fullmatch(
+        r"hvdtrain: error: stopped by its launcher ending on rank \d.* checkpoint (\S+) written; "
+        r"continue with the same command and --resume auto", lines[0]), lines
+    written = re.search(r"checkpoint (\S+) written", lines[0]).group(1)
+    assert CheckpointStore.damage(run_dir / "checkpoints" / written) is None
+    assert_nothing_left(run_dir)
+
+
 def launcher_pid(run_dir: Path) -> int | None:
     """The job's mpirun."""
     return next((pid for pid in processes_mentioning(str(run_dir))

@@ -33,6 +33,7 @@ from hvdtrain.config import Config, DataConfig
 from hvdtrain.data.files import LABEL_RANGE_MESSAGE, FileSplit, corrupt_record_message
 from hvdtrain.data.pipeline import ShardSpec
 from hvdtrain.data.sources import ArraySplit, DataBundle, Split, load_source
+from hvdtrain import output
 from hvdtrain.errors import UserError
 from hvdtrain.models import build_model, check_input_shape
 from hvdtrain.plugins import load_callable
@@ -390,6 +391,8 @@ class Run:
         # Ranks start from different seeds on purpose: the broadcast below must make them agree.
         keras.utils.set_random_seed(config.train.seed + world.rank)
         run_dir, resuming = _open_run_dir(config, collectives)
+        if world.is_chief:
+            output.log_to(run_dir)
         say(world, f"hvdtrain: {world.size} rank(s) on {world.cross_size} node(s); rank 0 on "
                    f"{world.host}, {device}; run directory {run_dir}")
         say(world, "resolved config:\n" + config.to_yaml().rstrip())
