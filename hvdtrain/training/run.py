@@ -47,6 +47,7 @@ from hvdtrain.training.objective import Objective, probe
 from hvdtrain.training.step import Evaluation, StepMath, StepOptions
 from hvdtrain.training.watchdog import stopped_after, watchdog_for
 from hvdtrain.world import Collectives, World, init_collectives, place_devices
+from hvdtrain.writes import run_files
 
 
 def say(world: World, message: str) -> None:
@@ -257,7 +258,8 @@ def _starting_point(config: Config, model_label: str, collectives: Collectives, 
         if world.is_chief:
             restored = _restore(model_label, store, model, optimizer)
             initial_epoch = restored["epoch"]
-            MetricsFiles(run_dir).resume_at(initial_epoch, restored["metrics"])
+            with run_files(run_dir, "the metrics files"):
+                MetricsFiles(run_dir).resume_at(initial_epoch, restored["metrics"])
     elif resuming:
         restored = chief_decides(collectives,
                                  lambda: _restore(model_label, store, model, optimizer))
@@ -265,12 +267,14 @@ def _starting_point(config: Config, model_label: str, collectives: Collectives, 
         if plateau is not None and restored["plateau"]:
             plateau.load(restored["plateau"])
         if world.is_chief:
-            MetricsFiles(run_dir).resume_at(initial_epoch, restored["metrics"])
+            with run_files(run_dir, "the metrics files"):
+                MetricsFiles(run_dir).resume_at(initial_epoch, restored["metrics"])
         where = f", step {start.step}" if start.step else ""
         say(world, f"resuming after epoch {initial_epoch}{where} from "
                    f"{store.directory / restored['name']}")
     if world.is_chief:   # only now: a rejected run must not overwrite a run's config
-        atomic_write_text(run_dir / "config.yaml", config.to_yaml())
+        with run_files(run_dir, "config.yaml"):
+            atomic_write_text(run_dir / "config.yaml", config.to_yaml())
     if config.train.elastic:   # the elastic state broadcasts on every (re)start instead
         return ResumePoint(initial_epoch), []
     before_broadcast = collectives.allgather_object(weight_fingerprint(model))
@@ -482,13 +486,16 @@ def _finish(run_dir: Path, model: keras.Model, summary: RunSummary) -> None:
         # hvdtrain trained with its own), it loads back without Keras' mismatch warning.
         compiled_optimizer.build(model.trainable_variables)
     partial = run_dir / ".model.partial.keras"
-    model.save(partial)
-    partial.replace(run_dir / "model.keras")
+    with run_files(run_dir, "the final model", leftover=partial):
+        model.save(partial)
+        partial.replace(run_dir / "model.keras")
     fingerprints, metrics = summary.fingerprints, summary.metrics
-    atomic_write_text(run_dir / "summary.json",
-                      json.dumps(dataclasses.asdict(summary), indent=2) + "\n")
+    with run_files(run_dir, "summary.json"):
+        atomic_write_text(run_dir / "summary.json",
+                          json.dumps(dataclasses.asdict(summary), indent=2) + "\n")
     if (run_dir / "metrics.jsonl").exists():
-        plot_curves(run_dir / "metrics.jsonl", run_dir / "curves.png")
+        with run_files(run_dir, "curves.png"):
+            plot_curves(run_dir / "metrics.jsonl", run_dir / "curves.png")
     agreement = ("identical on all ranks" if summary.weights_identical else
                  "DIFFER across ranks: " + ", ".join(fingerprints))
     print(f"weights {agreement} (fingerprint {fingerprints[0]})", flush=True)
