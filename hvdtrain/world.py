@@ -273,6 +273,41 @@ def runtime_defaults(gpus_visible: bool) -> dict[str, str]:
     return defaults
 
 
+# Open MPI's own TCP keep-alive settings for its daemons: idle seconds, seconds between probes,
+# probes (oob_tcp_keepalive_time, _intvl, _probes).
+OPEN_MPI_KEEPALIVE = (300, 20, 9)
+KEEPALIVE_VARIABLES = ("OMPI_MCA_oob_tcp_keepalive_time", "OMPI_MCA_oob_tcp_keepalive_intvl",
+                       "OMPI_MCA_oob_tcp_keepalive_probes")
+
+
+def launcher_defaults() -> dict[str, str]:
+    """hvdtrain's settings for the launcher itself (mpirun, and the orted daemons it starts on
+    the other nodes): launch/mpirun.sh, launch/horovodrun.sh and the MPIJob manifest set them;
+    for a bare mpirun or horovodrun, export them first (README, ``hvdtrain doctor``).
+
+    Open MPI's daemons learn of a vanished node only from TCP. By default they probe an idle
+    connection after 300 s and give up 9 x 20 s later, and once mpirun has started to end the
+    job (a rank's watchdog ended one, say) its messages to the lost node wait for TCP's
+    retransmissions, about 15 minutes: a launcher outside the nodes outlived its job. With
+    these, a daemon that stops answering is declared lost 36 to 46 s after its node vanished:
+    after a rank's watchdog has named it (30 s by default; a rank under a remote daemon then
+    leaves the ending to Open MPI, ``keepalive_window_s``), and in time for the job, every
+    process on every node included, to end within 60 s."""
+    return dict(zip(KEEPALIVE_VARIABLES, ("10", "6", "6")))
+
+
+def keepalive_window_s(environ: dict[str, str] | None = None) -> float:
+    """The longest time Open MPI's daemons take to declare a silent node lost, with the
+    keep-alive settings a launcher forwarded to this rank (Open MPI's own where it did not)."""
+    env = os.environ if environ is None else environ
+    try:
+        idle, interval, probes = (float(env.get(name, default)) for name, default
+                                  in zip(KEEPALIVE_VARIABLES, OPEN_MPI_KEEPALIVE))
+    except ValueError:          # Open MPI itself refuses such a value
+        idle, interval, probes = OPEN_MPI_KEEPALIVE
+    return idle + interval * probes
+
+
 # Seconds Open MPI waits before it ends a rank whose local daemon (mpirun or orted) is gone.
 LOST_DAEMON_GRACE_S = 120
 
