@@ -12,7 +12,7 @@ import os
 import socket
 from dataclasses import dataclass, field
 from types import ModuleType
-from typing import Any, Callable, Protocol, Sequence
+from typing import Any, Callable, Mapping, Protocol, Sequence
 
 # Environment variables that a launcher sets in every rank it starts: horovodrun with Gloo,
 # Open MPI's mpirun (also used by horovodrun with MPI), PMIx (srun --mpi=pmix), MPICH/PMI2.
@@ -296,7 +296,7 @@ def launcher_defaults() -> dict[str, str]:
     return dict(zip(KEEPALIVE_VARIABLES, ("10", "6", "6")))
 
 
-def keepalive_window_s(environ: dict[str, str] | None = None) -> float:
+def keepalive_window_s(environ: Mapping[str, str] | None = None) -> float:
     """The longest time Open MPI's daemons take to declare a silent node lost, with the
     keep-alive settings a launcher forwarded to this rank (Open MPI's own where it did not)."""
     env = os.environ if environ is None else environ

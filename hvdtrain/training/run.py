@@ -28,12 +28,12 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from hvdtrain import output
 from hvdtrain.checkpoint import CheckpointStore, atomic_write_text, lock_run_dir
 from hvdtrain.config import Config, DataConfig
 from hvdtrain.data.files import LABEL_RANGE_MESSAGE, FileSplit, corrupt_record_message
 from hvdtrain.data.pipeline import ShardSpec
 from hvdtrain.data.sources import ArraySplit, DataBundle, Split, load_source
-from hvdtrain import output
 from hvdtrain.errors import UserError
 from hvdtrain.models import build_model, check_input_shape
 from hvdtrain.plugins import load_callable
