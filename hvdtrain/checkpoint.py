@@ -26,7 +26,6 @@ second run on the same directory is refused instead of interleaving its checkpoi
 
 from __future__ import annotations
 
-import errno
 import fcntl
 import hashlib
 import json
@@ -42,6 +41,7 @@ import keras
 import numpy as np
 
 from hvdtrain.errors import CheckpointWriteFailed, UserError
+from hvdtrain.errors import os_error_reason as _why
 
 CHECKPOINT_NAME = re.compile(r"epoch-(\d{4,})(?:-step-(\d{6,}))?")
 WEIGHTS_FILE = "weights.npz"
@@ -75,13 +75,6 @@ def sha256_of(path: Path) -> str:
         for block in iter(lambda: handle.read(1 << 20), b""):
             digest.update(block)
     return digest.hexdigest()
-
-
-def _why(error: OSError) -> str:
-    """'No space left on device (ENOSPC)', or the error's text when it has no errno."""
-    if error.errno in errno.errorcode:
-        return f"{os.strerror(error.errno)} ({errno.errorcode[error.errno]})"
-    return str(error)
 
 
 _HELD_LOCKS: dict[Path, int] = {}

@@ -12,16 +12,21 @@ import difflib
 import os
 import re
 import sys
+import time
 import traceback
 from dataclasses import dataclass
 from typing import Callable, NoReturn
 
-from hvdtrain import __version__, inference
+from hvdtrain import __version__, inference, output
 from hvdtrain.bench import benchmark
 from hvdtrain.data import convert
 from hvdtrain.config import add_arguments, config_from_args
-from hvdtrain.errors import UserError
+from hvdtrain.errors import PeerFailed, UserError
 from hvdtrain.startup import hide_native_notices
+from hvdtrain.world import ended_by_another_rank, leave_horovod
+
+# A rank whose collective failed because another rank left waits this long before it exits.
+AFTER_ANOTHER_RANK_S = 1.0
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -123,9 +128,17 @@ def _with_default_command(argv: list[str]) -> list[str]:
 
 def entry() -> NoReturn:
     """The console script and ``python -m hvdtrain``: ``main`` with TensorFlow's native
-    start-up notices filtered out of stderr."""
+    start-up notices filtered out of stderr, and output that a lost launcher cannot break."""
     hide_native_notices()
-    sys.exit(main())
+    output.install()
+    code = main()
+    from hvdtrain.training.preemption import REQUESTS
+
+    if REQUESTS.launcher_gone():   # MPI's finalisation would wait for the dead launcher's daemon
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -142,4 +155,14 @@ def main(argv: list[str] | None = None) -> int:
         if debug:
             traceback.print_exc()
         print(f"hvdtrain: error: {error}", file=sys.stderr, flush=True)
+        if isinstance(error, PeerFailed):   # after the failed rank, whose code the launcher
+            time.sleep(AFTER_ANOTHER_RANK_S)   # reports (the first non-zero one)
         return error.exit_code
+    except Exception as error:
+        if debug or not ended_by_another_rank(error):
+            raise
+        # Another rank failed and said why: leave quietly, after it, so that the launcher
+        # reports its exit code (the first non-zero one), not this rank's.
+        leave_horovod()
+        time.sleep(AFTER_ANOTHER_RANK_S)
+        return 1

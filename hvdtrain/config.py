@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import difflib
+import math
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -287,6 +288,10 @@ def _check_bounds(name: str, value: Any, meta: typing.Mapping[str, Any]) -> None
                               f"{_suggest(str(item), list(meta['choices']))}")
         if meta["plugin"] and not meta["choices"]:
             raise ConfigError(f"'{name}' must be package.module:function, got {item!r}")
+        # Every float option is a rate, a fraction, a factor or seconds: NaN and infinity
+        # compare false with any bound, so they would pass the bounds below and fail later.
+        if isinstance(item, float) and not math.isfinite(item):
+            raise ConfigError(f"'{name}' must be a finite number, got {item!r}")
         low, high = meta["minimum"], meta["maximum"]
         if low is not None and (item < low or (meta["exclusive_minimum"] and item == low)):
             relation = "greater than" if meta["exclusive_minimum"] else "at least"

@@ -12,7 +12,7 @@ import os
 import socket
 from dataclasses import dataclass, field
 from types import ModuleType
-from typing import Any, Callable, Protocol, Sequence
+from typing import Any, Callable, Mapping, Protocol, Sequence
 
 # Environment variables that a launcher sets in every rank it starts: horovodrun with Gloo,
 # Open MPI's mpirun (also used by horovodrun with MPI), PMIx (srun --mpi=pmix), MPICH/PMI2.
@@ -20,8 +20,6 @@ LAUNCHER_VARIABLES = ("HOROVOD_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_
                       "HOROVOD_ELASTIC")
 # ... of which these mean an MPI launch (Horovod's MPI controller), not Gloo's.
 MPI_LAUNCHER_VARIABLES = ("OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_RANK")
-# What Horovod's error says when a peer shut Horovod down (after an error of its own).
-PEER_SHUT_DOWN = "Horovod has been shut down"
 
 
 @dataclass(frozen=True)
@@ -217,7 +215,43 @@ class HorovodCollectives:
 
     def elastic_run(self, function: Callable[..., Any]) -> Callable[..., Any]:
         """Horovod's elastic retry loop: on a world change, reset, restore or sync, rerun."""
-        return self._hvd.elastic.run(function)
+        return elastic_retry(function)
+
+
+def elastic_retry(function: Callable[..., Any]) -> Callable[..., Any]:
+    """Horovod's elastic retry loop (``horovod.tensorflow.elastic.run``), retrying every error
+    of a Horovod collective: the trainer's and the drop-in's ``elastic.run``.
+
+    Horovod's loop retries a TensorFlow UnknownError only when it names HorovodAllreduce,
+    HorovodAllgather or HorovodBroadcast, and returns None for any other, as if training had
+    ended. Gradients travel in a HorovodGroupedAllreduce, so a lost rank would end training
+    early and pass for its end. Any other UnknownError passes through as a RuntimeError."""
+    import tensorflow as tf
+    from horovod.common.exceptions import HorovodInternalError
+
+    @functools.wraps(function)
+    def attempt(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return function(*args, **kwargs)
+        except tf.errors.UnknownError as error:
+            if "Horovod" in error.message:   # a collective failed: the world changed
+                raise HorovodInternalError(error) from error
+            raise RuntimeError(error.message) from error
+
+    return horovod_tensorflow().elastic.run(attempt)
+
+
+def ended_by_another_rank(error: BaseException) -> bool:
+    """True for the error a collective raises on this rank when another rank has left the job
+    (it failed, reported why, and shut Horovod down as its process ended): this rank has
+    nothing to add to that report."""
+    return "Horovod has been shut down" in str(error)
+
+
+def leave_horovod() -> None:
+    """Shut Horovod down now (it would at exit): its MPI_Finalize is what a rank that has
+    already left waits for before its own process can end."""
+    horovod_tensorflow().shutdown()
 
 
 def horovod_tensorflow() -> ModuleType:
@@ -261,6 +295,53 @@ def runtime_defaults(gpus_visible: bool) -> dict[str, str]:
         # not change (cnn, 3 rounds each: within 1%).
         defaults["HOROVOD_CYCLE_TIME"] = "0.1"
     return defaults
+
+
+# Open MPI's own TCP keep-alive settings for its daemons: idle seconds, seconds between probes,
+# probes (oob_tcp_keepalive_time, _intvl, _probes).
+OPEN_MPI_KEEPALIVE = (300, 20, 9)
+KEEPALIVE_VARIABLES = ("OMPI_MCA_oob_tcp_keepalive_time", "OMPI_MCA_oob_tcp_keepalive_intvl",
+                       "OMPI_MCA_oob_tcp_keepalive_probes")
+
+
+def launcher_defaults() -> dict[str, str]:
+    """hvdtrain's settings for the launcher itself (mpirun, and the orted daemons it starts on
+    the other nodes): launch/mpirun.sh, launch/horovodrun.sh and the MPIJob manifest set them;
+    for a bare mpirun or horovodrun, export them first (README, ``hvdtrain doctor``).
+
+    Open MPI's daemons learn of a vanished node only from TCP. By default they probe an idle
+    connection after 300 s and give up 9 x 20 s later, and once mpirun has started to end the
+    job (a rank's watchdog ended one, say) its messages to the lost node wait for TCP's
+    retransmissions, about 15 minutes: a launcher outside the nodes outlived its job. With
+    these, a daemon that stops answering is declared lost 36 to 46 s after its node vanished:
+    after a rank's watchdog has named it (30 s by default; a rank under a remote daemon then
+    leaves the ending to Open MPI, ``keepalive_window_s``), and in time for the job, every
+    process on every node included, to end within 60 s."""
+    return dict(zip(KEEPALIVE_VARIABLES, ("10", "6", "6")))
+
+
+def keepalive_window_s(environ: Mapping[str, str] | None = None) -> float:
+    """The longest time Open MPI's daemons take to declare a silent node lost, with the
+    keep-alive settings a launcher forwarded to this rank (Open MPI's own where it did not)."""
+    env = os.environ if environ is None else environ
+    try:
+        idle, interval, probes = (float(env.get(name, default)) for name, default
+                                  in zip(KEEPALIVE_VARIABLES, OPEN_MPI_KEEPALIVE))
+    except ValueError:          # Open MPI itself refuses such a value
+        idle, interval, probes = OPEN_MPI_KEEPALIVE
+    return idle + interval * probes
+
+
+# Seconds Open MPI waits before it ends a rank whose local daemon (mpirun or orted) is gone.
+LOST_DAEMON_GRACE_S = 120
+
+
+def hold_open_mpi_abort() -> None:
+    """Before MPI starts, in a rank that stops itself when its launcher dies (the trainer's
+    ranks: ``training/preemption.py``): Open MPI ends such a rank (exit 195) as soon as it
+    notices that its daemon is gone, even mid-checkpoint; delayed, the rank's own stop
+    (checkpoint, exit 75) comes first. A setting of the user's wins."""
+    os.environ.setdefault("OMPI_MCA_mpi_abort_delay", str(LOST_DAEMON_GRACE_S))
 
 
 def apply_runtime_defaults(gpus_visible: bool) -> None:

@@ -31,6 +31,7 @@ from hvdtrain.training.schedule import WarmupScaledRate
 from hvdtrain.training.step import TrainingStep
 from hvdtrain.training.watchdog import Peer, StepWatchdog
 from hvdtrain.world import Collectives, World
+from hvdtrain.writes import RunFileWriter, json_rows
 
 
 RUN_COLUMNS = ("lr", "examples_per_second")
@@ -468,10 +469,7 @@ class MetricsFiles(keras.callbacks.Callback):
         """Make the files end at ``epoch``, the resumed checkpoint's: drop rows of epochs
         that were lost with the crash, and restore that epoch's row from the checkpoint if
         the crash came between saving it and writing the row. No epoch appears twice."""
-        rows = []
-        if self.jsonl.exists():
-            rows = [json.loads(line) for line in self.jsonl.read_text().splitlines() if line]
-        rows = [row for row in rows if row["epoch"] <= epoch]
+        rows = [row for row in json_rows(self.jsonl) if row["epoch"] <= epoch]
         if checkpoint_metrics and (not rows or rows[-1]["epoch"] < epoch):
             rows.append({"epoch": epoch, **checkpoint_metrics})
         atomic_write_text(self.jsonl, "".join(json.dumps(row) + "\n" for row in rows))
@@ -633,8 +631,10 @@ def standard_callbacks(hooks: RunHooks) -> list[keras.callbacks.Callback]:
 
     callbacks.append(Checkpointing(hooks, live_state))
     if hooks.world.is_chief:
-        callbacks.append(MetricsFiles(hooks.run_dir))
+        run_dir = hooks.run_dir
+        callbacks.append(RunFileWriter(lambda: MetricsFiles(run_dir), run_dir, "the metrics files"))
         if hooks.tensorboard:
-            callbacks.append(TensorBoardEvents(hooks.run_dir / "tensorboard"))
+            callbacks.append(RunFileWriter(lambda: TensorBoardEvents(run_dir / "tensorboard"),
+                                           run_dir, "TensorBoard events"))
         callbacks.append(hooks.progress)
     return callbacks

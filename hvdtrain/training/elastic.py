@@ -44,6 +44,7 @@ from hvdtrain.training.callbacks import Progress, RateControl, RunHooks, standar
 from hvdtrain.training.schedule import WarmupScaledRate, world_scale
 from hvdtrain.training.step import StepMath
 from hvdtrain.world import Collectives, tf_variables
+from hvdtrain.writes import run_files
 
 
 @dataclass
@@ -66,7 +67,7 @@ class ElasticRun:
 
 
 def _log_segment(run_dir: Path, epoch: int, offset: int, world_size: int, lr: float) -> None:
-    with open(run_dir / "elastic.jsonl", "a") as handle:
+    with run_files(run_dir, "elastic.jsonl"), open(run_dir / "elastic.jsonl", "a") as handle:
         handle.write(json.dumps({"epoch": epoch + 1, "offset": offset,
                                  "world_size": world_size, "lr": lr}) + "\n")
     print(f"elastic: epoch {epoch + 1} continues at example {offset} on {world_size} rank(s), "

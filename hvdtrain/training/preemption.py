@@ -28,7 +28,10 @@ to one rank only or only to the launcher. How hvdtrain turns that into a clean s
   business.
 * **The launcher going away** (its process killed, so the rank's parent changes) is a request
   too: the ranks stop, checkpoint and exit instead of training on unseen. Their output, which
-  led to the dead launcher, goes to /dev/null from then on.
+  led to the dead launcher, goes to /dev/null from then on (rank 0's run log keeps it), and
+  the process then ends without MPI's finalisation, which would wait for the dead launcher's
+  daemon (``launcher_gone``; Open MPI's own exit on losing that daemon is held back:
+  ``world.hold_open_mpi_abort``).
 """
 
 from __future__ import annotations
@@ -38,6 +41,8 @@ import signal
 import threading
 import time
 from typing import Callable
+
+from hvdtrain.world import hold_open_mpi_abort
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
 # Requests closer together than this are one event delivered twice, not a second request.
@@ -64,6 +69,7 @@ class StopRequests:
         self._steps_timed = 0
         self._slowest_step = 0.0
         self._gone_peers: Callable[[], list[str]] = list
+        self._launcher: int | None = None
 
     def install(self, watch_parent: bool) -> None:
         """Route the stop signals here (main thread only) and, when a launcher started this
@@ -81,8 +87,14 @@ class StopRequests:
         threading.Thread(target=self._read_signals, args=(read_fd,), daemon=True,
                          name="hvdtrain-stop-signals").start()
         if watch_parent:
-            threading.Thread(target=self._watch_parent, args=(os.getppid(),), daemon=True,
+            hold_open_mpi_abort()
+            self._launcher = os.getppid()
+            threading.Thread(target=self._watch_parent, args=(self._launcher,), daemon=True,
                              name="hvdtrain-launcher-watch").start()
+
+    def launcher_gone(self) -> bool:
+        """True when the launcher that started this process has ended (its parent changed)."""
+        return self._launcher is not None and os.getppid() != self._launcher
 
     def step_begins(self) -> None:
         self._step_began = time.monotonic()

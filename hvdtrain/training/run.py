@@ -33,10 +33,11 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from hvdtrain import output
 from hvdtrain.checkpoint import (CheckpointStore, assign_rank_state, atomic_write_text,
                                  build_optimizers, lock_run_dir)
 from hvdtrain.config import Config, DataConfig
-from hvdtrain.data.files import LABEL_RANGE_MESSAGE, FileSplit
+from hvdtrain.data.files import LABEL_RANGE_MESSAGE, FileSplit, corrupt_record_message
 from hvdtrain.data.pipeline import ShardSpec
 from hvdtrain.data.sources import ArraySplit, DataBundle, Split, load_source
 from hvdtrain.errors import (CheckpointWriteFailed, PeerFailed, StoppedBySignal,
@@ -56,8 +57,9 @@ from hvdtrain.training.resume_check import check_resumable, optimizers_changed
 from hvdtrain.training.step import Evaluation, StepMath, StepOptions, TrainingStep
 from hvdtrain.training.trainable import Trainable, own_step_reason, prepare
 from hvdtrain.training.watchdog import stopped_after, watchdog_for
-from hvdtrain.world import (PEER_SHUT_DOWN, Collectives, GradientReduction, World,
+from hvdtrain.world import (Collectives, GradientReduction, World, ended_by_another_rank,
                             init_collectives, place_devices)
+from hvdtrain.writes import run_files
 
 
 def say(world: World, message: str) -> None:
@@ -192,9 +194,7 @@ def data_errors_named(data: DataBundle):
     try:
         yield
     except tf.errors.DataLossError as error:
-        raise UserError("a TFRecord file is corrupt or truncated "
-                        f"({str(error).splitlines()[0][:160]}); regenerate it with "
-                        "'hvdtrain convert'") from error
+        raise UserError(corrupt_record_message((data.train, data.val), str(error))) from error
     except tf.errors.InvalidArgumentError as error:
         if LABEL_RANGE_MESSAGE not in str(error):
             raise
@@ -306,7 +306,8 @@ def _resumed(restored: dict[str, Any], world: World, run_dir: Path, store: Check
     trainable.rates.load(restored["rates"])
     start = restored["resume"]
     if world.is_chief:
-        MetricsFiles(run_dir).resume_at(start.epoch, restored["metrics"])
+        with run_files(run_dir, "the metrics files"):
+            MetricsFiles(run_dir).resume_at(start.epoch, restored["metrics"])
     where = f", step {start.step}" if start.step else ""
     say(world, f"resuming after epoch {start.epoch}{where} from "
                f"{store.directory / restored['name']}")
@@ -333,7 +334,8 @@ def _starting_point(config: Config, run: dict[str, Any], collectives: Collective
         if world.is_chief:
             restored = restore()
             start = ResumePoint(restored["epoch"])
-            MetricsFiles(run_dir).resume_at(start.epoch, restored["metrics"])
+            with run_files(run_dir, "the metrics files"):
+                MetricsFiles(run_dir).resume_at(start.epoch, restored["metrics"])
     elif resuming:
         start = _resumed(chief_decides(collectives, restore), world, run_dir, store, step,
                          trainable, plateau)
@@ -343,7 +345,8 @@ def _starting_point(config: Config, run: dict[str, Any], collectives: Collective
             say(world, f"BackupAndRestore: continuing after epoch {start.epoch} from "
                        f"{backup.backup_dir}")
     if world.is_chief:   # only now: a rejected run must not overwrite a run's config
-        atomic_write_text(run_dir / "config.yaml", config.to_yaml())
+        with run_files(run_dir, "config.yaml"):
+            atomic_write_text(run_dir / "config.yaml", config.to_yaml())
     if config.train.elastic:   # the elastic state broadcasts on every (re)start instead
         return ResumePoint(start.epoch), []
     changed = agree_on_adapted_state(model, collectives)
@@ -436,7 +439,7 @@ class Run:
             try:
                 return self._train(collectives)
             except BaseException as error:
-                peer_failed = PEER_SHUT_DOWN in str(error)
+                peer_failed = ended_by_another_rank(error)
                 if (peer_failed or raised_here(error)) and collectives.world.size > 1 and (
                         not self.config.train.elastic):
                     # No peer waits for this rank in a collective; the next run starts
@@ -533,6 +536,8 @@ class Run:
             tf.config.experimental.enable_op_determinism()
         seed_everything(config.train.seed, world.rank)
         run_dir, resuming = _open_run_dir(config, collectives)
+        if world.is_chief:
+            output.log_to(run_dir)
         say(world, f"hvdtrain: {world.size} rank(s) on {world.cross_size} node(s); rank 0 on "
                    f"{world.host}, {device}; run directory {run_dir}")
         say(world, "resolved config:\n" + config.to_yaml().rstrip())
@@ -635,18 +640,19 @@ def _save_model(run_dir: Path, model: keras.Model) -> Path:
     partial = run_dir / ".model.partial.keras"
     if not model.built and all(layer.built for layer in sublayers(model)):
         model.built = True     # a composite (a GAN) whose parts are built: it has trained
-    try:
-        model.save(partial)
-    except (NotImplementedError, TypeError, ValueError) as error:
-        partial.unlink(missing_ok=True)
-        path = run_dir / "model.weights.h5"
-        model.save_weights(path)
-        why = str(error).strip().splitlines()[0][:120] if str(error).strip() else "no config"
-        print(f"note: Keras cannot save this model whole ({type(error).__name__}: {why}); "
-              f"saved its weights to {path} (give the class get_config/from_config to save "
-              "it whole)", flush=True)
-        return path
-    partial.replace(run_dir / "model.keras")
+    with run_files(run_dir, "the final model", leftover=partial):
+        try:
+            model.save(partial)
+        except (NotImplementedError, TypeError, ValueError) as error:
+            partial.unlink(missing_ok=True)
+            path = run_dir / "model.weights.h5"
+            model.save_weights(path)
+            why = str(error).strip().splitlines()[0][:120] if str(error).strip() else "no config"
+            print(f"note: Keras cannot save this model whole ({type(error).__name__}: {why}); "
+                  f"saved its weights to {path} (give the class get_config/from_config to "
+                  "save it whole)", flush=True)
+            return path
+        partial.replace(run_dir / "model.keras")
     return run_dir / "model.keras"
 
 
@@ -654,10 +660,12 @@ def _finish(run_dir: Path, model: keras.Model, summary: RunSummary) -> None:
     """Rank 0: save the final model, the summary and the curves, and report."""
     saved = _save_model(run_dir, model)
     fingerprints, metrics = summary.fingerprints, summary.metrics
-    atomic_write_text(run_dir / "summary.json",
-                      json.dumps(dataclasses.asdict(summary), indent=2) + "\n")
+    with run_files(run_dir, "summary.json"):
+        atomic_write_text(run_dir / "summary.json",
+                          json.dumps(dataclasses.asdict(summary), indent=2) + "\n")
     if (run_dir / "metrics.jsonl").exists():
-        plot_curves(run_dir / "metrics.jsonl", run_dir / "curves.png")
+        with run_files(run_dir, "curves.png"):
+            plot_curves(run_dir / "metrics.jsonl", run_dir / "curves.png")
     agreement = ("identical on all ranks" if summary.weights_identical else
                  "DIFFER across ranks: " + ", ".join(fingerprints))
     print(f"weights {agreement} (fingerprint {fingerprints[0]})", flush=True)
