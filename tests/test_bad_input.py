@@ -308,3 +308,29 @@ def test_doctor_says_how_to_fix_a_broken_horovod(horovod, message):
     report = {"horovod": horovod, "mpi": "Open MPI v4.1.4", "size": 2}
     problems = problems_in(report, launched=True)
     assert any(message in p for p in problems), problems
+
+
+def test_resume_never_mixes_runs(capsys, tmp_path):
+    """A checkpoint records what it trained: another dataset, optimizer or setting is refused
+    with one line naming the difference, unless --accept-changes; another model always."""
+    run = train(tmp_path, "mixed", "--epochs", "1", "--hidden-units", "16", np=1)
+    same = ["--run-dir", str(run), "--resume", "--hidden-units", "16", "--no-progress"]
+    before = snapshot(run)
+    fails_with(capsys, [*same, "--dataset", "synthetic", "--synthetic-shape", "8", "8", "1"],
+               "was trained with other data or settings (--dataset 'digits' -> 'synthetic';")
+    fails_with(capsys, [*same, "--optimizer", "adam"],
+               "was trained with other data or settings (optimizer {'optimizer': 'SGD'} -> "
+               "{'optimizer': 'Adam'}); pass --accept-changes to continue with the new ones, "
+               "or start a new --run-dir")
+    fails_with(capsys, [*same, "--learning-rate", "0.01"],
+               "(--learning-rate None -> 0.01); pass --accept-changes")
+    fails_with(capsys, ["--run-dir", str(run), "--resume", "--hidden-units", "32"],
+               "was trained with --hidden-units [16], not [32]: another model; start a new "
+               "--run-dir")
+    assert snapshot(run) == before
+    assert main([*same, "--epochs", "2", "--learning-rate", "0.01", "--optimizer", "adam",
+                 "--accept-changes"]) == 0
+    out = capsys.readouterr().out
+    assert ("continuing" in out and "with changed data or settings (optimizer {'optimizer': "
+            "'SGD'} -> {'optimizer': 'Adam'}; --learning-rate None -> 0.01)") in out
+    assert "resuming after epoch 1" in out
