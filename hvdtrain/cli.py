@@ -133,8 +133,15 @@ def entry() -> NoReturn:
     output.install()
     code = main()
     from hvdtrain.training.preemption import REQUESTS
+    from hvdtrain.world import launched_by_a_launcher
 
-    if REQUESTS.launcher_gone():   # MPI's finalisation would wait for the dead launcher's daemon
+    if REQUESTS.launcher_gone() or (code and launched_by_a_launcher()):
+        # MPI's finalisation would wait: for the dead launcher's daemon, or for the other ranks'
+        # own finalisation, which after an error here makes the launcher report whichever rank
+        # leaves first. Leaving without it (Horovod shut down first, so no rank waits for this
+        # one) makes the launcher report this rank's code, the first (measured).
+        if not REQUESTS.launcher_gone():
+            leave_horovod()
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)
@@ -151,12 +158,17 @@ def main(argv: list[str] | None = None) -> int:
     debug = getattr(args, "debug", False) or "--debug" in argv
     try:
         return COMMANDS[args.command].run(args)
+    except PeerFailed as error:
+        # Another rank failed and says why; the job's error is shown once. Leave after it, so
+        # that the launcher reports its exit code (the first non-zero one), not this rank's.
+        if debug:
+            traceback.print_exc()
+        time.sleep(AFTER_ANOTHER_RANK_S)
+        return error.exit_code
     except UserError as error:
         if debug:
             traceback.print_exc()
         print(f"hvdtrain: error: {error}", file=sys.stderr, flush=True)
-        if isinstance(error, PeerFailed):   # after the failed rank, whose code the launcher
-            time.sleep(AFTER_ANOTHER_RANK_S)   # reports (the first non-zero one)
         return error.exit_code
     except Exception as error:
         if debug or not ended_by_another_rank(error):

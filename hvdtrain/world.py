@@ -249,9 +249,12 @@ def ended_by_another_rank(error: BaseException) -> bool:
 
 
 def leave_horovod() -> None:
-    """Shut Horovod down now (it would at exit): its MPI_Finalize is what a rank that has
-    already left waits for before its own process can end."""
-    horovod_tensorflow().shutdown()
+    """Shut Horovod down now, if this process started it (it would at exit): the other ranks'
+    collectives then end at once instead of waiting for this rank."""
+    import sys
+
+    if "horovod.tensorflow" in sys.modules:
+        horovod_tensorflow().shutdown()
 
 
 def horovod_tensorflow() -> ModuleType:

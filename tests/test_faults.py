@@ -159,7 +159,7 @@ def test_nan_loss_stops_every_rank_and_keeps_the_last_good_checkpoint(tmp_path):
     checkpoint = CheckpointStore(run_dir, 1).latest()
     before = {p.name: p.read_bytes() for p in checkpoint.iterdir()}
     job = start(LAUNCHERS["horovodrun"], run_dir, "--epochs", "4", "--hidden-units", "32",
-                "--learning-rate", "1e12", "--resume")
+                "--learning-rate", "1e12", "--resume", "--accept-changes")
     output, _ = job.communicate(timeout=240)
     assert job.returncode != 0
     # Counted in the whole output: horovodrun may join two ranks' lines into one.

@@ -52,7 +52,7 @@ def test_a_pipeline_shuffled_with_the_shards_seed_then_sharded_trains_each_examp
 
 
 def test_the_command_line_shows_a_one_rank_error_once(tmp_path):
-    """The failing rank shows its traceback; the other ends at once with one line, exit 1."""
+    """The failing rank shows its traceback; the other ends at once, quietly, exit 1."""
     result = launch("horovodrun", 2, ["--callbacks", "fit_api_checks:failing_on_rank_1",
                                       "--epochs", "3", "--run-dir", str(tmp_path / "r"),
                                       "--no-progress"], cwd=tmp_path,
@@ -61,5 +61,4 @@ def test_the_command_line_shows_a_one_rank_error_once(tmp_path):
     assert result.returncode != 0
     assert output.count("Traceback (most recent call last)") == 1, output[-3000:]
     assert "RuntimeError: the user's callback failed on rank 1" in output
-    assert ("hvdtrain: error: another rank ended with an error (shown by that rank); this rank "
-            "stopped with it") in output
+    assert "hvdtrain: error" not in output

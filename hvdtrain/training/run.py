@@ -423,7 +423,13 @@ class Run:
                  data_factory: DataFactory | None = None,
                  callbacks: Sequence[keras.callbacks.Callback] = (),
                  model_label: str | None = None,
-                 validation_freq: int | list[int] | None = None) -> None:
+                 validation_freq: int | list[int] | None = None,
+                 process_ends_with_run: bool = False) -> None:
+        """``process_ends_with_run`` (the CLI): an error here ends the process, whose exit
+        shuts Horovod down after the error's line and code are out (so the launcher reports
+        them, not a peer's); otherwise (``hvdtrain.fit``) the run shuts it down itself, so no
+        peer waits and the next run starts afresh."""
+        self.process_ends_with_run = process_ends_with_run
         self.config = config
         self.model_factory = model_factory or (
             lambda shape, classes: build_model(config.model, shape, classes))
@@ -440,8 +446,8 @@ class Run:
                 return self._train(collectives)
             except BaseException as error:
                 peer_failed = ended_by_another_rank(error)
-                if (peer_failed or raised_here(error)) and collectives.world.size > 1 and (
-                        not self.config.train.elastic):
+                leave = peer_failed or (raised_here(error) and not self.process_ends_with_run)
+                if leave and collectives.world.size > 1 and not self.config.train.elastic:
                     # No peer waits for this rank in a collective; the next run starts
                     # Horovod afresh.
                     collectives.shutdown()
@@ -630,7 +636,7 @@ class Run:
 
 def train(config: Config) -> RunResult:
     """Run the configured training on this rank (the CLI's entry)."""
-    return Run(config).execute()
+    return Run(config, process_ends_with_run=True).execute()
 
 
 def _save_model(run_dir: Path, model: keras.Model) -> Path:
