@@ -5,13 +5,10 @@ seed and epoch."""
 
 from __future__ import annotations
 
-import os
-import signal
-
 import pytest
 
-from conftest import REPO, train, wait_for
-from test_preemption import assert_same_run, finish, start_wrapper, step_checkpoint_after
+from conftest import REPO, train
+from test_preemption import assert_same_run, stop_after_a_step_checkpoint
 
 pytestmark = pytest.mark.distributed
 ARGS = ["--epochs", "2", "--batch-size", "16", "--checkpoint-every-steps", "7",
@@ -24,12 +21,7 @@ def test_stop_and_resume_with_dropout_equals_an_uninterrupted_run(tmp_path, mode
     paths = {"PYTHONPATH": str(REPO / "tests")}
     straight = train(tmp_path, "straight", *args, **paths)
     run_dir = tmp_path / "stopped"
-    job = start_wrapper("mpirun.sh", run_dir, *args, "--resume", "auto", **paths)
-    try:
-        wait_for(lambda: step_checkpoint_after(run_dir) or job.poll() is not None, 240)
-        os.kill(job.pid, signal.SIGTERM)
-    finally:
-        code, output = finish(job, 120)
+    code, output = stop_after_a_step_checkpoint(run_dir, *args, "--resume", "auto", **paths)
     assert code == 75, output[-3000:]
     resumed = train(tmp_path, "stopped", *args, "--resume", "auto", **paths)
     assert "resuming after epoch" in resumed.with_suffix(".log").read_text()

@@ -5,15 +5,13 @@ run ends: its step checkpoints hold both optimizers and every rank's noise gener
 
 from __future__ import annotations
 
-import os
 import re
-import signal
 
 import numpy as np
 import pytest
 
-from conftest import REPO, read_summary, train, wait_for
-from test_preemption import finish, start_wrapper, step_checkpoint_after
+from conftest import REPO, read_summary, train
+from test_preemption import stop_after_a_step_checkpoint
 
 pytestmark = pytest.mark.distributed
 TESTS = str(REPO / "tests")
@@ -39,12 +37,8 @@ def test_gan_through_the_cli_stops_and_resumes_to_the_uninterrupted_result(tmp_p
     assert (straight / "model.weights.h5").exists()
 
     run_dir = tmp_path / "stopped"
-    job = start_wrapper("mpirun.sh", run_dir, *ARGS, "--resume", "auto", PYTHONPATH=TESTS)
-    try:
-        wait_for(lambda: step_checkpoint_after(run_dir) or job.poll() is not None, 240)
-        os.kill(job.pid, signal.SIGTERM)
-    finally:
-        code, output = finish(job, 120)
+    code, output = stop_after_a_step_checkpoint(run_dir, *ARGS, "--resume", "auto",
+                                                PYTHONPATH=TESTS)
     assert code == 75, output[-3000:]
     assert re.search(r"stopped by SIG\w+ on rank [01].* at epoch \d, step \d+", output)
     resumed = train(tmp_path, "stopped", *ARGS, "--resume", "auto", PYTHONPATH=TESTS)

@@ -182,6 +182,18 @@ def finish(job: subprocess.Popen, timeout: float) -> tuple[int, str]:
     return job.returncode, output
 
 
+def stop_after_a_step_checkpoint(run_dir: Path, *args: str, **env: str) -> tuple[int, str]:
+    """Start a 2-rank mpirun.sh job, SIGTERM it once it has written a mid-epoch checkpoint;
+    its (exit code, output)."""
+    job = start_wrapper("mpirun.sh", run_dir, *args, **env)
+    try:
+        wait_for(lambda: step_checkpoint_after(run_dir) or job.poll() is not None, 240)
+        os.kill(job.pid, signal.SIGTERM)
+    finally:
+        code, output = finish(job, 120)
+    return code, output
+
+
 def assert_nothing_left(run_dir: Path) -> None:
     wait_for(lambda: not processes_mentioning(str(run_dir)), GONE_WITHIN_S)
 
