@@ -15,7 +15,7 @@ ARGS = ["--epochs", "2", "--batch-size", "16", "--checkpoint-every-steps", "7",
         "--no-tensorboard", "--seed", "9"]
 
 
-@pytest.mark.parametrize("model", ["user_programs:dropout_mlp"])
+@pytest.mark.parametrize("model", ["cnn", "user_programs:dropout_mlp"])
 def test_stop_and_resume_with_dropout_equals_an_uninterrupted_run(tmp_path, model):
     args = [*ARGS, "--model", model]
     paths = {"PYTHONPATH": str(REPO / "tests")}
