@@ -22,7 +22,7 @@ import pytest
 import yaml
 
 import netcluster
-from conftest import (BIN, EXACT, REPO, assert_same_weights, final_weights,
+from conftest import (BIN, EXACT, REPO, SLOW_CYCLE_MS, assert_same_weights, final_weights,
                       processes_mentioning, rank_env, read_metrics, read_summary, train)
 from hvdtrain.errors import STALLED_EXIT_CODE
 from hvdtrain.world import launcher_defaults
@@ -266,7 +266,10 @@ def test_a_node_cut_off_with_the_launchers_outside_the_nodes_ends_every_process(
     hosts = ",".join(f"{node.address}:1" for node in cluster.nodes)
     run_dirs = {name: tmp_path / name for name in ("horovodrun", "mpirun.sh")}
     args = ["--no-progress", "--epochs", "400", "--batch-size", "8"]
-    env = rank_env(**launcher_defaults())
+    # Slowed steps (an epoch of 90 takes seconds on any machine), so the cut falls mid-epoch,
+    # under the plain step limit, not at an epoch's end where the limit is longer.
+    slow = {"HOROVOD_CYCLE_TIME": SLOW_CYCLE_MS}
+    env = rank_env(**launcher_defaults(), **slow)
     env["PATH"] = f"{shim}{os.pathsep}{env['PATH']}"
     commands = {
         "horovodrun": [str(BIN / "horovodrun"), "-np", "2", "-H", hosts, "--network-interface",
@@ -274,7 +277,7 @@ def test_a_node_cut_off_with_the_launchers_outside_the_nodes_ends_every_process(
         "mpirun.sh": [str(REPO / "launch" / "mpirun.sh"), "-np", "2", "-H", hosts, "--iface",
                       f"{netcluster.SUBNET}.0/24", "--ssh", f"ssh -F {cluster.ssh_config}",
                       "--", "--run-dir", str(run_dirs["mpirun.sh"]), *args]}
-    jobs = {name: subprocess.Popen(command, env=env if name == "horovodrun" else rank_env(),
+    jobs = {name: subprocess.Popen(command, env=env if name == "horovodrun" else rank_env(**slow),
                                    cwd=tmp_path, stdout=subprocess.PIPE,
                                    stderr=subprocess.STDOUT, text=True,
                                    stdin=subprocess.DEVNULL, start_new_session=True)

@@ -19,8 +19,9 @@ from pathlib import Path
 
 import pytest
 
-from conftest import (REPO, assert_same_weights, final_weights, launch, processes_mentioning,
-                      rank_env, rank_pid, read_metrics, run, train, wait_for)
+from conftest import (REPO, SLOW_CYCLE_MS, assert_same_weights, final_weights, launch,
+                      processes_mentioning, rank_env, rank_pid, read_metrics, run, train,
+                      wait_for)
 from hvdtrain.checkpoint import CheckpointStore
 from hvdtrain.cli import build_parser, main
 from hvdtrain.config import build_config, config_from_args
@@ -128,8 +129,12 @@ def test_a_damaged_newest_checkpoint_is_set_aside_for_the_previous(tmp_path):
                                             ".damaged-epoch-0001-step-000020").is_dir()
 
 
-def start_wrapper(wrapper: str, run_dir: Path, *args: str, **env: str) -> subprocess.Popen:
-    """A 2-rank job through launch/<wrapper>, in its own session (so signals reach only it)."""
+def start_wrapper(wrapper: str, run_dir: Path, *args: str, slow: bool = True,
+                  **env: str) -> subprocess.Popen:
+    """A 2-rank job through launch/<wrapper>, in its own session (so signals reach only it);
+    ``slow``: its steps slowed to ``SLOW_CYCLE_MS``, for a job the test interrupts."""
+    if slow:
+        env = {"HOROVOD_CYCLE_TIME": SLOW_CYCLE_MS, **env}
     return subprocess.Popen([str(REPO / "launch" / wrapper), "-np", "2", "--", "--run-dir",
                              str(run_dir), "--no-progress", *args],
                             env=rank_env(**env), cwd=run_dir.parent, stdout=subprocess.PIPE,
@@ -269,7 +274,7 @@ def test_sigterm_to_the_launcher_stops_at_a_step_and_resume_auto_matches(
     if wrapper == "mpirun.sh":
         assert f"checkpoint {run_dir}/checkpoints/{stopped_at} is damaged (optimizer.npz does " \
                "not match its SHA-256); set aside as .damaged-" in output, output[-3000:]
-    job = start_wrapper(wrapper, run_dir, *args)
+    job = start_wrapper(wrapper, run_dir, *args, slow=False)
     code, output = finish(job, 240)
     assert code == 0, output[-3000:]
     assert_same_run(straight_runs[loop], run_dir)
@@ -286,8 +291,8 @@ def test_ranks_whose_mpirun_is_killed_stop_with_their_exit_code_and_log_the_line
         [sys.executable, str(REPO / "tests" / "orphan_reaper.py"), "--when",
          str(run_dir / "checkpoints" / "epoch-*-step-*"), "--kill", "mpirun", "--",
          str(REPO / "launch" / "mpirun.sh"), "-np", "2", "--", "--run-dir", str(run_dir),
-         "--no-progress", *ARGS], env=rank_env(), cwd=tmp_path, text=True,
-        capture_output=True, timeout=240, stdin=subprocess.DEVNULL)
+         "--no-progress", *ARGS], env=rank_env(HOROVOD_CYCLE_TIME=SLOW_CYCLE_MS), cwd=tmp_path,
+        text=True, capture_output=True, timeout=240, stdin=subprocess.DEVNULL)
     report = json.loads(result.stdout.splitlines()[-1])
     assert report["command"] != 0 and list(report["orphans"].values()) == [STOPPED] * 2, report
     lines = re.findall(r"hvdtrain: error: .*", (run_dir / "hvdtrain.log").read_text())

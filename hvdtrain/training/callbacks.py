@@ -446,6 +446,14 @@ class Checkpointing(keras.callbacks.Callback):
         return name, reasons, any(stop for _, _, stop in shared)
 
 
+def batch_values(logs: dict | None) -> str:
+    """A progress line's numbers: the loss, or every value a model's own step returns (a GAN
+    reports ``d_loss`` and ``g_loss``, no ``loss``)."""
+    logs = logs or {}
+    shown = {"loss": logs["loss"]} if "loss" in logs else logs
+    return "  ".join(f"{name} {float(value):.4f}" for name, value in shown.items())
+
+
 class MetricsFiles(keras.callbacks.Callback):
     """Rank 0 appends one row per epoch to ``metrics.jsonl`` and ``metrics.csv``."""
 
@@ -515,7 +523,7 @@ class Progress(keras.callbacks.Callback):
         width = 30
         filled = int(width * done / self.steps)
         line = (f"  [{'=' * filled}{'.' * (width - filled)}] {done}/{self.steps} "
-                f"{self._rate():,.0f} ex/s loss {float(logs['loss']):.4f}")
+                f"{self._rate():,.0f} ex/s {batch_values(logs)}")
         if self.interactive:
             self.stream.write("\r" + line)
         else:

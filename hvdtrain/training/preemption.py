@@ -23,8 +23,10 @@ to one rank only or only to the launcher. How hvdtrain turns that into a clean s
   request, a step that has run three times longer than the slowest step so far (and at least
   2 s) asks the other ranks' heartbeat ports (the watchdog's): one that refuses the connection
   belongs to a rank whose process has ended, so the step can never finish. A step that has run
-  ten times longer than the slowest (and at least 10 s) is stuck whatever the reason. Only the
-  stop path is timed here; a rank stuck without a request is the step-progress watchdog's
+  ten times longer than the slowest (and at least 10 s) is stuck whatever the reason. Between
+  steps (validation, the checkpoint agreement, setup) a request that has waited 5 s asks the
+  same ports: every part there that waits for the other ranks can never end once one is gone.
+  Only the stop path is timed here; a rank stuck without a request is the step-progress watchdog's
   business.
 * **The launcher going away** (its process killed, so the rank's parent changes) is a request
   too: the ranks stop, checkpoint and exit instead of training on unseen. Their output, which
@@ -55,6 +57,10 @@ STUCK_MIN_S = 10.0
 # ... and this many times longer (at least PEER_CHECK_MIN_S) is worth asking whether a peer is gone.
 PEER_CHECK_FACTOR = 3
 PEER_CHECK_MIN_S = 2.0
+# Between steps (validation, checkpoint agreement, setup) nothing is timed, but every part that
+# waits for the other ranks can never end once one of them is gone: a request that has waited
+# this long there asks whether a peer's process has ended.
+BETWEEN_STEPS_PEER_CHECK_S = 5.0
 
 
 class StopRequests:
@@ -129,6 +135,11 @@ class StopRequests:
             if gone := self._gone_peers():
                 return (f"this rank's step has waited {running:.0f} s for {', '.join(gone)}, "
                         "whose process has ended")
+        waited = time.monotonic() - self._first_at
+        if self._step_began is None and waited > BETWEEN_STEPS_PEER_CHECK_S:
+            if gone := self._gone_peers():
+                return (f"this rank has waited {waited:.0f} s between steps (validation, "
+                        f"checkpoint or setup) for {', '.join(gone)}, whose process has ended")
         return None
 
     def ignore_from_now(self) -> None:
