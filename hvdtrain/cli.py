@@ -66,7 +66,6 @@ def _train(args: argparse.Namespace) -> int:
     from hvdtrain.training.run import train
 
     train(config)
-    REQUESTS.ignore_from_now()
     return 0
 
 
@@ -134,6 +133,12 @@ def entry() -> NoReturn:
     code = main()
     from hvdtrain.training.preemption import REQUESTS
     from hvdtrain.world import launched_by_a_launcher
+
+    if code == 0:
+        # Training is over and saved; this process only exits now. Here, not in main():
+        # an ignored signal is inherited by every process started later, so a main() called
+        # inside a longer-lived process (a test, a notebook) must leave the signals alone.
+        REQUESTS.ignore_from_now()
 
     if REQUESTS.launcher_gone() or (code and launched_by_a_launcher()):
         # MPI's finalisation would wait: for the dead launcher's daemon, or for the other ranks'
