@@ -1,11 +1,12 @@
 # The two commands a new user needs; each runs the (idempotent) setup first.
 #   make train   set up, then train the embedded default on 2 ranks
 #   make test    set up, then run the whole test suite
+#   (make test-fast: the single-process tests only, while you work)
 VENV ?= .venv
 BIN := $(VENV)/bin
 NP ?= 2
 
-.PHONY: setup train test lint doctor
+.PHONY: setup train test test-fast lint doctor
 
 setup:
 	bash launch/setup.sh
@@ -15,6 +16,10 @@ train: setup
 
 test: setup
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+# The single-process layer: no ranks, daemons, containers or cluster.
+test-fast: setup
+	$(BIN)/python -m pytest -m "not distributed and not multinode and not slow" $(PYTEST_ARGS)
 
 lint: setup
 	$(BIN)/python -m flake8 hvdtrain tests

@@ -2,12 +2,17 @@
 
 A checkpoint is a directory ``checkpoints/epoch-NNNN`` (after NNNN whole epochs) or
 ``checkpoints/epoch-NNNN-step-SSSSSS`` (SSSSSS steps into the next one) holding the model
-weights (``weights.npz``, in ``model.weights`` order; checkpoints of earlier versions hold
-``model.weights.h5``, still read), the optimizer's variables (``optimizer.npz``, including its step
-counter, so the learning-rate schedule resumes where it was) and ``state.json`` (epoch, step,
-model identity, config, the epoch's running metric state, and the SHA-256 of the other two
-files). It is written under a temporary name, flushed to disk, and renamed into place in one
-atomic step, so at any instant the newest complete checkpoint is on disk whole. A write that
+weights (``weights.npz``: ``w*`` in ``model.weights`` order; checkpoints of earlier versions
+hold ``model.weights.h5``, still read) and every rank's random-generator state (``weights.npz``:
+``rng<rank>_*``, the seed generators of dropout and other seeded layers, which ``get_weights``
+leaves out; each rank keeps its own, so every rank draws the masks an uninterrupted run would),
+the variables of every optimizer the model owns (``optimizer.npz``: ``v*`` for
+``model.optimizer``, ``<attribute>.v*`` for others such as a GAN's ``d_optimizer``, including
+step counters and rates, so the learning-rate schedule resumes where it was) and
+``state.json`` (epoch, step, model identity, config, the epoch's running metric state, which
+model variables each optimizer was built for, and the SHA-256 of the other two files).
+It is written under a temporary name, flushed to disk, and renamed into place in one atomic
+step, so at any instant the newest complete checkpoint is on disk whole. A write that
 fails (disk full, quota, permission) removes its partial directory and stops the run with one
 line; the previous checkpoint is untouched. A checkpoint whose files no longer match their
 checksums is set aside on resume, for the one before. Restore reads weights and arrays only:
@@ -21,7 +26,6 @@ second run on the same directory is refused instead of interleaving its checkpoi
 
 from __future__ import annotations
 
-import errno
 import fcntl
 import hashlib
 import json
@@ -31,12 +35,13 @@ import shutil
 import socket
 import zipfile
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Union
 
 import keras
 import numpy as np
 
 from hvdtrain.errors import CheckpointWriteFailed, UserError
+from hvdtrain.errors import os_error_reason as _why
 
 CHECKPOINT_NAME = re.compile(r"epoch-(\d{4,})(?:-step-(\d{6,}))?")
 WEIGHTS_FILE = "weights.npz"
@@ -70,13 +75,6 @@ def sha256_of(path: Path) -> str:
         for block in iter(lambda: handle.read(1 << 20), b""):
             digest.update(block)
     return digest.hexdigest()
-
-
-def _why(error: OSError) -> str:
-    """'No space left on device (ENOSPC)', or the error's text when it has no errno."""
-    if error.errno in errno.errorcode:
-        return f"{os.strerror(error.errno)} ({errno.errorcode[error.errno]})"
-    return str(error)
 
 
 _HELD_LOCKS: dict[Path, int] = {}
@@ -125,10 +123,67 @@ def atomic_write_text(path: Path, text: str) -> None:
     os.replace(partial, path)
 
 
-def _arrays(path: Path) -> list[np.ndarray]:
-    """The arrays of a NumPy archive in the order they were saved (no pickles)."""
+def _arrays(path: Path, prefix: str) -> list[np.ndarray]:
+    """The arrays of a NumPy archive whose names are ``prefix`` and a number, in the order they
+    were saved (no pickles)."""
+    pattern = re.compile(re.escape(prefix) + r"\d{4,}")
     with np.load(path, allow_pickle=False) as archive:
-        return [archive[key] for key in sorted(archive.files)]
+        return [archive[key] for key in sorted(archive.files) if pattern.fullmatch(key)]
+
+
+# One optimizer (the model's ``optimizer``) or every optimizer the model owns, by attribute.
+Optimizers = Union[keras.optimizers.Optimizer, dict[str, keras.optimizers.Optimizer]]
+
+
+def _by_name(optimizers: Any) -> dict[str, keras.optimizers.Optimizer]:
+    """``{attribute: optimizer}`` (one optimizer alone is the model's ``optimizer``)."""
+    return optimizers if isinstance(optimizers, dict) else {"optimizer": optimizers}
+
+
+def _optimizer_prefix(name: str) -> str:
+    return "v" if name == "optimizer" else f"{name}.v"
+
+
+def rank_local_variables(model: keras.Model) -> list[Any]:
+    """The model's variables that are not weights: the random-generator states of seeded layers
+    (dropout). Each rank keeps its own; they are never broadcast."""
+    weights = {id(v) for v in model.weights}
+    return [v for v in model.variables if id(v) not in weights]
+
+
+def assign_rank_state(model: keras.Model, values: list[np.ndarray]) -> bool:
+    """Give this rank's seeded layers the random-generator state it saved; False (nothing
+    changed) when the state does not fit the model."""
+    variables = rank_local_variables(model)
+    if len(values) != len(variables) or any(
+            tuple(np.shape(value)) != tuple(v.shape) for v, value in zip(variables, values)):
+        return False
+    for variable, value in zip(variables, values):
+        variable.assign(value)
+    return True
+
+
+def build_optimizers(model: keras.Model, optimizers: dict[str, keras.optimizers.Optimizer],
+                     built_for: dict[str, list[str] | None]) -> None:
+    """Build each optimizer not yet built for the model variables (by path) a checkpoint says
+    it was built for, so its state can be restored, or broadcast to it."""
+    by_path = {v.path: v for v in model.variables}
+    for name, paths in built_for.items():
+        optimizer = optimizers.get(name)
+        if optimizer is None or optimizer.built or paths is None:
+            continue
+        missing = [p for p in paths if p not in by_path]
+        if missing:
+            raise CheckpointError(f"the checkpoint's optimizer '{name}' was built for variables "
+                                  f"this model lacks ({', '.join(missing[:3])}); resume with "
+                                  "the same --model")
+        optimizer.build([by_path[p] for p in paths])
+
+
+def _built_for(optimizer: keras.optimizers.Optimizer) -> list[str]:
+    from hvdtrain.training.keras_internals import optimizer_variables_built_for
+
+    return [v.path for v in optimizer_variables_built_for(optimizer)]
 
 
 class CheckpointStore:
@@ -150,18 +205,21 @@ class CheckpointStore:
         found = self.complete()
         return found[-1] if found else None
 
-    def save(self, model: keras.Model, optimizer: keras.optimizers.Optimizer,
-             state: dict[str, Any]) -> Path:
+    def save(self, model: keras.Model, optimizers: Optimizers, state: dict[str, Any],
+             rank_states: list[list[np.ndarray]] | None = None) -> Path:
         """Write checkpoint ``checkpoint_name(state['epoch'], state.get('step', 0))``
         atomically and prune old ones; a failed write raises CheckpointWriteFailed and leaves
-        the checkpoints on disk as they were."""
+        the checkpoints on disk as they were. ``rank_states``: every rank's
+        ``rank_local_variables`` values, in rank order (default: this process's)."""
         final = self.directory / checkpoint_name(state["epoch"], state.get("step", 0))
         partial = self.directory / f".partial-{final.name}-{os.getpid()}"
         try:
             self.directory.mkdir(parents=True, exist_ok=True)
             self._recover_leftovers()
             partial.mkdir()
-            self._write(partial, model, optimizer, state)
+            if rank_states is None:
+                rank_states = [[v.numpy() for v in rank_local_variables(model)]]
+            self._write(partial, model, _by_name(optimizers), state, rank_states)
         except OSError as error:
             shutil.rmtree(partial, ignore_errors=True)
             previous = self.latest()
@@ -174,15 +232,23 @@ class CheckpointStore:
         return self._move_into_place(partial, final)
 
     @staticmethod
-    def _write(partial: Path, model: keras.Model, optimizer: keras.optimizers.Optimizer,
-               state: dict[str, Any]) -> None:
-        np.savez(partial / WEIGHTS_FILE, **{f"w{i:04d}": weight
-                                            for i, weight in enumerate(model.get_weights())})
-        np.savez(partial / OPTIMIZER_FILE, **{f"v{i:04d}": v.numpy()
-                                              for i, v in enumerate(optimizer.variables)})
+    def _write(partial: Path, model: keras.Model,
+               optimizers: dict[str, keras.optimizers.Optimizer], state: dict[str, Any],
+               rank_states: list[list[np.ndarray]]) -> None:
+        arrays = {f"w{i:04d}": weight for i, weight in enumerate(model.get_weights())}
+        arrays.update({f"rng{rank:04d}_{i:04d}": value
+                       for rank, values in enumerate(rank_states)
+                       for i, value in enumerate(values)})
+        np.savez(partial / WEIGHTS_FILE, **arrays)
+        built = {name: optimizer for name, optimizer in optimizers.items() if optimizer.built}
+        np.savez(partial / OPTIMIZER_FILE, **{
+            f"{_optimizer_prefix(name)}{i:04d}": v.numpy()
+            for name, optimizer in built.items() for i, v in enumerate(optimizer.variables)})
         files = {name: sha256_of(partial / name) for name in (WEIGHTS_FILE, OPTIMIZER_FILE)}
+        optimizer_state = {name: _built_for(optimizer) for name, optimizer in built.items()}
         with open(partial / STATE_FILE, "w") as handle:
-            handle.write(json.dumps({**state, "files": files}, indent=2) + "\n")
+            handle.write(json.dumps({**state, "optimizers": optimizer_state, "files": files},
+                                    indent=2) + "\n")
         _fsync_tree(partial)
 
     def _move_into_place(self, partial: Path, final: Path) -> Path:
@@ -261,24 +327,48 @@ class CheckpointStore:
             raise CheckpointError(f"checkpoint {path} is unreadable ({error}); delete it to "
                                   "resume from the one before") from error
 
-    @staticmethod
-    def restore(path: Path, model: keras.Model,
-                optimizer: keras.optimizers.Optimizer) -> None:
-        """Load weights and optimizer variables (built beforehand) from a checkpoint."""
+    @classmethod
+    def restore(cls, path: Path, model: keras.Model, optimizers: Optimizers) -> None:
+        """Load the weights and the variables of every optimizer; an optimizer not yet built
+        (a GAN's builds at its first step) is built first for the model variables it was saved
+        with. Random-generator states are each rank's: see ``rank_states``."""
         try:
             if (path / WEIGHTS_FILE).exists():
-                model.set_weights(_arrays(path / WEIGHTS_FILE))
+                model.set_weights(_arrays(path / WEIGHTS_FILE, "w"))
             else:
                 model.load_weights(path / LEGACY_WEIGHTS_FILE)
-            arrays = _arrays(path / OPTIMIZER_FILE)
+            saved_for = cls.read_state(path).get("optimizers", {"optimizer": None})
+            for name, optimizer in _by_name(optimizers).items():
+                if name in saved_for:
+                    cls._restore_optimizer(path, model, name, optimizer, saved_for[name])
         except (OSError, ValueError, zipfile.BadZipFile) as error:
             raise CheckpointError(f"checkpoint {path} does not fit this model or is unreadable "
                                   f"({error}); check --model or start a new --run-dir") from error
+
+    @staticmethod
+    def rank_states(path: Path) -> list[list[np.ndarray]]:
+        """Every rank's saved random-generator state, in rank order (empty for checkpoints of
+        earlier versions)."""
+        if not (path / WEIGHTS_FILE).exists():
+            return []
+        states = []
+        while values := _arrays(path / WEIGHTS_FILE, f"rng{len(states):04d}_"):
+            states.append(values)
+        return states
+
+    @staticmethod
+    def _restore_optimizer(path: Path, model: keras.Model, name: str,
+                           optimizer: keras.optimizers.Optimizer,
+                           built_for: list[str] | None) -> None:
+        if built_for is not None:
+            build_optimizers(model, {name: optimizer}, {name: built_for})
+        arrays = _arrays(path / OPTIMIZER_FILE, _optimizer_prefix(name))
         variables = optimizer.variables
         shapes_fit = len(arrays) == len(variables) and all(
             tuple(a.shape) == tuple(v.shape) for a, v in zip(arrays, variables))
         if not shapes_fit:
-            raise CheckpointError(f"checkpoint {path} holds optimizer state of another shape; "
-                                  "resume with the same --optimizer and --model")
+            raise CheckpointError(f"checkpoint {path} holds state of another shape for "
+                                  f"optimizer '{name}'; resume with the same --optimizer and "
+                                  "--model")
         for variable, array in zip(variables, arrays):
             variable.assign(array)

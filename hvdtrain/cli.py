@@ -12,16 +12,21 @@ import difflib
 import os
 import re
 import sys
+import time
 import traceback
 from dataclasses import dataclass
 from typing import Callable, NoReturn
 
-from hvdtrain import __version__, inference
+from hvdtrain import __version__, inference, output
 from hvdtrain.bench import benchmark
 from hvdtrain.data import convert
 from hvdtrain.config import add_arguments, config_from_args
-from hvdtrain.errors import UserError
+from hvdtrain.errors import PeerFailed, UserError
 from hvdtrain.startup import hide_native_notices
+from hvdtrain.world import ended_by_another_rank, leave_horovod
+
+# A rank whose collective failed because another rank left waits this long before it exits.
+AFTER_ANOTHER_RANK_S = 1.0
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -61,7 +66,6 @@ def _train(args: argparse.Namespace) -> int:
     from hvdtrain.training.run import train
 
     train(config)
-    REQUESTS.ignore_from_now()
     return 0
 
 
@@ -123,9 +127,30 @@ def _with_default_command(argv: list[str]) -> list[str]:
 
 def entry() -> NoReturn:
     """The console script and ``python -m hvdtrain``: ``main`` with TensorFlow's native
-    start-up notices filtered out of stderr."""
+    start-up notices filtered out of stderr, and output that a lost launcher cannot break."""
     hide_native_notices()
-    sys.exit(main())
+    output.install()
+    code = main()
+    from hvdtrain.training.preemption import REQUESTS
+    from hvdtrain.world import launched_by_a_launcher
+
+    if code == 0:
+        # Training is over and saved; this process only exits now. Here, not in main():
+        # an ignored signal is inherited by every process started later, so a main() called
+        # inside a longer-lived process (a test, a notebook) must leave the signals alone.
+        REQUESTS.ignore_from_now()
+
+    if REQUESTS.launcher_gone() or (code and launched_by_a_launcher()):
+        # MPI's finalisation would wait: for the dead launcher's daemon, or for the other ranks'
+        # own finalisation, which after an error here makes the launcher report whichever rank
+        # leaves first. Leaving without it (Horovod shut down first, so no rank waits for this
+        # one) makes the launcher report this rank's code, the first (measured).
+        if not REQUESTS.launcher_gone():
+            leave_horovod()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -138,8 +163,23 @@ def main(argv: list[str] | None = None) -> int:
     debug = getattr(args, "debug", False) or "--debug" in argv
     try:
         return COMMANDS[args.command].run(args)
+    except PeerFailed as error:
+        # Another rank failed and says why; the job's error is shown once. Leave after it, so
+        # that the launcher reports its exit code (the first non-zero one), not this rank's.
+        if debug:
+            traceback.print_exc()
+        time.sleep(AFTER_ANOTHER_RANK_S)
+        return error.exit_code
     except UserError as error:
         if debug:
             traceback.print_exc()
         print(f"hvdtrain: error: {error}", file=sys.stderr, flush=True)
         return error.exit_code
+    except Exception as error:
+        if debug or not ended_by_another_rank(error):
+            raise
+        # Another rank failed and said why: leave quietly, after it, so that the launcher
+        # reports its exit code (the first non-zero one), not this rank's.
+        leave_horovod()
+        time.sleep(AFTER_ANOTHER_RANK_S)
+        return 1

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import difflib
+import math
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -44,6 +45,8 @@ def option(default: Any, help: str, *, choices: tuple[str, ...] = (),
 # The model or dataset of a run whose model or data was handed to ``hvdtrain.fit`` as an object.
 PYTHON_OBJECT = "python"
 # Keras 3's optimizers by the names keras.optimizers.get accepts.
+# The rate of the optimizer hvdtrain builds (sgd for an uncompiled model) when none is given.
+DEFAULT_LEARNING_RATE = 0.05
 KERAS_OPTIMIZERS = ("sgd", "adam", "adamw", "rmsprop", "adagrad", "adadelta", "adamax",
                     "adafactor", "nadam", "ftrl", "lion", "lamb")
 
@@ -51,6 +54,7 @@ KERAS_OPTIMIZERS = ("sgd", "adam", "adamw", "rmsprop", "adagrad", "adadelta", "a
 @dataclass
 class DataConfig:
     dataset: str = option("digits", "data source: a built-in, or package.module:fn returning "
+                                    "arrays, a tf.data.Dataset or keras PyDataset, "
                                     "hvdtrain.Arrays or hvdtrain.Pipeline ('python': data "
                                     "handed to hvdtrain.fit)",
                           choices=("digits", "synthetic", "npz", "tfrecord", "csv", "mnist",
@@ -82,9 +86,13 @@ class DataConfig:
     cache: bool = option(False, "tfrecord, csv: cache parsed records in memory after epoch 1")
     validation_split: float = option(0.2, "fraction held out for validation when the source "
                                           "has no split of its own", minimum=0.0, maximum=0.9)
-    remainder: str = option("pad", "last partial global batch each epoch: pad (every example "
-                                   "once, zero-weight padding) or drop (skip it)",
-                            choices=("pad", "drop"))
+    shuffle: bool = option(True, "shuffle the training examples every epoch (in-memory and "
+                                 "file data; a user's dataset object shuffles itself)")
+    remainder: str = option("auto", "last partial global batch each epoch: pad (every example "
+                                    "once, zero-weight padding), drop (skip it), or auto (pad "
+                                    "for hvdtrain's step; drop for a model's own train_step, "
+                                    "whose per-rank mean needs equal batches)",
+                            choices=("auto", "pad", "drop"))
     synthetic_examples: int = option(2048, "examples in the synthetic dataset", minimum=1)
     synthetic_shape: list[int] = option([32], "shape of one synthetic example", minimum=1)
     synthetic_classes: int = option(10, "classes in the synthetic dataset", minimum=2)
@@ -104,13 +112,16 @@ class ModelConfig:
 
 @dataclass
 class OptimConfig:
-    optimizer: str = option("sgd", "Keras optimizer by name, or package.module:fn taking the "
-                                   "(scaled, warmed-up) learning-rate schedule",
-                            choices=KERAS_OPTIMIZERS, plugin=True)
-    learning_rate: float = option(0.05, "learning rate for one rank at --batch-size; scaled by "
-                                        "world size", minimum=0.0, exclusive_minimum=True)
-    momentum: float = option(0.9, "momentum of sgd and rmsprop (0 for none)", minimum=0.0,
-                             maximum=0.999)
+    optimizer: str = option("auto", "auto (the optimizer the model was compiled with, else "
+                                    "sgd), a Keras optimizer by name, or package.module:fn "
+                                    "taking the base learning rate",
+                            choices=("auto", *KERAS_OPTIMIZERS), plugin=True)
+    learning_rate: float | None = option(None, "learning rate for one rank at --batch-size; "
+                                               "scaled by world size (default: the compiled "
+                                               f"optimizer's own, else {DEFAULT_LEARNING_RATE})",
+                                         minimum=0.0, exclusive_minimum=True)
+    momentum: float = option(0.9, "momentum of sgd and rmsprop built by hvdtrain (0 for none)",
+                             minimum=0.0, maximum=0.999)
     lr_scaling: str = option("linear", "learning-rate scaling with world size",
                              choices=("linear", "sqrt", "none"))
     warmup_epochs: float = option(2.0, "epochs of linear warmup from the unscaled rate to the "
@@ -135,7 +146,15 @@ class OptimConfig:
 
 @dataclass
 class TrainConfig:
-    epochs: int = option(20, "epochs to train", minimum=1)
+    epochs: int = option(20, "epochs to train (the index of the last epoch, as in Keras)",
+                         minimum=1)
+    initial_epoch: int = option(0, "the epoch to start at (Keras' initial_epoch; a resumed run "
+                                   "starts where its checkpoint is)", minimum=0)
+    steps_per_epoch: int | None = option(None, "steps per epoch (default: one pass over the "
+                                               "data; required for a dataset that repeats "
+                                               "forever)", minimum=1)
+    validation_freq: int = option(1, "validate after every N-th epoch (Keras' "
+                                     "validation_freq)", minimum=1)
     batch_size: int = option(32, "examples per rank per step (global batch = this x ranks)",
                              minimum=1)
     loop: str = option("fit", "training path: Keras fit or a custom tf.function loop",
@@ -150,6 +169,10 @@ class TrainConfig:
                                   "checkpoint) or auto (continue if there is one, else start; "
                                   "for requeued jobs)", choices=("never", "required", "auto"),
                          bare="required")
+    accept_changes: bool = option(False, "with --resume: continue a run whose data, "
+                                         "optimizer or settings (learning rate, schedule, "
+                                         "batch size, ...) differ from its checkpoint's; its "
+                                         "model must still match")
     checkpoint_every_steps: int = option(0, "also checkpoint every N steps within an epoch (0: "
                                             "at epoch ends only); a stop loses at most N steps",
                                          minimum=0)
@@ -266,6 +289,10 @@ def _check_bounds(name: str, value: Any, meta: typing.Mapping[str, Any]) -> None
                               f"{_suggest(str(item), list(meta['choices']))}")
         if meta["plugin"] and not meta["choices"]:
             raise ConfigError(f"'{name}' must be package.module:function, got {item!r}")
+        # Every float option is a rate, a fraction, a factor or seconds: NaN and infinity
+        # compare false with any bound, so they would pass the bounds below and fail later.
+        if isinstance(item, float) and not math.isfinite(item):
+            raise ConfigError(f"'{name}' must be a finite number, got {item!r}")
         low, high = meta["minimum"], meta["maximum"]
         if low is not None and (item < low or (meta["exclusive_minimum"] and item == low)):
             relation = "greater than" if meta["exclusive_minimum"] else "at least"
@@ -380,3 +407,74 @@ def config_from_args(args: argparse.Namespace) -> Config:
         overrides.update(load_yaml(args.config))
     overrides.update({name: getattr(args, name) for name in field_index() if hasattr(args, name)})
     return build_config(overrides)
+
+
+# --- The options table of README.md, made from the fields above ------------------------------
+
+OPTIONS_BEGIN = ("<!-- options: generated by `python -m hvdtrain.config --write README.md` from "
+                 "hvdtrain/config.py; edit the fields there, not this table -->")
+OPTIONS_END = "<!-- options: end -->"
+
+
+def _shown_default(value: Any) -> str:
+    if value is None or value == []:
+        return ""
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    if isinstance(value, list):
+        return " ".join(str(item) for item in value)
+    if isinstance(value, float):
+        return f"{value:g}"
+    return f"`{value}`" if isinstance(value, str) else str(value)
+
+
+def _meaning(meta: typing.Mapping[str, Any]) -> str:
+    text = meta["help"]
+    if meta["choices"]:
+        shown = [f"`{choice}`" for choice in meta["choices"]]
+        shown += ["`package.module:fn`"] if meta["plugin"] else []
+        text += f" (choices: {', '.join(shown)})"
+    return text.replace("|", "\\|")
+
+
+def options_markdown() -> str:
+    """Every option as a row of a markdown table: its flag, YAML section, default and help, in
+    the order of the dataclasses (README.md shows it between OPTIONS_BEGIN and OPTIONS_END)."""
+    rows = ["| option | section | default | meaning |", "|---|---|---|---|"]
+    for section, cls in SECTIONS.items():
+        for f in dataclasses.fields(cls):
+            flag = f.name.replace("_", "-")
+            is_bool = _base_type(_field_type(section, f.name))[0] is bool
+            shown_flag = f"--[no-]{flag}" if is_bool else f"--{flag}"
+            rows.append(f"| `{shown_flag}` | {section} | "
+                        f"{_shown_default(f.metadata['default'])} | {_meaning(f.metadata)} |")
+    return "\n".join(rows) + "\n"
+
+
+def with_options_table(text: str) -> str:
+    """``text`` (a README) with the table between its option markers made anew."""
+    begin, end = text.find(OPTIONS_BEGIN), text.find(OPTIONS_END)
+    if begin < 0 or end < begin:
+        raise ValueError(f"no '{OPTIONS_BEGIN}' ... '{OPTIONS_END}' block to fill")
+    start = begin + len(OPTIONS_BEGIN)
+    return f"{text[:start]}\n{options_markdown()}{text[end:]}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m hvdtrain.config",
+        description="Print every option as a markdown table, or write the table into a README "
+                    "between its markers.")
+    parser.add_argument("--write", metavar="README.md",
+                        help="replace the table between the markers in this file")
+    args = parser.parse_args(argv)
+    if args.write is None:
+        print(options_markdown(), end="")
+        return 0
+    path = Path(args.write)
+    path.write_text(with_options_table(path.read_text()))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

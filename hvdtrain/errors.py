@@ -1,9 +1,13 @@
 """User-facing failures: shown as a single line, never as a traceback, with their own exit code.
 
-Exit codes: 2 a mistake to fix, 3 the loss diverged, 74 a checkpoint could not be written, 75
-stopped by a signal with a checkpoint written (continue with ``--resume auto``), 76 a rank made
-no progress for ``--stall-timeout`` (the watchdog ended it).
+Exit codes: 1 another rank failed (its error is shown by that rank), 2 a mistake to fix, 3 the
+loss diverged, 74 a checkpoint or another file of the run could not be written, 75 stopped by a
+signal with a checkpoint written (continue with ``--resume auto``), 76 a rank made no progress
+for ``--stall-timeout`` (the watchdog ended it).
 """
+
+import errno
+import os
 
 
 class UserError(Exception):
@@ -18,11 +22,22 @@ class TrainingDiverged(UserError):
     exit_code = 3
 
 
-class CheckpointWriteFailed(UserError):
-    """A checkpoint could not be written (disk full, quota, permission); the previous one is
-    whole. 74 is sysexits' EX_IOERR."""
+class WriteFailed(UserError):
+    """A file of the run could not be written (disk full, quota, permission); the checkpoints
+    on disk are whole. 74 is sysexits' EX_IOERR."""
 
     exit_code = 74
+
+
+class PeerFailed(UserError):
+    """Another rank ended with an error (it shows it); this one stopped with it instead of
+    waiting for that rank in a collective."""
+
+    exit_code = 1
+
+
+class CheckpointWriteFailed(WriteFailed):
+    """A checkpoint could not be written; the previous one is whole."""
 
 
 class StoppedBySignal(UserError):
@@ -37,3 +52,10 @@ class StoppedBySignal(UserError):
 # a collective that never returns) ends itself with this code, after one line naming it and
 # what it waited for (hvdtrain/training/watchdog.py). Resume with --resume.
 STALLED_EXIT_CODE = 76
+
+
+def os_error_reason(error: OSError) -> str:
+    """'No space left on device (ENOSPC)', or the error's text when it has no errno."""
+    if error.errno in errno.errorcode:
+        return f"{os.strerror(error.errno)} ({errno.errorcode[error.errno]})"
+    return str(error)

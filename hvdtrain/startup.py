@@ -55,7 +55,10 @@ def hide_native_notices() -> None:
         with open(read_end, "rb", buffering=0) as lines:
             for line in iter(lines.readline, b""):
                 if not NATIVE_NOTICES.match(line):
-                    os.write(real, line)
+                    try:
+                        os.write(real, line)
+                    except OSError:     # the launcher is gone: drop what comes from now on
+                        os.dup2(os.open(os.devnull, os.O_WRONLY), real)
 
     worker = threading.Thread(target=forward, name="hvdtrain-stderr", daemon=True)
     worker.start()

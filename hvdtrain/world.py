@@ -12,12 +12,14 @@ import os
 import socket
 from dataclasses import dataclass, field
 from types import ModuleType
-from typing import Any, Callable, Protocol, Sequence
+from typing import Any, Callable, Mapping, Protocol, Sequence
 
 # Environment variables that a launcher sets in every rank it starts: horovodrun with Gloo,
 # Open MPI's mpirun (also used by horovodrun with MPI), PMIx (srun --mpi=pmix), MPICH/PMI2.
 LAUNCHER_VARIABLES = ("HOROVOD_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_RANK",
                       "HOROVOD_ELASTIC")
+# ... of which these mean an MPI launch (Horovod's MPI controller), not Gloo's.
+MPI_LAUNCHER_VARIABLES = ("OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_RANK")
 
 
 @dataclass(frozen=True)
@@ -89,6 +91,9 @@ class Collectives(Protocol):
     def allgather_object(self, obj: Any) -> list[Any]:
         """Return the list of every rank's object, in rank order."""
 
+    def shutdown(self) -> None:
+        """Leave the job's collectives after an error here, so no peer waits for this rank."""
+
 
 class LocalCollectives:
     """A world of one: every collective is the identity."""
@@ -102,8 +107,12 @@ class LocalCollectives:
     def reduce_gradients(self, tensors: Sequence[Any],
                          reduction: GradientReduction = GradientReduction()) -> list[Any]:
         # Sum, average and Adasum of one tensor are that tensor.
+        import tensorflow as tf
+
         scale = reduction.prescale * reduction.postscale
-        return [t if t is None or scale == 1.0 else t * scale for t in tensors]
+        return [t if t is None or scale == 1.0 else
+                _scaled_rows(t, scale) if isinstance(t, tf.IndexedSlices) else t * scale
+                for t in tensors]
 
     def broadcast_variables(self, variables: Sequence[Any], root_rank: int = 0) -> None:
         return None
@@ -114,6 +123,9 @@ class LocalCollectives:
     def allgather_object(self, obj: Any) -> list[Any]:
         return [obj]
 
+    def shutdown(self) -> None:
+        return None
+
 
 class HorovodCollectives:
     """Collectives over Horovod (MPI or Gloo controller; CPU, MPI or NCCL tensor ops)."""
@@ -122,6 +134,11 @@ class HorovodCollectives:
         """Start Horovod (``init_arguments`` are Horovod's ``init`` arguments: comm,
         process_sets) with hvdtrain's runtime defaults."""
         apply_runtime_defaults(_gpus_visible())
+        if any(name in os.environ for name in MPI_LAUNCHER_VARIABLES):
+            # MPI started by mpi4py, not by Horovod: Horovod's shutdown then leaves MPI up, so a
+            # failed run can shut Horovod down (which ends every peer's pending collective with
+            # an error instead of a hang) and the next run in this process can start it again.
+            from mpi4py import MPI  # noqa: F401
         hvd = horovod_tensorflow()
         hvd.init(**init_arguments)
         self._hvd = hvd
@@ -168,8 +185,8 @@ class HorovodCollectives:
             for index, tensor in zip(dense, combined):
                 reduced[index] = tensor
         for index in sparse:
-            reduced[index] = _sum_duplicate_rows(hvd.allreduce(reduced[index], op=op),
-                                                 reduction.prescale * reduction.postscale)
+            reduced[index] = _scaled_rows(hvd.allreduce(reduced[index], op=op),
+                                          reduction.prescale * reduction.postscale)
         return reduced
 
     def broadcast_variables(self, variables: Sequence[Any], root_rank: int = 0) -> None:
@@ -182,6 +199,11 @@ class HorovodCollectives:
     def allgather_object(self, obj: Any) -> list[Any]:
         return list(self._hvd.allgather_object(obj))
 
+    def shutdown(self) -> None:
+        """End Horovod in this process: every peer's pending or next collective fails at once
+        ("Horovod has been shut down") instead of waiting for this rank; ``init`` may follow."""
+        self._hvd.shutdown()
+
     def refresh_world(self) -> World:
         """Re-read rank facts: elastic training re-initialises Horovod when the world changes."""
         self.world = self._read_world()
@@ -193,7 +215,46 @@ class HorovodCollectives:
 
     def elastic_run(self, function: Callable[..., Any]) -> Callable[..., Any]:
         """Horovod's elastic retry loop: on a world change, reset, restore or sync, rerun."""
-        return self._hvd.elastic.run(function)
+        return elastic_retry(function)
+
+
+def elastic_retry(function: Callable[..., Any]) -> Callable[..., Any]:
+    """Horovod's elastic retry loop (``horovod.tensorflow.elastic.run``), retrying every error
+    of a Horovod collective: the trainer's and the drop-in's ``elastic.run``.
+
+    Horovod's loop retries a TensorFlow UnknownError only when it names HorovodAllreduce,
+    HorovodAllgather or HorovodBroadcast, and returns None for any other, as if training had
+    ended. Gradients travel in a HorovodGroupedAllreduce, so a lost rank would end training
+    early and pass for its end. Any other UnknownError passes through as a RuntimeError."""
+    import tensorflow as tf
+    from horovod.common.exceptions import HorovodInternalError
+
+    @functools.wraps(function)
+    def attempt(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return function(*args, **kwargs)
+        except tf.errors.UnknownError as error:
+            if "Horovod" in error.message:   # a collective failed: the world changed
+                raise HorovodInternalError(error) from error
+            raise RuntimeError(error.message) from error
+
+    return horovod_tensorflow().elastic.run(attempt)
+
+
+def ended_by_another_rank(error: BaseException) -> bool:
+    """True for the error a collective raises on this rank when another rank has left the job
+    (it failed, reported why, and shut Horovod down as its process ended): this rank has
+    nothing to add to that report."""
+    return "Horovod has been shut down" in str(error)
+
+
+def leave_horovod() -> None:
+    """Shut Horovod down now, if this process started it (it would at exit): the other ranks'
+    collectives then end at once instead of waiting for this rank."""
+    import sys
+
+    if "horovod.tensorflow" in sys.modules:
+        horovod_tensorflow().shutdown()
 
 
 def horovod_tensorflow() -> ModuleType:
@@ -204,15 +265,17 @@ def horovod_tensorflow() -> ModuleType:
     return hvd
 
 
-def _sum_duplicate_rows(gathered: Any, scale: float) -> Any:
-    """One row per index in Horovod's gathered sparse gradient (every rank's rows, repeated
-    indices included): Keras 3 optimizers apply ``IndexedSlices`` row by row (RMSprop squares
-    each row), so a repeated row must be summed first to make the update of the dense sum."""
+def _scaled_rows(gathered: Any, scale: float) -> Any:
+    """Horovod's reduced sparse gradient: every rank's rows, concatenated in rank order, each
+    index as often as it occurs. That is the gradient one process computes over the whole
+    global batch, so the optimizer sees what Keras would give it there: Keras 3 optimizers
+    apply ``IndexedSlices`` row by row (Adam and RMSprop square each row), and summing repeated
+    rows first would change the update (measured: 1e-3 apart after one RMSprop step)."""
     import tensorflow as tf
 
-    indices, positions = tf.unique(gathered.indices)
-    values = tf.math.unsorted_segment_sum(gathered.values, positions, tf.shape(indices)[0])
-    return tf.IndexedSlices(values * scale, indices, gathered.dense_shape)
+    if scale == 1.0:
+        return gathered
+    return tf.IndexedSlices(gathered.values * scale, gathered.indices, gathered.dense_shape)
 
 
 def runtime_defaults(gpus_visible: bool) -> dict[str, str]:
@@ -235,6 +298,53 @@ def runtime_defaults(gpus_visible: bool) -> dict[str, str]:
         # not change (cnn, 3 rounds each: within 1%).
         defaults["HOROVOD_CYCLE_TIME"] = "0.1"
     return defaults
+
+
+# Open MPI's own TCP keep-alive settings for its daemons: idle seconds, seconds between probes,
+# probes (oob_tcp_keepalive_time, _intvl, _probes).
+OPEN_MPI_KEEPALIVE = (300, 20, 9)
+KEEPALIVE_VARIABLES = ("OMPI_MCA_oob_tcp_keepalive_time", "OMPI_MCA_oob_tcp_keepalive_intvl",
+                       "OMPI_MCA_oob_tcp_keepalive_probes")
+
+
+def launcher_defaults() -> dict[str, str]:
+    """hvdtrain's settings for the launcher itself (mpirun, and the orted daemons it starts on
+    the other nodes): launch/mpirun.sh, launch/horovodrun.sh and the MPIJob manifest set them;
+    for a bare mpirun or horovodrun, export them first (README, ``hvdtrain doctor``).
+
+    Open MPI's daemons learn of a vanished node only from TCP. By default they probe an idle
+    connection after 300 s and give up 9 x 20 s later, and once mpirun has started to end the
+    job (a rank's watchdog ended one, say) its messages to the lost node wait for TCP's
+    retransmissions, about 15 minutes: a launcher outside the nodes outlived its job. With
+    these, a daemon that stops answering is declared lost 36 to 46 s after its node vanished:
+    after a rank's watchdog has named it (30 s by default; a rank under a remote daemon then
+    leaves the ending to Open MPI, ``keepalive_window_s``), and in time for the job, every
+    process on every node included, to end within 60 s."""
+    return dict(zip(KEEPALIVE_VARIABLES, ("10", "6", "6")))
+
+
+def keepalive_window_s(environ: Mapping[str, str] | None = None) -> float:
+    """The longest time Open MPI's daemons take to declare a silent node lost, with the
+    keep-alive settings a launcher forwarded to this rank (Open MPI's own where it did not)."""
+    env = os.environ if environ is None else environ
+    try:
+        idle, interval, probes = (float(env.get(name, default)) for name, default
+                                  in zip(KEEPALIVE_VARIABLES, OPEN_MPI_KEEPALIVE))
+    except ValueError:          # Open MPI itself refuses such a value
+        idle, interval, probes = OPEN_MPI_KEEPALIVE
+    return idle + interval * probes
+
+
+# Seconds Open MPI waits before it ends a rank whose local daemon (mpirun or orted) is gone.
+LOST_DAEMON_GRACE_S = 120
+
+
+def hold_open_mpi_abort() -> None:
+    """Before MPI starts, in a rank that stops itself when its launcher dies (the trainer's
+    ranks: ``training/preemption.py``): Open MPI ends such a rank (exit 195) as soon as it
+    notices that its daemon is gone, even mid-checkpoint; delayed, the rank's own stop
+    (checkpoint, exit 75) comes first. A setting of the user's wins."""
+    os.environ.setdefault("OMPI_MCA_mpi_abort_delay", str(LOST_DAEMON_GRACE_S))
 
 
 def apply_runtime_defaults(gpus_visible: bool) -> None:

@@ -22,6 +22,18 @@ parse_launcher_args() {
   [ -n "$np" ] || { echo "$(basename "$0"): -np N is required (try --help)" >&2; exit 2; }
 }
 
+# export_launcher_defaults PYTHON: the launcher's own settings (hvdtrain.world.launcher_defaults:
+# Open MPI's TCP keep-alive between mpirun and its daemons, so that a lost node ends the job
+# within a minute instead of leaving mpirun waiting for it), exported unless already set.
+export_launcher_defaults() {
+  local setting name
+  while IFS= read -r setting; do
+    name="${setting%%=*}"
+    [ -n "${!name:-}" ] || export "${setting?}"
+  done < <("$1" -c 'from hvdtrain.world import launcher_defaults
+for name, value in launcher_defaults().items(): print(f"{name}={value}")')
+}
+
 # run_relaying_stops CMD...: run the launcher CMD in the background, relay stop signals to its
 # job, and exit with its status. SIGTERM, SIGINT or SIGUSR1 sent to this script (by `timeout`, a
 # container runtime, a scheduler, Ctrl-C) becomes one SIGUSR1 to the job's mpirun, which forwards

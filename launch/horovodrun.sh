@@ -13,7 +13,8 @@
 #
 # SIGTERM, SIGINT or SIGUSR1 to this script stops the job cleanly (every rank at one step, a
 # checkpoint, exit 75). horovodrun alone does not: on SIGTERM it exits and its mpirun and ranks
-# train on. See run_relaying_stops in common.sh.
+# train on. See run_relaying_stops in common.sh. A lost node ends the job within a minute
+# (export_launcher_defaults in common.sh).
 set -euo pipefail
 
 # shellcheck source=launch/common.sh
@@ -31,6 +32,7 @@ repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 bin="${HVDTRAIN_VENV:-$repo/.venv}/bin"
 [ -x "$bin/horovodrun" ] || { echo "horovodrun.sh: $bin/horovodrun not found; run launch/setup.sh" >&2; exit 2; }
 export PATH="$bin:$PATH"
+export_launcher_defaults "$bin/python"
 
 args=(-np "$np")
 [ -n "$hosts" ] && args+=(-H "$hosts")

@@ -14,8 +14,9 @@
 #   --command CMD     run CMD on every rank instead of 'python -m hvdtrain'
 #
 # Adds: --bind-to none --map-by slot (Horovod manages its own threads), -x for the environment
-# Horovod and TensorFlow read, and --allow-run-as-root when run as root (containers, CI), which
-# Open MPI otherwise refuses. SIGTERM, SIGINT or SIGUSR1 to this script stops the job cleanly
+# Horovod and TensorFlow read, --allow-run-as-root when run as root (containers, CI), which
+# Open MPI otherwise refuses, and TCP keep-alive between mpirun and its daemons, so that a lost
+# node ends the job within a minute (export_launcher_defaults in common.sh). SIGTERM, SIGINT or SIGUSR1 to this script stops the job cleanly
 # (every rank at one step, a checkpoint, exit 75); see run_relaying_stops in common.sh.
 set -euo pipefail
 
@@ -36,6 +37,7 @@ repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 python="${HVDTRAIN_PYTHON:-$repo/.venv/bin/python}"
 [ -x "$python" ] || python="$(command -v python3)"
 
+export_launcher_defaults "$python"
 args=(-np "$np" --bind-to none --map-by slot -mca pml ob1 -mca btl ^openib)
 [ "$(id -u)" -eq 0 ] && args+=(--allow-run-as-root)
 [ -n "$hosts" ] && args+=(-H "$hosts")

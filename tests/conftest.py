@@ -21,6 +21,11 @@ REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 # Generous for 2 cores (two TensorFlow imports at once) yet far below CI's budget: a hang fails.
 RUN_TIMEOUT = 240
+# Each collective of a job that a test interrupts waits up to this many milliseconds for
+# Horovod's next cycle (HOROVOD_CYCLE_TIME): a step then takes at least that long on any
+# machine, so a fast one does not finish, or leave an epoch, before the fault comes. It changes
+# timing, not the math.
+SLOW_CYCLE_MS = "100"
 
 
 def rank_env(**extra: str) -> dict[str, str]:

@@ -6,6 +6,7 @@ Each row of the README's "Mistakes and their messages" table has a test here."""
 from __future__ import annotations
 
 import json
+import re
 import textwrap
 from pathlib import Path
 
@@ -59,6 +60,11 @@ def test_unknown_yaml_key_suggests_the_closest(capsys, tmp_path):
     (["--epochs", "-2"], "'epochs' must be at least 1, got -2"),
     (["--learning-rate", "0"], "'learning_rate' must be greater than 0, got 0.0"),
     (["--learning-rate", "-0.1"], "'learning_rate' must be greater than 0, got -0.1"),
+    (["--learning-rate", "nan"], "'learning_rate' must be a finite number, got nan"),
+    (["--learning-rate", "inf"], "'learning_rate' must be a finite number, got inf"),
+    (["--momentum", "nan"], "'momentum' must be a finite number, got nan"),
+    (["--validation-split", "nan"], "'validation_split' must be a finite number, got nan"),
+    (["--stall-timeout", "nan"], "'stall_timeout' must be a finite number, got nan"),
 ])
 def test_wrong_type_or_out_of_range_values(capsys, argv, message):
     fails_with(capsys, argv, message)
@@ -108,11 +114,14 @@ def test_corrupt_tfrecord_file(capsys, tmp_path):
     fails_with(capsys, ["--dataset", "tfrecord", "--data-path", str(tmp_path / "train-*"),
                         "--val-data-path", str(tmp_path / "val-*"), "--feature-shape", "4",
                         "--num-classes", "2", "--run-dir", str(tmp_path / "r")],
-               "is not a valid TFRecord file (corrupt or truncated)")
+               "train-0.tfrecord record 1 has a corrupt header (byte 0): it is not a TFRecord "
+               "file, or it is damaged; regenerate it with 'hvdtrain convert'")
 
 
-def test_corrupt_tfrecord_found_mid_run(capsys, tmp_path):
-    """With the converter's record counts no counting pass reads the file before training."""
+@pytest.fixture
+def converted(tmp_path) -> Path:
+    """64 training and 8 validation records written by 'hvdtrain convert' into one shard each
+    (their sizes and counts in its metadata)."""
     from hvdtrain.data.convert import convert
 
     rng = np.random.default_rng(0)
@@ -120,12 +129,88 @@ def test_corrupt_tfrecord_found_mid_run(capsys, tmp_path):
              y=rng.integers(0, 2, 64), x_val=np.zeros((8, 4), np.float32),
              y_val=np.zeros(8, int))
     convert(tmp_path / "d.npz", tmp_path / "rec", shards=1)
-    shard = next((tmp_path / "rec").glob("train-*"))
-    shard.write_bytes(shard.read_bytes()[:100])           # truncated mid-record
-    fails_with(capsys, ["--dataset", "tfrecord", "--data-path", str(shard),
-                        "--val-data-path", str(tmp_path / "rec" / "validation-*"),
-                        "--run-dir", str(tmp_path / "r"), "--no-progress"],
-               "a TFRecord file is corrupt or truncated")
+    return tmp_path / "rec"
+
+
+def train_on_records(capsys, records: Path, message: str, *flags: str) -> None:
+    fails_with(capsys, ["--dataset", "tfrecord", "--data-path", str(records / "train-*"),
+                        "--val-data-path", str(records / "validation-*"), "--run-dir",
+                        str(records.parent / "r"), "--no-progress", *flags], message)
+
+
+# Records of 4 floats are 65 bytes: header 12, payload 49, footer 4.
+HEADER_CUT = (65 * 9 + 5, "the header of record 10 (byte 585 of 590): the file is truncated")
+PAYLOAD_CUT = (65 * 9 + 30, "record 10 (615 bytes, the record needs 650): the file is truncated")
+
+
+@pytest.mark.parametrize("cut, where", [HEADER_CUT, PAYLOAD_CUT])
+@pytest.mark.parametrize("metadata", [True, False])
+def test_a_tfrecord_file_cut_anywhere_is_found_before_training(
+        capsys, converted, cut, where, metadata):
+    """A cut inside a header reads as a clean end of file in TensorFlow; inside a payload it
+    fails mid-epoch. Both are found up front, with or without the converter's metadata."""
+    shard = next(converted.glob("train-*"))
+    shard.write_bytes(shard.read_bytes()[:cut])
+    flags: tuple[str, ...] = ()
+    if not metadata:
+        (converted / "hvdtrain-dataset.json").unlink()
+        flags = ("--feature-encoding", "float", "--feature-shape", "4", "--num-classes", "2")
+    train_on_records(capsys, converted,
+                     f"{shard} ends inside {where}; regenerate it with 'hvdtrain convert'",
+                     *flags)
+
+
+def test_a_tfrecord_file_cut_at_a_record_boundary_is_found_by_its_metadata(capsys, converted):
+    shard = next(converted.glob("train-*"))
+    shard.write_bytes(shard.read_bytes()[:65 * 60])
+    train_on_records(capsys, converted,
+                     f"{shard} holds 60 records but hvdtrain-dataset.json says 64: it changed "
+                     "after conversion; regenerate it")
+
+
+@pytest.mark.distributed
+def test_corrupt_tfrecord_found_mid_run_on_one_rank(tmp_path):
+    """A damaged payload keeps the file's size and framing: TensorFlow's payload checksum finds
+    it while a rank reads it. That rank names the file and the record; the other, left waiting
+    in a collective, leaves without a line of its own."""
+    from hvdtrain.data.convert import convert
+
+    rng = np.random.default_rng(0)
+    np.savez(tmp_path / "d.npz", x=rng.standard_normal((400, 4)).astype(np.float32),
+             y=rng.integers(0, 2, 400), x_val=np.zeros((8, 4), np.float32),
+             y_val=np.zeros(8, int))
+    convert(tmp_path / "d.npz", tmp_path / "rec", shards=2)
+    shard = sorted((tmp_path / "rec").glob("train-*"))[1]
+    data = bytearray(shard.read_bytes())
+    data[65 * 150 + 20] ^= 0xFF     # records of 4 floats are 65 bytes: in record 151's payload
+    shard.write_bytes(bytes(data))
+    result = launch("horovodrun", 2, ["--dataset", "tfrecord", "--data-path",
+                                      str(tmp_path / "rec" / "train-*"), "--val-data-path",
+                                      str(tmp_path / "rec" / "validation-*"), "--run-dir",
+                                      str(tmp_path / "r"), "--no-progress"], cwd=tmp_path)
+    output = result.stdout + result.stderr
+    assert result.returncode == 2, output[-3000:]
+    assert re.findall(r"hvdtrain: error: .*", output) == [
+        f"hvdtrain: error: {shard}: record 151 is corrupt (its checksum does not match); "
+        "regenerate the file with 'hvdtrain convert'"], output[-3000:]
+    assert "Traceback" not in output
+
+
+def test_a_csv_cell_that_is_not_a_number_is_named_by_file_line_and_column(capsys, tmp_path):
+    def write(bad_row: int, bad: str) -> None:
+        for name in ("train", "val"):
+            (tmp_path / f"{name}.csv").write_text("a,b,label\n" + "".join(
+                (bad if (name, i) == ("train", bad_row) else f"{i / 10},{i},{i % 2}") + "\n"
+                for i in range(20)))
+
+    argv = ["--dataset", "csv", "--data-path", str(tmp_path / "train.csv"), "--val-data-path",
+            str(tmp_path / "val.csv"), "--run-dir", str(tmp_path / "r")]
+    write(5, "0.5,x7,1")
+    fails_with(capsys, argv, f"{tmp_path / 'train.csv'}: line 7, column 'b': 'x7' is not a "
+                             "number; every cell must be a number (fix or remove the row)")
+    write(7, "0.5,1")
+    fails_with(capsys, argv, f"{tmp_path / 'train.csv'}: line 9 has 2 columns, the header 3; "
+                             "every row needs every column")
 
 
 def test_features_that_do_not_fit_the_model(capsys, tmp_path, monkeypatch):
@@ -223,3 +308,29 @@ def test_doctor_says_how_to_fix_a_broken_horovod(horovod, message):
     report = {"horovod": horovod, "mpi": "Open MPI v4.1.4", "size": 2}
     problems = problems_in(report, launched=True)
     assert any(message in p for p in problems), problems
+
+
+def test_resume_never_mixes_runs(capsys, tmp_path):
+    """A checkpoint records what it trained: another dataset, optimizer or setting is refused
+    with one line naming the difference, unless --accept-changes; another model always."""
+    run = train(tmp_path, "mixed", "--epochs", "1", "--hidden-units", "16", np=1)
+    same = ["--run-dir", str(run), "--resume", "--hidden-units", "16", "--no-progress"]
+    before = snapshot(run)
+    fails_with(capsys, [*same, "--dataset", "synthetic", "--synthetic-shape", "8", "8", "1"],
+               "was trained with other data or settings (--dataset 'digits' -> 'synthetic';")
+    fails_with(capsys, [*same, "--optimizer", "adam"],
+               "was trained with other data or settings (optimizer {'optimizer': 'SGD'} -> "
+               "{'optimizer': 'Adam'}); pass --accept-changes to continue with the new ones, "
+               "or start a new --run-dir")
+    fails_with(capsys, [*same, "--learning-rate", "0.01"],
+               "(--learning-rate None -> 0.01); pass --accept-changes")
+    fails_with(capsys, ["--run-dir", str(run), "--resume", "--hidden-units", "32"],
+               "was trained with --hidden-units [16], not [32]: another model; start a new "
+               "--run-dir")
+    assert snapshot(run) == before
+    assert main([*same, "--epochs", "2", "--learning-rate", "0.01", "--optimizer", "adam",
+                 "--accept-changes"]) == 0
+    out = capsys.readouterr().out
+    assert ("continuing" in out and "with changed data or settings (optimizer {'optimizer': "
+            "'SGD'} -> {'optimizer': 'Adam'}; --learning-rate None -> 0.01)") in out
+    assert "resuming after epoch 1" in out

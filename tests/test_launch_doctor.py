@@ -42,13 +42,14 @@ def test_version_flag():
 
 def test_version_help_and_a_mistake_answer_without_loading_tensorflow():
     """The CLI imports TensorFlow and Keras only for a command that needs them (seconds saved
-    on every --version, --help and mistyped flag)."""
+    on every --version, --help, mistyped flag and option value out of range)."""
     probe = ("import sys\nfrom hvdtrain.cli import main\n"
-             "codes = [main(['--version']), main(['--epoch', '3'])]\n"
+             "codes = [main(['--version']), main(['--epoch', '3']), "
+             "main(['--learning-rate', 'nan'])]\n"
              "print(codes, sorted({'tensorflow', 'keras', 'horovod'} & set(sys.modules)))")
     result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
                             timeout=60, stdin=subprocess.DEVNULL)
-    assert result.stdout.splitlines()[-1] == "[0, 2] []", result.stdout + result.stderr
+    assert result.stdout.splitlines()[-1] == "[0, 2, 2] []", result.stdout + result.stderr
 
 
 def test_launcher_detection_from_environment():
@@ -64,3 +65,15 @@ def test_cpu_threads_share_the_node_or_respect_binding():
     assert cpu_threads_per_rank(local_size=4, affinity=2, cores=2) == 1
     assert cpu_threads_per_rank(local_size=2, affinity=1, cores=16) == 1  # bound to one core
     assert World(rank=0).is_chief and not World(rank=1, size=2).is_chief
+
+
+def test_doctor_says_how_to_keep_a_bare_launcher_from_outliving_a_lost_node():
+    from hvdtrain.install.doctor import launcher_notes
+    from hvdtrain.world import launcher_defaults
+
+    assert launcher_notes({}) == []                      # not started by Open MPI
+    assert launcher_notes({"OMPI_COMM_WORLD_RANK": "0", **launcher_defaults()}) == []
+    note, = launcher_notes({"OMPI_COMM_WORLD_RANK": "0"})
+    assert note.startswith("mpirun would wait 480 s or more for a node that vanishes")
+    assert ("export OMPI_MCA_oob_tcp_keepalive_time=10 OMPI_MCA_oob_tcp_keepalive_intvl=6 "
+            "OMPI_MCA_oob_tcp_keepalive_probes=6 (launch/mpirun.sh") in note

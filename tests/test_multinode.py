@@ -3,8 +3,9 @@ a bridge, each with its own address, hostname and sshd; a Slurm cluster with one
 node) running 2 ranks each through every documented launch path; exactness across nodes; a node
 cut off mid-epoch ends the job within a bound, leaving no process, and --resume continues.
 
-Every launch starts on node1, as a user logged into a cluster's first node would (the MPIJob
-shape starts on this machine instead, a launcher outside the worker nodes).
+Every launch starts on node1, as a user logged into a cluster's first node would, except the
+MPIJob shape and the node cut with the launchers outside the nodes, which start on this machine
+(a launcher outside the worker nodes).
 """
 
 from __future__ import annotations
@@ -21,9 +22,10 @@ import pytest
 import yaml
 
 import netcluster
-from conftest import (BIN, EXACT, REPO, assert_same_weights, final_weights, rank_env,
-                      read_metrics, read_summary, train)
+from conftest import (BIN, EXACT, REPO, SLOW_CYCLE_MS, assert_same_weights, final_weights,
+                      processes_mentioning, rank_env, read_metrics, read_summary, train)
 from hvdtrain.errors import STALLED_EXIT_CODE
+from hvdtrain.world import launcher_defaults
 
 pytestmark = [pytest.mark.multinode, pytest.mark.distributed]
 
@@ -132,12 +134,15 @@ def test_mpijob_manifest_shape_a_launcher_outside_the_workers(cluster, tmp_path)
     and the ssh agent come from the environment it sets."""
     manifest = yaml.safe_load((REPO / "launch" / "k8s" / "mpijob.yaml").read_text())
     spec = manifest["spec"]
-    command = spec["mpiReplicaSpecs"]["Launcher"]["template"]["spec"]["containers"][0]["command"]
+    launcher = spec["mpiReplicaSpecs"]["Launcher"]["template"]["spec"]["containers"][0]
+    command = launcher["command"]
+    manifest_env = {item["name"]: item["value"] for item in launcher["env"]}
+    assert manifest_env == launcher_defaults()   # the keep-alive that ends it after a lost node
     run_dir = tmp_path / "run"
     command = [str(BIN / "python") if word == "python" else word for word in command]
     command[command.index("--run-dir") + 1] = str(run_dir)
     hostfile = cluster.hostfile(spec["slotsPerWorker"], by_address=True)
-    env = rank_env(OMPI_MCA_orte_default_hostfile=str(hostfile),
+    env = rank_env(**manifest_env, OMPI_MCA_orte_default_hostfile=str(hostfile),
                    OMPI_MCA_plm_rsh_agent=f"ssh -F {cluster.ssh_config}",
                    OMPI_MCA_btl_tcp_if_include=f"{netcluster.SUBNET}.0/24",
                    OMPI_MCA_oob_tcp_if_include=f"{netcluster.SUBNET}.0/24",
@@ -243,6 +248,77 @@ def test_a_node_cut_off_mid_epoch_ends_the_job_and_resume_continues(cluster, tmp
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
     assert [row["epoch"] for row in read_metrics(run_dir)] == list(range(1, int(more) + 1))
     assert_two_nodes_two_ranks_each(run_dir)
+
+
+def test_a_node_cut_off_with_the_launchers_outside_the_nodes_ends_every_process(
+        cluster, tmp_path):
+    """Two jobs at once, each 1 rank per node, both launched from this machine (outside the
+    nodes, as a login node or the MPIJob launcher): bare horovodrun, with the one export the
+    README gives for bare launchers and ssh set up as a user's ~/.ssh/config would be, and
+    launch/mpirun.sh as it ships. node2's link cut mid-epoch, default stall limit: each job's
+    rank on node1 names the lost node in one line, and both launchers and every process of
+    both jobs on every node are gone within the bound. (Without the keep-alive, mpirun here
+    waited for the lost node for as long as TCP takes: the launcher outlived its job.)"""
+    shim = tmp_path / "bin"
+    shim.mkdir()
+    (shim / "ssh").write_text(f'#!/bin/sh\nexec /usr/bin/ssh -F {cluster.ssh_config} "$@"\n')
+    (shim / "ssh").chmod(0o755)
+    hosts = ",".join(f"{node.address}:1" for node in cluster.nodes)
+    run_dirs = {name: tmp_path / name for name in ("horovodrun", "mpirun.sh")}
+    args = ["--no-progress", "--epochs", "400", "--batch-size", "8"]
+    # Slowed steps (an epoch of 90 takes seconds on any machine), so the cut falls mid-epoch,
+    # under the plain step limit, not at an epoch's end where the limit is longer.
+    slow = {"HOROVOD_CYCLE_TIME": SLOW_CYCLE_MS}
+    env = rank_env(**launcher_defaults(), **slow)
+    env["PATH"] = f"{shim}{os.pathsep}{env['PATH']}"
+    commands = {
+        "horovodrun": [str(BIN / "horovodrun"), "-np", "2", "-H", hosts, "--network-interface",
+                       netcluster.NODE_INTERFACE, *trainer(run_dirs["horovodrun"], *args)],
+        "mpirun.sh": [str(REPO / "launch" / "mpirun.sh"), "-np", "2", "-H", hosts, "--iface",
+                      f"{netcluster.SUBNET}.0/24", "--ssh", f"ssh -F {cluster.ssh_config}",
+                      "--", "--run-dir", str(run_dirs["mpirun.sh"]), *args]}
+    jobs = {name: subprocess.Popen(command, env=env if name == "horovodrun" else rank_env(**slow),
+                                   cwd=tmp_path, stdout=subprocess.PIPE,
+                                   stderr=subprocess.STDOUT, text=True,
+                                   stdin=subprocess.DEVNULL, start_new_session=True)
+            for name, command in commands.items()}
+    ended: dict[str, float] = {}
+    try:
+        deadline = time.time() + 240
+        while not all((run_dir / "metrics.jsonl").exists() for run_dir in run_dirs.values()):
+            assert all(job.poll() is None for job in jobs.values()) and time.time() < deadline, \
+                "training did not start"
+            time.sleep(0.5)
+        time.sleep(1.5)                                     # into the next epoch
+        cluster.set_link("node2", up=False)
+        cut = time.time()
+        leftovers: dict = {"": ""}
+        while time.time() - cut < FAILURE_BOUND_S and (len(ended) < len(jobs) or leftovers):
+            ended.update({name: time.time() - cut for name, job in jobs.items()
+                          if name not in ended and job.poll() is not None})
+            leftovers = {pid: Path(f"/proc/{pid}/cmdline").read_bytes()[:120]
+                         for node in cluster.nodes for pid in cluster.stray_pids(node.name)}
+            leftovers.update({pid: "on this machine" for run_dir in run_dirs.values()
+                              for pid in processes_mentioning(str(run_dir))})
+            time.sleep(1)
+        gone = time.time() - cut
+    finally:
+        for job in jobs.values():
+            if job.poll() is None:
+                os.killpg(job.pid, signal.SIGKILL)
+        cluster.set_link("node2", up=True)
+    outputs = {name: job.stdout.read() for name, job in jobs.items()}
+    for name, output in outputs.items():
+        (tmp_path / f"{name}.log").write_text(output)
+    assert set(ended) == set(jobs), f"still running {FAILURE_BOUND_S} s after the cut: " \
+        f"{set(jobs) - set(ended)}"
+    assert not leftovers and gone < FAILURE_BOUND_S, f"left running {gone:.0f} s: {leftovers}"
+    for name, output in outputs.items():
+        assert jobs[name].returncode != 0, output[-3000:]
+        assert len(re.findall(r"hvdtrain: error: rank 0 of 2 on node1 stalled: no training step "
+                              r"finished for \d+ s \(limit \d+ s, --stall-timeout\) while "
+                              r"waiting for [^;]*; no answer from rank 1 on node2; ending this "
+                              rf"rank \(exit {STALLED_EXIT_CODE}\)", output)) == 1, output[-3000:]
 
 
 # --- scaling over the network ------------------------------------------------------------------

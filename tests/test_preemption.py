@@ -19,10 +19,11 @@ from pathlib import Path
 
 import pytest
 
-from conftest import (REPO, assert_same_weights, final_weights, launch, processes_mentioning,
-                      rank_env, rank_pid, read_metrics, run, train, wait_for)
+from conftest import (REPO, SLOW_CYCLE_MS, assert_same_weights, final_weights, launch,
+                      processes_mentioning, rank_env, rank_pid, read_metrics, run, train,
+                      wait_for)
 from hvdtrain.checkpoint import CheckpointStore
-from hvdtrain.cli import build_parser
+from hvdtrain.cli import build_parser, main
 from hvdtrain.config import build_config, config_from_args
 
 # Short deterministic epochs (45 steps of 2 x 16 digits): long enough to stop mid-run, a step
@@ -128,11 +129,15 @@ def test_a_damaged_newest_checkpoint_is_set_aside_for_the_previous(tmp_path):
                                             ".damaged-epoch-0001-step-000020").is_dir()
 
 
-def start_wrapper(wrapper: str, run_dir: Path, *args: str) -> subprocess.Popen:
-    """A 2-rank job through launch/<wrapper>, in its own session (so signals reach only it)."""
+def start_wrapper(wrapper: str, run_dir: Path, *args: str, slow: bool = True,
+                  **env: str) -> subprocess.Popen:
+    """A 2-rank job through launch/<wrapper>, in its own session (so signals reach only it);
+    ``slow``: its steps slowed to ``SLOW_CYCLE_MS``, for a job the test interrupts."""
+    if slow:
+        env = {"HOROVOD_CYCLE_TIME": SLOW_CYCLE_MS, **env}
     return subprocess.Popen([str(REPO / "launch" / wrapper), "-np", "2", "--", "--run-dir",
                              str(run_dir), "--no-progress", *args],
-                            env=rank_env(), cwd=run_dir.parent, stdout=subprocess.PIPE,
+                            env=rank_env(**env), cwd=run_dir.parent, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, stdin=subprocess.DEVNULL,
                             start_new_session=True)
 
@@ -180,6 +185,18 @@ def finish(job: subprocess.Popen, timeout: float) -> tuple[int, str]:
         if job.poll() is None:
             os.killpg(job.pid, signal.SIGKILL)
     return job.returncode, output
+
+
+def stop_after_a_step_checkpoint(run_dir: Path, *args: str, **env: str) -> tuple[int, str]:
+    """Start a 2-rank mpirun.sh job, SIGTERM it once it has written a mid-epoch checkpoint;
+    its (exit code, output)."""
+    job = start_wrapper("mpirun.sh", run_dir, *args, **env)
+    try:
+        wait_for(lambda: step_checkpoint_after(run_dir) or job.poll() is not None, 240)
+        os.kill(job.pid, signal.SIGTERM)
+    finally:
+        code, output = finish(job, 120)
+    return code, output
 
 
 def assert_nothing_left(run_dir: Path) -> None:
@@ -257,10 +274,34 @@ def test_sigterm_to_the_launcher_stops_at_a_step_and_resume_auto_matches(
     if wrapper == "mpirun.sh":
         assert f"checkpoint {run_dir}/checkpoints/{stopped_at} is damaged (optimizer.npz does " \
                "not match its SHA-256); set aside as .damaged-" in output, output[-3000:]
-    job = start_wrapper(wrapper, run_dir, *args)
+    job = start_wrapper(wrapper, run_dir, *args, slow=False)
     code, output = finish(job, 240)
     assert code == 0, output[-3000:]
     assert_same_run(straight_runs[loop], run_dir)
+
+
+@pytest.mark.distributed
+def test_ranks_whose_mpirun_is_killed_stop_with_their_exit_code_and_log_the_line(tmp_path):
+    """mpirun SIGKILLed mid-run (under launch/mpirun.sh): its ranks, whose output now leads
+    nowhere, stop at one step with a checkpoint and exit 75 (they exited 120, Python's failed
+    flush of the dead pipe, or 195, Open MPI ending a rank whose daemon is gone), and the stop
+    line is in rank 0's run log. A subreaper collects the orphaned ranks' exit codes."""
+    run_dir = tmp_path / "run"
+    result = subprocess.run(
+        [sys.executable, str(REPO / "tests" / "orphan_reaper.py"), "--when",
+         str(run_dir / "checkpoints" / "epoch-*-step-*"), "--kill", "mpirun", "--",
+         str(REPO / "launch" / "mpirun.sh"), "-np", "2", "--", "--run-dir", str(run_dir),
+         "--no-progress", *ARGS], env=rank_env(HOROVOD_CYCLE_TIME=SLOW_CYCLE_MS), cwd=tmp_path,
+        text=True, capture_output=True, timeout=240, stdin=subprocess.DEVNULL)
+    report = json.loads(result.stdout.splitlines()[-1])
+    assert report["command"] != 0 and list(report["orphans"].values()) == [STOPPED] * 2, report
+    lines = re.findall(r"hvdtrain: error: .*", (run_dir / "hvdtrain.log").read_text())
+    assert len(lines) == 1 and re.fullmatch(
+        r"hvdtrain: error: stopped by its launcher ending on rank \d.* checkpoint (\S+) written; "
+        r"continue with the same command and --resume auto", lines[0]), lines
+    written = re.search(r"checkpoint (\S+) written", lines[0]).group(1)
+    assert CheckpointStore.damage(run_dir / "checkpoints" / written) is None
+    assert_nothing_left(run_dir)
 
 
 def launcher_pid(run_dir: Path) -> int | None:
@@ -322,6 +363,87 @@ def test_a_full_disk_during_a_checkpoint_stops_with_one_line_and_keeps_the_previ
         assert isinstance(model, keras.Model)
     finally:
         subprocess.run(["umount", "-l", str(mount)], timeout=30)
+
+
+@contextlib.contextmanager
+def small_disk(path: Path, size: str):
+    """A tmpfs of ``size`` at ``path`` (root only), unmounted afterwards."""
+    path.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
+                      capture_output=True, timeout=30).returncode != 0:
+        pytest.skip("cannot mount a tmpfs here (needs root)")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", str(path)], timeout=30)
+
+
+def fill(disk: Path, leave_bytes: int) -> Path:
+    """Fill ``disk`` up, then free ``leave_bytes``; returns the filler file."""
+    filler = disk / "filler"
+    with open(filler, "wb", buffering=0) as handle:
+        try:
+            while True:
+                handle.write(b"\0" * 4096)
+        except OSError:
+            pass
+    os.truncate(filler, max(0, filler.stat().st_size - leave_bytes))
+    return filler
+
+
+def one_write_error(output: str, what: str, run_dir: Path, checkpoint: str) -> None:
+    """Exactly one error line, the failed write's, naming the whole checkpoint; no traceback."""
+    assert re.findall(r"hvdtrain: error: .*", output) == [
+        f"hvdtrain: error: could not write {what} in {run_dir}: No space left on device "
+        f"(ENOSPC); the last checkpoint {run_dir}/checkpoints/{checkpoint} is whole; free "
+        "space or fix the quota or permissions, then continue with --resume auto"], output[-3000:]
+    assert "Traceback" not in output
+
+
+@pytest.mark.distributed
+def test_a_full_disk_at_a_metrics_write_stops_with_one_line_and_resume_auto_continues(
+        tmp_path, capsys):
+    """metrics.jsonl on a full disk (a link to a full tmpfs; the checkpoints have room): epoch
+    1's checkpoint is written, its metrics row is not. Rank 0 stops with one line and exit 74;
+    rank 1, left waiting, leaves without a line; --resume auto continues (the row comes back
+    from the checkpoint) and finishes."""
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    args = ["--run-dir", str(run_dir), "--no-progress", "--epochs", "2", "--hidden-units", "16",
+            "--resume", "auto"]
+    with small_disk(tmp_path / "full", "64k") as disk:
+        (disk / "metrics.jsonl").touch()
+        fill(disk, 0)
+        (run_dir / "metrics.jsonl").symlink_to(disk / "metrics.jsonl")
+        result = launch("horovodrun", 2, args, cwd=tmp_path)
+        output = result.stdout + result.stderr
+        assert result.returncode == 74, output[-3000:]
+        one_write_error(output, "the metrics files", run_dir, "epoch-0001")
+        assert CheckpointStore.damage(run_dir / "checkpoints" / "epoch-0001") is None
+        assert_nothing_left(run_dir)
+        assert main(args) == 0, capsys.readouterr().err    # one process: the same plan
+    assert [row["epoch"] for row in read_metrics(run_dir)] == [1, 2]
+
+
+def test_a_full_disk_at_the_final_save_stops_with_one_line_and_resume_auto_finishes(
+        tmp_path, capsys):
+    """A finished epoch's checkpoint on disk, then too little room for the final model: exit 74,
+    one line, no partial model left; with room again, --resume auto saves it."""
+    with small_disk(tmp_path / "disk", "4m") as disk:
+        run_dir = disk / "run"
+        args = ["--run-dir", str(run_dir), "--no-progress", "--epochs", "1", "--hidden-units",
+                "256", "128", "--resume", "auto"]
+        assert main(args) == 0, capsys.readouterr().err
+        (run_dir / "model.keras").unlink()
+        capsys.readouterr()
+        filler = fill(disk, 20 * 1024)
+        assert main(args) == 74
+        one_write_error(capsys.readouterr().err, "the final model", run_dir, "epoch-0001")
+        assert not (run_dir / "model.keras").exists()
+        assert not list(run_dir.glob(".model.partial*"))
+        filler.unlink()
+        assert main(args) == 0, capsys.readouterr().err
+        assert (run_dir / "model.keras").exists()
 
 
 @pytest.mark.distributed

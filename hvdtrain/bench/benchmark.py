@@ -87,16 +87,13 @@ def time_steps(run_step, batch, warmup: int, steps: int, repeats: int) -> list[f
 
 
 def _fit_step(step, batch):
-    """The Keras fit path's compiled step (the function fit itself would run)."""
+    """The Keras fit path's compiled step (the function fit itself would run); call it while
+    the step is installed (``loops.step_installed``)."""
     import tensorflow as tf
 
-    from hvdtrain.training.loops import DataParallelModel
-
-    model = DataParallelModel(step.model, step)
-    model.compile(optimizer=step.optimizer, jit_compile=False)
-    model.make_train_function()
+    step.model.make_train_function()
     iterator = iter(tf.data.Dataset.from_tensors(batch).repeat())
-    return lambda *_: model.train_function(iterator)
+    return lambda *_: step.model.train_function(iterator)
 
 
 def run(args: argparse.Namespace) -> tuple[bool, dict[str, Any]]:
@@ -104,6 +101,7 @@ def run(args: argparse.Namespace) -> tuple[bool, dict[str, Any]]:
     import tensorflow as tf
 
     from hvdtrain.config import OptimConfig
+    from hvdtrain.training.loops import step_installed
     from hvdtrain.training.objective import Objective, probe
     from hvdtrain.training.schedule import make_optimizer, make_schedule
     from hvdtrain.training.step import StepMath, StepOptions
@@ -123,9 +121,11 @@ def run(args: argparse.Namespace) -> tuple[bool, dict[str, Any]]:
     step = StepMath(model, optimizer, collectives, objective,
                     StepOptions(fp16_compression=args.compression == "fp16"))
     probe(model, objective, batch, [step.train_metrics], args.model)
-    run_step = (_fit_step(step, batch) if args.loop == "fit"
-                else tf.function(step.train_step, jit_compile=False))
-    times = time_steps(run_step, batch, args.warmup_steps, args.steps, args.repeats)
+    model.compile(optimizer=optimizer, jit_compile=False)
+    with step_installed(step):
+        run_step = (_fit_step(step, batch) if args.loop == "fit"
+                    else tf.function(step.train_step, jit_compile=False))
+        times = time_steps(run_step, batch, args.warmup_steps, args.steps, args.repeats)
     rank_result = {"rank": world.rank, "step_seconds": times,
                    "examples_per_second": args.batch_size / statistics.median(times)}
     everyone = collectives.allgather_object(rank_result)

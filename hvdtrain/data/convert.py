@@ -111,6 +111,9 @@ def convert(source: Path, output: Path, shards: int, seed: int = 0) -> dict:
     metadata["counts"] = {}
     for prefix, (features, labels) in parts.items():
         metadata["counts"].update(write_shards(features, labels, output, prefix, shards, seed))
+    # With the sizes, training takes a file at its count without reading it, yet still
+    # notices a file cut or changed since.
+    metadata["bytes"] = {name: (output / name).stat().st_size for name in metadata["counts"]}
     (output / METADATA_FILE).write_text(json.dumps(metadata, indent=2) + "\n")
     return metadata
 

@@ -21,9 +21,10 @@ import csv
 import glob
 import json
 import math
+import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Sequence
 
 import numpy as np
 import tensorflow as tf
@@ -31,6 +32,7 @@ import tensorflow as tf
 from hvdtrain.config import DataConfig
 from hvdtrain.data import METADATA_FILE
 from hvdtrain.data.pipeline import ShardSpec
+from hvdtrain.data.records import DamagedRecordFile, count_records, damaged_record_at
 from hvdtrain.errors import UserError
 
 
@@ -137,6 +139,8 @@ class FileSplit:
                 end_epoch: int = 1) -> tf.data.Dataset:
         """(features, labels, sample weights, loss weights) batches for epochs
         ``[first_epoch, end_epoch)``."""
+        if not spec.equal_steps:
+            return self._unpadded(spec)
         steps, batch = self.steps_per_epoch(spec), spec.batch_size
         group = batch * spec.accumulation_steps
         cached = None
@@ -172,6 +176,17 @@ class FileSplit:
         epochs = tf.data.Dataset.range(first_epoch, end_epoch)
         return epochs.flat_map(epoch_batches).prefetch(tf.data.AUTOTUNE)
 
+    def _unpadded(self, spec: ShardSpec) -> tf.data.Dataset:
+        """This rank's records once, in file order, unpadded (evaluation under a model's own
+        ``test_step``)."""
+        records = self._records(spec, self._assignment(spec, 0)[0])
+
+        def with_weights(x: tf.Tensor, y: tf.Tensor) -> tuple:
+            ones = tf.ones([tf.shape(x)[0]], tf.float32)
+            return x, y, ones, ones
+
+        return records.batch(spec.batch_size).map(with_weights).prefetch(tf.data.AUTOTUNE)
+
 
 def expand(pattern: str | None, what: str) -> tuple[str, ...]:
     """The sorted files matching a glob; a one-line error when there are none."""
@@ -190,21 +205,46 @@ def read_metadata(files: tuple[str, ...]) -> dict:
 
 
 def count_tfrecords(files: tuple[str, ...], metadata: dict) -> tuple[int, ...]:
-    """Records per file: from the converter's metadata, else one pass over each file."""
-    known = metadata.get("counts", {})
+    """Records per file. The converter's metadata holds each file's count and size: a file of
+    that size is taken at its count without reading it. Any other file is scanned
+    (``records.count_records``), so a file damaged anywhere, even cut inside a header (which
+    TensorFlow's reader takes for a clean end), is refused here instead of trained around."""
+    known, sizes = metadata.get("counts", {}), metadata.get("bytes", {})
     counts = []
     for name in files:
-        if Path(name).name in known:
-            counts.append(int(known[Path(name).name]))
+        base = Path(name).name
+        if base in known and sizes.get(base) == Path(name).stat().st_size:
+            counts.append(int(known[base]))
             continue
         try:
-            counts.append(sum(1 for _ in tf.data.TFRecordDataset(name)))
-        except tf.errors.DataLossError as error:
-            raise FileDataError(f"{name} is not a valid TFRecord file (corrupt or truncated); "
-                                "regenerate it with 'hvdtrain convert'") from error
+            count = count_records(name)
+        except DamagedRecordFile as damage:
+            raise FileDataError(f"{name} {damage}; regenerate it with 'hvdtrain convert'") \
+                from None
+        if base in known and count != int(known[base]):
+            raise FileDataError(f"{name} holds {count} records but {METADATA_FILE} says "
+                                f"{known[base]}: it changed after conversion; regenerate it "
+                                "with 'hvdtrain convert'")
+        counts.append(count)
     if sum(counts) == 0:
         raise FileDataError(f"the files {files[0]}... hold no records")
     return tuple(counts)
+
+
+def corrupt_record_message(splits: Sequence[object], detail: str) -> str:
+    """The line for a record that failed TensorFlow's checksum mid-run (``detail``: its
+    DataLossError), naming the file and the record when the files show which one it was."""
+    found = None
+    offset = re.search(r"corrupted record at (\d+)", detail)
+    if offset is not None:
+        files = [name for split in splits if isinstance(split, FileSplit)
+                 for name in split.files]
+        found = damaged_record_at(files, int(offset.group(1)))
+    if found is None:
+        return (f"a TFRecord file is corrupt ({detail.splitlines()[0][:160]}); regenerate it "
+                "with 'hvdtrain convert'")
+    return (f"{found[0]}: record {found[1]} is corrupt (its checksum does not match); "
+            "regenerate the file with 'hvdtrain convert'")
 
 
 def tfrecord_parser(config: DataConfig, shape: tuple[int, ...], encoding: str) -> Parser:
@@ -269,6 +309,36 @@ def checked_labels(parse: Parser, num_classes: int) -> Parser:
     return checked
 
 
+def numeric_rows(name: str, header: list[str]) -> list[list[float]]:
+    """A CSV file's data rows as numbers. Every cell is checked here, so a bad one is named by
+    file, line and column before training; TensorFlow's CSV decoder would fail mid-epoch
+    without saying which file, or read an empty cell as 0."""
+    with open(name, newline="") as handle:
+        lines = list(csv.reader(handle))[1:]
+    rows = []
+    for line, cells in enumerate(lines, start=2):
+        if len(cells) != len(header):
+            raise FileDataError(f"{name}: line {line} has {len(cells)} columns, the header "
+                                f"{len(header)}; every row needs every column")
+        row = []
+        for column, cell in zip(header, cells):
+            try:
+                row.append(_number(cell))
+            except ValueError:
+                raise FileDataError(f"{name}: line {line}, column '{column}': {cell!r} is not "
+                                    "a number; every cell must be a number (fix or remove the "
+                                    "row)") from None
+        rows.append(row)
+    return rows
+
+
+def _number(cell: str) -> float:
+    """The cell as TensorFlow's CSV decoder reads it (Python's float also takes 1_000)."""
+    if "_" in cell:
+        raise ValueError(cell)
+    return float(cell)
+
+
 def csv_split(config: DataConfig, pattern: str | None,
               what: str) -> tuple[FileSplit, int | None]:
     """A CSV split: a header row, numeric feature columns and a numeric label column: whole
@@ -282,20 +352,15 @@ def csv_split(config: DataConfig, pattern: str | None,
     label_index = header.index(config.label_column)
     counts, labels = [], []
     for name in files:
-        with open(name, newline="") as handle:
-            rows = list(csv.reader(handle))[1:]
+        rows = numeric_rows(name, header)
         counts.append(len(rows))
-        try:
-            labels += [float(row[label_index]) for row in rows]
-        except (ValueError, IndexError) as error:
-            raise FileDataError(f"{name}: a row has no numeric '{config.label_column}' "
-                                f"({error}); every row needs every column") from error
+        labels += [row[label_index] for row in rows]
     if sum(counts) == 0:
         raise FileDataError(f"the CSV files matching '{pattern}' hold no rows")
     defaults = [tf.constant(0.0)] * len(header)
     features = [i for i in range(len(header)) if i != label_index]
 
-    classes = all(float(label).is_integer() for label in labels)
+    classes = all(label.is_integer() for label in labels)
     label_dtype = tf.int64 if classes else tf.float32
 
     def parse(line: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:

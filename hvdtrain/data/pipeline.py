@@ -10,7 +10,12 @@ computes:
 * Remainder policy ``pad`` (default): the last global batch is shorter; ranks whose block runs
   past its end get padding slots (id -1) with weight 0. Every rank runs the same number of steps
   (an uneven count would deadlock the allreduce) and every example is seen exactly once.
-  ``drop``: the last partial global batch is skipped; a different tail each epoch.
+  ``drop``: the last partial global batch is skipped; a different tail each epoch. A model's
+  own ``train_step`` averages per-rank means, which is exact only for equal batches, so its
+  runs drop (``--remainder auto``).
+* Evaluation under a model's own ``test_step`` (``equal_steps`` false): rank r takes examples
+  r, r+N, ... in order, unpadded, in batches of b; ranks may run different numbers of steps
+  (evaluation holds no collective per step) and every example is evaluated once.
 * Each real example carries the weight 1/(examples in its global batch), so the per-rank loss
   ``sum(weight * sample_weight * per_example_loss)`` summed across ranks is the global-batch
   mean (Keras' own reduction: weighted sum over the batch size). With k-step
@@ -50,6 +55,9 @@ class ShardSpec:
     # Steps per epoch agreed by every rank, for sources whose ranks count their own batches
     # (a user's tf.data pipeline); None: computed from ``num_examples``.
     agreed_steps: int | None = None
+    # False: this rank's share alone, unpadded, however many steps it takes (evaluation under
+    # a model's own test_step).
+    equal_steps: bool = True
 
     @property
     def remaining(self) -> int:
@@ -125,6 +133,14 @@ def array_dataset(x: Any, y: Any, spec: ShardSpec, first_epoch: int = 0, end_epo
         return (tf.nest.map_structure(take, features), tf.nest.map_structure(take, targets),
                 take(user_weights), weights)
 
-    dataset = plan_dataset(spec, first_epoch, end_epoch)
+    dataset = plan_dataset(spec, first_epoch, end_epoch) if spec.equal_steps else (
+        uneven_plan(spec))
     dataset = dataset.map(gather, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
     return dataset.prefetch(tf.data.AUTOTUNE)
+
+
+def uneven_plan(spec: ShardSpec) -> tf.data.Dataset:
+    """This rank's examples r, r+N, ... in batches of b, unpadded (see the module doc)."""
+    ids = tf.range(spec.world.rank, spec.num_examples, spec.world.size, dtype=tf.int64)
+    return tf.data.Dataset.from_tensor_slices(ids).batch(spec.batch_size).map(
+        lambda batch: (batch, tf.ones(tf.shape(batch), tf.float32)))

@@ -13,8 +13,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Protocol
 
+import keras
 import numpy as np
-
 import tensorflow as tf
 
 from hvdtrain.config import PYTHON_OBJECT, DataConfig
@@ -102,12 +102,25 @@ class ArraySplit:
 @dataclass(frozen=True)
 class DataBundle:
     """What training needs from a source. ``num_classes`` is None for targets that are not
-    class ids (regression, multi-label, several outputs); ``val`` is None when a user's
-    pipeline has no validation split."""
+    class ids (regression, multi-label, several outputs); ``val`` is None when there is no
+    validation data. ``targets``: the examples have targets (not for a GAN's or an
+    autoencoder's ``x`` alone); ``sample_weights``: the user gave sample (or class) weights.
+    Together they say how Keras would hand a batch to a model's own ``train_step``."""
 
     train: Split
     val: Split | None
     num_classes: int | None
+    targets: bool = True
+    sample_weights: bool = False
+
+    def keras_element(self, x: Any, y: Any, sample_weight: Any) -> Any:
+        """A batch as Keras ``fit`` gives it to ``train_step``: ``x`` (``(x,)`` for a tuple
+        of inputs), ``(x, y)`` or ``(x, y, sample_weight)``."""
+        if not self.targets:
+            return keras.utils.pack_x_y_sample_weight(x)
+        if self.sample_weights:
+            return x, y, sample_weight
+        return x, y
 
     @property
     def input_shape(self) -> Any:

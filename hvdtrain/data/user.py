@@ -1,21 +1,28 @@
-"""A user's data: ``--dataset package.module:fn`` or ``hvdtrain.fit(model, data)``.
+"""A user's data: ``hvdtrain.fit(model, x, y, ...)`` or ``--dataset package.module:fn``.
 
-The function (called with no arguments on every rank) returns one of:
+What Keras ``model.fit`` takes, hvdtrain takes (``KerasData`` holds ``fit``'s data arguments; a
+``--dataset`` function's return value is read as its ``x``):
 
-* ``hvdtrain.Arrays`` (or ``(x, y)``, or a dict with the same keys): in-memory examples.
-  Features may be a dict of arrays (several inputs); targets any shape and dtype, or a dict or
-  list of arrays (several outputs); optional validation arrays and per-example weights. hvdtrain
-  shards them with its exact global-batch plan, so N ranks x b computes what 1 x N*b does.
+* NumPy arrays (or dicts or lists of them for several inputs; strings for preprocessing
+  layers): ``x`` alone (no targets: a GAN, an autoencoder), with ``y``, with ``sample_weight``
+  and/or ``class_weight``. Sharded by hvdtrain's exact global-batch plan. ``validation_data``
+  in the same forms, or ``validation_split``: the last fraction of the examples, taken before
+  shuffling, as Keras takes it.
+* A ``tf.data.Dataset`` (batched or not) or a ``keras.utils.PyDataset``: sharded by rank with
+  equal steps (``hvdtrain.data.datasets``).
+* ``hvdtrain.Arrays`` (or ``(x, y)``, ``(x, y, sample_weight)``, or a dict with those keys):
+  hvdtrain's own form; without ``x_val`` it holds out ``--validation-split`` of the examples
+  chosen by a seeded permutation.
 * ``hvdtrain.Pipeline``: factories that build one rank's ``tf.data.Dataset`` of batches
   ``(x, y)`` or ``(x, y, sample_weight)`` for one epoch from a ``hvdtrain.Shard`` (rank, size,
   epoch, seed, batch size). The factory must give each rank a disjoint part of the data (e.g.
   ``dataset.shard(shard.size, shard.rank)``), batch it by ``shard.batch_size`` and make the
-  order a function of ``shard.seed`` and ``shard.epoch``. hvdtrain makes every rank run the same
-  number of steps per epoch (``steps_per_epoch`` if given, else the most batches any rank's
-  epoch-0 pipeline yields): a rank whose pipeline runs short is padded with zero-weight batches,
-  one that runs long is cut there. Each step's loss is the mean over the real examples of the
-  global batch (their count is summed across ranks in the step), so uneven batch sizes are
-  weighted exactly.
+  order a function of ``shard.seed`` and ``shard.epoch``. hvdtrain makes every rank run the
+  same number of steps per epoch (``steps_per_epoch`` if given, else the most batches any rank's
+  epoch-0 pipeline yields, or the fewest under a model's own ``train_step``): a rank whose
+  pipeline runs short is padded with zero-weight batches, one that runs long is cut there. Each
+  step's loss is the mean over the real examples of the global batch (their count is summed
+  across ranks in the step), so uneven batch sizes are weighted exactly.
 """
 
 from __future__ import annotations
@@ -23,10 +30,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable
 
+import keras
 import numpy as np
 import tensorflow as tf
 
 from hvdtrain.config import DataConfig
+from hvdtrain.data.datasets import DatasetSplit, class_ids, class_weight_table, padding_batch
 from hvdtrain.data.pipeline import ShardSpec
 from hvdtrain.data.sources import (ArraySplit, DataBundle, DataError, checked_bundle, class_count,
                                    first_leaf, split_arrays, targets_array)
@@ -35,10 +44,10 @@ from hvdtrain.world import World
 
 @dataclass(frozen=True)
 class Arrays:
-    """In-memory examples from a user's data function."""
+    """In-memory examples from a user's data function (``y`` None: no targets)."""
 
     x: Any
-    y: Any
+    y: Any = None
     x_val: Any = None
     y_val: Any = None
     sample_weight: Any = None
@@ -68,24 +77,63 @@ class Pipeline:
     num_classes: int | None = None
 
 
-def _numeric(values: Any, what: str) -> Any:
-    """Arrays (or nests of them) as float32 features / checked targets."""
+@dataclass(frozen=True)
+class KerasData:
+    """``model.fit``'s data arguments. ``validation_split`` None: Keras' default (none) for
+    arrays given as ``x``/``y``, ``--validation-split`` for ``hvdtrain.Arrays``."""
+
+    x: Any
+    y: Any = None
+    sample_weight: Any = None
+    class_weight: dict | None = None
+    validation_data: Any = None
+    validation_split: float | None = None
+    steps_per_epoch: int | None = None
+    validation_steps: int | None = None
+
+
+DATASET_OBJECTS = (tf.data.Dataset, keras.utils.PyDataset)
+
+
+def _checked(values: Any, what: str, numeric: bool) -> Any:
+    """Arrays (or nests of them), numeric where they must be; float64 becomes float32."""
     def convert(array: Any) -> np.ndarray:
         array = np.asarray(array)
-        if not (np.issubdtype(array.dtype, np.number) or array.dtype == bool):
+        is_number = np.issubdtype(array.dtype, np.number) or array.dtype == bool
+        if numeric and not is_number:
             raise DataError(f"{what} must be numeric arrays, got {array.dtype}")
-        return array
+        if not is_number and array.dtype.kind not in "USO":
+            raise DataError(f"{what} must be numbers or strings, got {array.dtype}")
+        return array.astype(np.float32) if array.dtype == np.float64 else array
     return tf.nest.map_structure(convert, values)
 
 
 def _features(x: Any) -> Any:
+    """Features: numbers (floats as float32) or strings (for preprocessing layers)."""
     return tf.nest.map_structure(
         lambda a: a.astype(np.float32) if np.issubdtype(a.dtype, np.floating) else a,
-        _numeric(x, "features"))
+        _checked(x, "features", numeric=False))
 
 
 def _targets(y: Any) -> Any:
-    return tf.nest.map_structure(targets_array, _numeric(y, "targets"))
+    """hvdtrain's form: class ids as int64 of shape (N,), other targets float32."""
+    return () if y is None else tf.nest.map_structure(targets_array,
+                                                      _checked(y, "targets", numeric=True))
+
+
+def _keras_targets(y: Any) -> Any:
+    """Keras' form: as given (float64 as float32), so a model's own step sees what Keras gives
+    it."""
+    return () if y is None else _checked(y, "targets", numeric=True)
+
+
+def has_targets(y: Any) -> bool:
+    """Whether targets are there (``()`` stands for none, as a ``tf.data`` structure can)."""
+    return not (isinstance(y, tuple) and not y)
+
+
+def _weights(values: Any) -> np.ndarray | None:
+    return None if values is None else np.asarray(values, np.float32).reshape(-1)
 
 
 def _checked_lengths(x: Any, y: Any, weights: Any, what: str) -> None:
@@ -99,7 +147,8 @@ def _checked_lengths(x: Any, y: Any, weights: Any, what: str) -> None:
         raise DataError(f"the {what} arrays hold no examples")
 
 
-def _as_arrays(value: Any) -> Arrays:
+def _as_arrays(value: Any) -> Arrays | None:
+    """hvdtrain's own array forms, or None for anything else."""
     if isinstance(value, Arrays):
         return value
     if isinstance(value, dict) and "x" in value and "y" in value:
@@ -109,36 +158,135 @@ def _as_arrays(value: Any) -> Arrays:
                             f"{', '.join(sorted(unknown))}; use x, y, x_val, y_val, "
                             "sample_weight, val_sample_weight, num_classes")
         return Arrays(**value)
-    if isinstance(value, tuple) and len(value) == 2:
-        return Arrays(*value)
-    raise DataError(f"the data function returned {type(value).__name__}; return "
-                    "hvdtrain.Arrays(x=..., y=...), (x, y) or hvdtrain.Pipeline(train=...)")
+    if isinstance(value, tuple) and len(value) in (2, 3) and not any(
+            isinstance(part, DATASET_OBJECTS) for part in value):
+        return Arrays(value[0], value[1], sample_weight=value[2] if len(value) == 3 else None)
+    return None
 
 
-def arrays_bundle(data: Arrays, config: DataConfig, seed: int) -> DataBundle:
-    """Check and shard a user's arrays exactly like a built-in in-memory source."""
+def _with_class_weight(weights: np.ndarray | None, y: Any,
+                       class_weight: dict | None) -> np.ndarray | None:
+    """Sample weights times Keras' ``class_weight`` of each example's class."""
+    if not class_weight:
+        return weights
+    if not has_targets(y):
+        raise DataError("class_weight needs targets (class ids); the data has none")
+    try:
+        ids = class_ids(tf.constant(y)).numpy()
+    except (TypeError, ValueError, tf.errors.InvalidArgumentError) as error:
+        raise DataError(f"class_weight needs class-id targets ({error})") from error
+    table = class_weight_table(class_weight).numpy()
+    if ids.size and (ids.min() < 0 or ids.max() >= len(table)):
+        table = np.concatenate([table, np.ones(int(ids.max()) + 1 - len(table), np.float32)])
+    per_example = table[ids]
+    return per_example if weights is None else weights * per_example
+
+
+def arrays_bundle(data: Arrays, config: DataConfig, seed: int,
+                  class_weight: dict | None = None) -> DataBundle:
+    """Check and shard a user's ``hvdtrain.Arrays`` exactly like a built-in in-memory source."""
     x, y = _features(data.x), _targets(data.y)
-    weights = None if data.sample_weight is None else np.asarray(data.sample_weight, np.float32)
+    weights = _with_class_weight(_weights(data.sample_weight), y, class_weight)
     _checked_lengths(x, y, weights, "training")
     single_target = not isinstance(y, (dict, list, tuple))
+    flags = {"targets": has_targets(y), "sample_weights": weights is not None}
     if data.x_val is None:
         classes = data.num_classes or (class_count(y) if single_target else None)
-        return split_arrays(x, y, config.validation_split, seed, classes, weights)
+        bundle = split_arrays(x, y, config.validation_split, seed, classes, weights)
+        return DataBundle(bundle.train, bundle.val, classes, **flags)
     x_val, y_val = _features(data.x_val), _targets(data.y_val)
-    val_weights = (None if data.val_sample_weight is None
-                   else np.asarray(data.val_sample_weight, np.float32))
+    val_weights = _weights(data.val_sample_weight)
     _checked_lengths(x_val, y_val, val_weights, "validation")
     classes = data.num_classes or (class_count(y, y_val) if single_target else None)
-    return DataBundle(ArraySplit(x, y, weights), ArraySplit(x_val, y_val, val_weights), classes)
+    return DataBundle(ArraySplit(x, y, weights), ArraySplit(x_val, y_val, val_weights),
+                      classes, **flags)
+
+
+def _keras_arrays(x: Any, y: Any, sample_weight: Any, what: str,
+                  class_weight: dict | None = None) -> ArraySplit:
+    x, y = _features(x), _keras_targets(y)
+    weights = _with_class_weight(_weights(sample_weight), y, class_weight)
+    _checked_lengths(x, y, weights, what)
+    return ArraySplit(x, y, weights)
+
+
+def _validation_split(data: Any) -> ArraySplit | DatasetSplit | None:
+    """Keras' ``validation_data`` in any form: ``(x, y[, sample_weight])``, arrays, a
+    dataset object, ``hvdtrain.Arrays``."""
+    value = data.validation_data
+    if value is None:
+        return None
+    if isinstance(value, DATASET_OBJECTS):
+        return DatasetSplit(value, data.validation_steps)
+    if isinstance(value, Arrays):
+        return _keras_arrays(value.x, value.y, value.sample_weight, "validation")
+    if isinstance(value, (tuple, list)) and len(value) in (2, 3):
+        return _keras_arrays(value[0], value[1], value[2] if len(value) == 3 else None,
+                             "validation")
+    return _keras_arrays(value, None, None, "validation")
+
+
+def _keras_bundle(data: KerasData, config: DataConfig) -> DataBundle:
+    """``x``/``y`` arrays as ``model.fit`` takes them."""
+    if isinstance(data.y, DATASET_OBJECTS):
+        raise DataError("y is a dataset; give the dataset as x (it yields (x, y))")
+    train = _keras_arrays(data.x, data.y, data.sample_weight, "training", data.class_weight)
+    val = _validation_split(data)
+    fraction = data.validation_split or 0.0
+    if fraction and val is None:
+        examples = train.num_examples
+        held = int(examples * fraction)    # Keras: the last fraction, before shuffling
+        if held == 0 or held == examples:
+            raise DataError(f"validation_split {fraction} of {examples} examples leaves "
+                            "nothing to train or to validate on; change it")
+        val = train.take(np.arange(examples - held, examples))
+        train = train.take(np.arange(examples - held))
+    single_target = not isinstance(train.y, (dict, list, tuple))
+    classes = None
+    if single_target and np.issubdtype(np.asarray(train.y).dtype, np.integer) and (
+            np.asarray(train.y).ndim == 1):
+        classes = int(np.max(train.y)) + 1
+    return DataBundle(train, val, classes, targets=has_targets(train.y),
+                      sample_weights=train.sample_weight is not None)
+
+
+def _dataset_bundle(data: KerasData) -> DataBundle:
+    if data.y is not None or data.sample_weight is not None:
+        raise DataError("a dataset yields its own targets and sample weights; do not also "
+                        "give y or sample_weight")
+    if data.validation_split:
+        raise DataError("validation_split needs arrays; give the dataset's validation part "
+                        "as validation_data")
+    train = DatasetSplit(data.x, data.steps_per_epoch, data.class_weight)
+    return DataBundle(train, _validation_split(data), None, targets=train.has_targets,
+                      sample_weights=train.has_sample_weights)
 
 
 def user_bundle(value: Any, config: DataConfig, seed: int) -> DataBundle:
-    """The splits of whatever a user's data function returned."""
-    if isinstance(value, Pipeline):
-        val = None if value.val is None else PipelineSplit(value.val, value.val_steps)
-        return DataBundle(PipelineSplit(value.train, value.steps_per_epoch), val,
-                          value.num_classes)
-    return checked_bundle(arrays_bundle(_as_arrays(value), config, seed), "the user's data")
+    """The splits of whatever the user handed over (``KerasData`` from ``hvdtrain.fit``, or a
+    data function's return value)."""
+    data = value if isinstance(value, KerasData) else KerasData(value)
+    if isinstance(data.x, Pipeline):
+        pipeline = data.x
+        val = None if pipeline.val is None else PipelineSplit(pipeline.val, pipeline.val_steps)
+        return DataBundle(PipelineSplit(pipeline.train, pipeline.steps_per_epoch), val,
+                          pipeline.num_classes)
+    if isinstance(data.x, DATASET_OBJECTS):
+        return _dataset_bundle(data)
+    arrays = _as_arrays(data.x) if data.y is None else None
+    if arrays is not None:
+        bundle = checked_bundle(arrays_bundle(arrays, config, seed, data.class_weight),
+                                "the user's data")
+        val = _validation_split(data)
+        if val is not None:
+            bundle = DataBundle(bundle.train, val, bundle.num_classes, bundle.targets,
+                                bundle.sample_weights)
+        return bundle
+    if data.x is None or isinstance(data.x, (str, int, float)):
+        raise DataError(f"the data is {type(data.x).__name__}; give arrays (x, y), "
+                        "a tf.data.Dataset, a keras.utils.PyDataset, hvdtrain.Arrays or "
+                        "hvdtrain.Pipeline")
+    return _keras_bundle(data, config)
 
 
 def _with_weights(element: Any) -> tuple[Any, Any, tf.Tensor, tf.Tensor]:
@@ -151,14 +299,6 @@ def _with_weights(element: Any) -> tuple[Any, Any, tf.Tensor, tf.Tensor]:
     weights = (tf.cast(element[2], tf.float32) if len(element) == 3
                else tf.ones([rows], tf.float32))
     return x, y, weights, tf.ones([rows], tf.float32)
-
-
-def _padding_batch(spec: Any) -> Any:
-    """A one-row batch of zeros shaped like the pipeline's elements, with weight 0."""
-    zeros = tf.nest.map_structure(
-        lambda s: tf.zeros([1 if d is None else d for d in s.shape], s.dtype), spec)
-    x, y, sample_weight, _ = zeros
-    return x, y, sample_weight, tf.zeros_like(sample_weight)
 
 
 @dataclass(frozen=True)
@@ -187,18 +327,21 @@ class PipelineSplit:
         return tf.nest.map_structure(lambda s: tuple(s.shape[1:]), spec)
 
     def steps_per_epoch(self, spec: ShardSpec) -> int:
-        """This rank's batches in epoch 0 (or the declared count); the run agrees on the most."""
+        """This rank's batches in epoch 0 (or the declared count); the run agrees on the most
+        (padding) or the fewest (cutting)."""
         if self.declared_steps is not None:
             return self.declared_steps
         return int(self._epoch(spec, 0).reduce(np.int64(0), lambda count, _: count + 1))
 
     def dataset(self, spec: ShardSpec, first_epoch: int = 0,
                 end_epoch: int = 1) -> tf.data.Dataset:
+        if not spec.equal_steps:
+            return self._epoch(spec, first_epoch).prefetch(tf.data.AUTOTUNE)
         steps = spec.steps_per_epoch
         epochs = []
         for epoch in range(first_epoch, end_epoch):
             batches = self._epoch(spec, epoch)
-            padding = tf.data.Dataset.from_tensors(_padding_batch(batches.element_spec))
+            padding = tf.data.Dataset.from_tensors(padding_batch(batches.element_spec))
             epochs.append(batches.concatenate(padding.repeat()).take(steps))
         dataset = epochs[0]
         for more in epochs[1:]:

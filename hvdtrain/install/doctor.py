@@ -13,7 +13,8 @@ import sys
 from typing import Any
 
 from hvdtrain import __version__
-from hvdtrain.world import horovod_build_info, init_collectives, launched_by_a_launcher
+from hvdtrain.world import (horovod_build_info, init_collectives, keepalive_window_s,
+                            launched_by_a_launcher, launcher_defaults)
 
 SETUP_HINT = "run launch/setup.sh (it rebuilds Horovod against this TensorFlow)"
 
@@ -56,6 +57,20 @@ def problems_in(report: dict[str, Any], launched: bool) -> list[str]:
         found.append("launched by an MPI launcher but the world has one rank: Horovod and "
                      "mpirun use different MPI libraries; re-run launch/setup.sh")
     return found
+
+
+def launcher_notes(environ: dict[str, str]) -> list[str]:
+    """Advice that is no problem on one node: Open MPI's launcher, as this rank's environment
+    says it was set up, would outlive a job that loses a node (``world.launcher_defaults``)."""
+    if "OMPI_COMM_WORLD_RANK" not in environ:
+        return []
+    window = keepalive_window_s(environ)
+    if window <= keepalive_window_s(launcher_defaults()):
+        return []
+    exports = " ".join(f"{name}={value}" for name, value in launcher_defaults().items())
+    return [f"mpirun would wait {window:.0f} s or more for a node that vanishes and, started "
+            "outside the nodes, outlive the job; before a bare mpirun or horovodrun run: "
+            f"export {exports} (launch/mpirun.sh and launch/horovodrun.sh set these)"]
 
 
 def collect_report() -> tuple[dict[str, Any], Any]:
@@ -126,6 +141,8 @@ def main() -> int:
                 for problem in problems_in(each, launched_by_a_launcher())]
     for problem in problems:
         print(f"  problem: {problem}")
+    for note in launcher_notes(dict(os.environ)):
+        print(f"  note: {note}")
     verdict = "FAIL" if problems else "PASS"
     print(f"verdict: {verdict} ({len(reports)} rank(s) checked"
           f"{'; ' + str(len(problems)) + ' problem(s)' if problems else ', ready to train'})")

@@ -3,7 +3,7 @@
 Change ``import horovod.tensorflow.keras as hvd`` to ``import hvdtrain.keras as hvd``: the
 process facts, ops and compression are Horovod's own (via ``hvdtrain.tensorflow``);
 ``DistributedOptimizer``, the callbacks and the elastic state are written for Keras 3 on the
-trainer's collectives. README "Coming from Horovod" lists what differs.
+trainer's collectives. ``hvdtrain/keras/README.md`` lists what differs.
 """
 
 from __future__ import annotations

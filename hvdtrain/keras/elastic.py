@@ -4,7 +4,9 @@
 optimizer's variables: it keeps them in memory at every ``commit``, restores them after a
 failed step and broadcasts them from rank 0 whenever the world is re-formed. Keras 3 creates an
 optimizer's variables lazily, so the state builds the optimizer first: every rank then tracks
-the same variables from the first commit on.
+the same variables from the first commit on. ``run`` is Horovod's retry loop, retrying every
+Horovod collective error (Horovod's own returns, as if training had ended, on an error of the
+grouped allreduce that gradients travel in).
 """
 
 from __future__ import annotations
@@ -13,9 +15,10 @@ from typing import Any
 
 import keras
 
-from hvdtrain.world import horovod_tensorflow, keras_elastic_state_class, tf_variables
+from hvdtrain.world import elastic_retry, keras_elastic_state_class, tf_variables
 
-run = horovod_tensorflow().elastic.run
+# Horovod's elastic.run, also retrying the grouped allreduce that gradients travel in.
+run = elastic_retry
 
 
 class KerasState(keras_elastic_state_class()):

@@ -113,12 +113,17 @@ def build_model(config: ModelConfig, input_shape: Any, num_classes: int | None) 
 
 def check_input_shape(model: keras.Model, name: str, shape: Any) -> None:
     """Fail before training when the data's example shape cannot feed the model (checked for
-    single-input models; a multi-input model meets its data at the probe batch)."""
-    if isinstance(shape, dict):
+    single-input models with a declared input; a multi-input or subclassed model meets its data
+    at the probe batch). A dimension unknown on either side (None) fits anything."""
+    if isinstance(shape, dict) or not isinstance(shape, tuple):
         return
-    expected = tuple(model.input_shape[1:]) if isinstance(model.input_shape, tuple) else None
+    try:
+        declared = model.input_shape
+    except (AttributeError, ValueError):   # a subclassed model declares no input
+        return
+    expected = tuple(declared[1:]) if isinstance(declared, tuple) else None
     if expected is not None and len(expected) == len(shape) and all(
-            e is None or e == s for e, s in zip(expected, shape)):
+            e is None or s is None or e == s for e, s in zip(expected, shape)):
         return
     if expected is not None:
         raise ModelError(f"the data's examples have shape {shape} but model '{name}' expects "

@@ -22,14 +22,16 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from hvdtrain.checkpoint import CheckpointStore, atomic_write_text
+from hvdtrain.checkpoint import CheckpointStore, atomic_write_text, rank_local_variables
 from hvdtrain.errors import CheckpointWriteFailed, StoppedBySignal, TrainingDiverged
 from hvdtrain.startup import process_age_seconds
+from hvdtrain.training.keras_internals import sublayers
 from hvdtrain.training.preemption import REQUESTS
 from hvdtrain.training.schedule import WarmupScaledRate
-from hvdtrain.training.step import StepMath
+from hvdtrain.training.step import TrainingStep
 from hvdtrain.training.watchdog import Peer, StepWatchdog
 from hvdtrain.world import Collectives, World
+from hvdtrain.writes import RunFileWriter, json_rows
 
 
 RUN_COLUMNS = ("lr", "examples_per_second")
@@ -53,16 +55,15 @@ def ordered(logs: dict) -> dict[str, float]:
 class EpochMetrics(keras.callbacks.Callback):
     """Reset the local metric sums each epoch and replace the logs with exact global values."""
 
-    def __init__(self, step: StepMath, collectives: Collectives) -> None:
+    def __init__(self, step: TrainingStep) -> None:
         super().__init__()
         self.step = step
-        self.collectives = collectives
 
     def on_epoch_begin(self, epoch: int, logs: dict | None = None) -> None:
-        self.step.train_metrics.reset()
+        self.step.begin_epoch()
 
     def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
-        logs.update(self.step.train_metrics.global_results(self.collectives))
+        logs.update(self.step.epoch_results(logs))
 
 
 class StopOnDivergence(keras.callbacks.Callback):
@@ -72,7 +73,7 @@ class StopOnDivergence(keras.callbacks.Callback):
     so the newest checkpoint on disk is the last good one.
     """
 
-    def __init__(self, step: StepMath, store: CheckpointStore) -> None:
+    def __init__(self, step: TrainingStep, store: CheckpointStore) -> None:
         super().__init__()
         self.step = step
         self.store = store
@@ -87,10 +88,11 @@ class StopOnDivergence(keras.callbacks.Callback):
             return
         latest = self.store.latest()
         kept = f"the last good checkpoint {latest} is kept" if latest else "no checkpoint yet"
+        how = ("without applying it" if self.step.skips_non_finite_updates else
+               "(the model's own train_step had applied it)")
         raise TrainingDiverged(
             f"loss became {loss} at epoch {self.epoch + 1}, step {batch + 1}; stopped on every "
-            f"rank without applying it ({kept}); lower --learning-rate or check the data for "
-            "NaN/Inf")
+            f"rank {how} ({kept}); lower --learning-rate or check the data for NaN/Inf")
 
 
 class FirstStepClock(keras.callbacks.Callback):
@@ -181,7 +183,7 @@ class AverageBatchNormStatistics(keras.callbacks.Callback):
     def __init__(self, model: keras.Model, collectives: Collectives) -> None:
         super().__init__()
         self.collectives = collectives
-        self.statistics = [v for layer in model._flatten_layers()
+        self.statistics = [v for layer in sublayers(model)
                            if isinstance(layer, keras.layers.BatchNormalization)
                            for v in layer.non_trainable_variables]
 
@@ -207,12 +209,11 @@ class PlateauDecay(keras.callbacks.Callback):
         self.wait = 0
 
     def state(self) -> dict[str, float]:
-        return {"best": self.best, "wait": self.wait,
-                "scale": float(self.schedule.plateau_scale.numpy())}
+        return {"best": self.best, "wait": self.wait, "scale": self.schedule.plateau_scale}
 
     def load(self, state: dict[str, float]) -> None:
         self.best, self.wait = state["best"], int(state["wait"])
-        self.schedule.plateau_scale.assign(state["scale"])
+        self.schedule.plateau_scale = float(state["scale"])
 
     def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
         if logs["val_loss"] < self.best:
@@ -220,8 +221,60 @@ class PlateauDecay(keras.callbacks.Callback):
             return
         self.wait += 1
         if self.wait >= self.patience:
-            self.schedule.plateau_scale.assign(self.schedule.plateau_scale * self.factor)
+            self.schedule.plateau_scale *= self.factor
             self.wait = 0
+
+
+class RateControl(keras.callbacks.Callback):
+    """Before every step, set each optimizer's rate: its base rate times the schedule's
+    multiplier at its own step counter, times whatever other callbacks did to it.
+
+    A callback that sets the rate (Keras' ``ReduceLROnPlateau``, ``LearningRateScheduler``)
+    is seen as a change since the rate last set here; the ratio is kept as a factor, so the
+    change lasts and the schedule goes on from it. Factors are saved in checkpoints.
+    """
+
+    def __init__(self, schedule: WarmupScaledRate,
+                 bases: dict[str, tuple[keras.optimizers.Optimizer, float]]) -> None:
+        """``bases``: attribute name -> (optimizer, its base rate for one rank)."""
+        super().__init__()
+        self.schedule = schedule
+        self.bases = bases
+        self.factors = {name: 1.0 for name in bases}
+        self.last_set: dict[str, float | None] = {name: None for name in bases}
+
+    def state(self) -> dict[str, float]:
+        return dict(self.factors)
+
+    def load(self, factors: dict[str, float]) -> None:
+        self.factors.update({name: float(f) for name, f in factors.items() if name in self.bases})
+
+    def set_rates(self) -> None:
+        for name, (optimizer, base) in self.bases.items():
+            current = float(optimizer.learning_rate)
+            last = self.last_set[name]
+            if last is not None and last > 0 and current != last:
+                self.factors[name] *= current / last
+            step = int(optimizer.iterations.numpy())
+            optimizer.learning_rate = base * self.schedule.multiplier(step) * self.factors[name]
+            self.last_set[name] = float(optimizer.learning_rate)
+
+    def on_train_begin(self, logs: dict | None = None) -> None:
+        """Set the rates for the coming step at once (an elastic segment that starts at an
+        epoch's end runs no step, yet logs its world's rate), and note them, so a change a
+        callback makes before the first step (at the first epoch's begin) is seen as one."""
+        for name in self.bases:
+            self.last_set[name] = None
+        self.set_rates()
+
+    def on_train_batch_begin(self, batch: int, logs: dict | None = None) -> None:
+        self.set_rates()
+
+    def on_train_end(self, logs: dict | None = None) -> None:
+        """Remember each optimizer's base rate and the rate last set, so a next ``fit`` of the
+        same model (a notebook) starts from the base again, not from the scaled rate."""
+        for name, (optimizer, base) in self.bases.items():
+            optimizer._hvdtrain_rates = (base, float(optimizer.learning_rate))
 
 
 class TensorBoardEvents(keras.callbacks.Callback):
@@ -242,28 +295,40 @@ class TensorBoardEvents(keras.callbacks.Callback):
         self.writer.close()
 
 
-class Validation(keras.callbacks.Callback):
-    """Evaluate on every rank's validation shard and add exact ``val_*`` metrics to the logs."""
+def validates_after(epoch: int, frequency: int | list[int]) -> bool:
+    """Keras' ``validation_freq``: every ``frequency``-th epoch, or the epochs (1-based) listed."""
+    if isinstance(frequency, int):
+        return (epoch + 1) % frequency == 0
+    return epoch + 1 in frequency
 
-    def __init__(self, evaluate: Callable[[], dict[str, float]]) -> None:
+
+class Validation(keras.callbacks.Callback):
+    """Evaluate on every rank's validation shard and add exact ``val_*`` metrics to the logs,
+    after the epochs ``validation_freq`` names."""
+
+    def __init__(self, evaluate: Callable[[], dict[str, float]],
+                 frequency: int | list[int] = 1) -> None:
         super().__init__()
         self.evaluate = evaluate
+        self.frequency = frequency
 
     def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
-        logs.update(self.evaluate())
+        if validates_after(epoch, self.frequency):
+            logs.update(self.evaluate())
 
 
 class LearningRateLog(keras.callbacks.Callback):
-    """Log the rate used by the epoch's last step (the schedule is a function of the step)."""
+    """Log the rate of the epoch's last step: ``lr``, or ``<optimizer>_lr`` for each of a
+    model's several optimizers (those that have trained)."""
 
-    def __init__(self, schedule: Callable[[int], Any],
-                 optimizer: keras.optimizers.Optimizer) -> None:
+    def __init__(self, optimizers: dict[str, keras.optimizers.Optimizer]) -> None:
         super().__init__()
-        self.schedule = schedule
-        self.optimizer = optimizer
+        self.optimizers = optimizers
 
     def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
-        logs["lr"] = float(self.schedule(int(self.optimizer.iterations.numpy()) - 1))
+        used = {name: o for name, o in self.optimizers.items() if o.built}
+        for name, optimizer in used.items():
+            logs["lr" if len(used) == 1 else f"{name}_lr"] = float(optimizer.learning_rate)
 
 
 @dataclass(frozen=True)
@@ -286,6 +351,10 @@ class Checkpointing(keras.callbacks.Callback):
     agreed at an epoch's last step, or asked for during validation, takes effect after the
     epoch's callbacks, with the epoch-end checkpoint (a request in the last epoch lets the run
     finish: saving the final model takes no longer than stopping).
+
+    A callback that sets ``model.stop_training`` from a batch hook, on any rank, stops every
+    rank after the next step: the flag becomes a vote that rides in that step's allreduce. At
+    an epoch end the ranks agree in the exchange above (any rank's flag stops all).
     """
 
     def __init__(self, hooks: "RunHooks", live_state: Callable[[], dict[str, Any]]) -> None:
@@ -315,8 +384,20 @@ class Checkpointing(keras.callbacks.Callback):
         if REQUESTS.reason is not None and not self.step.stop_vote.numpy():
             self.step.stop_vote.assign(1.0)
 
+    def _callback_stop(self) -> None:
+        """A batch hook's ``stop_training`` becomes a vote; the ranks' summed votes, delivered
+        by the step, stop every rank at once."""
+        if self.model.stop_training:
+            self.model.stop_training = False
+            self.step.callback_stop_vote.assign(1.0)
+        if float(self.step.callback_stop_votes.numpy()) > 0:
+            self.model.stop_training = True
+            self.step.callback_stop_vote.assign(0.0)
+            self.step.callback_stop_votes.assign(0.0)
+
     def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
         REQUESTS.step_ends()
+        self._callback_stop()
         done = batch + 1
         if done == self.steps:   # the epoch end checkpoints (and stops, if agreed)
             return
@@ -326,37 +407,51 @@ class Checkpointing(keras.callbacks.Callback):
         # The epoch's metric sums so far, over all ranks: rank 0 keeps them in the checkpoint.
         sums = self.collectives.allreduce_sum([tf.convert_to_tensor(v)
                                                for v in self.step.epoch_state_variables])
-        name, reasons = self._save({"epoch": self.epoch, "step": done,
-                                    "epoch_state": [np.asarray(s).tolist() for s in sums]})
+        name, reasons, _ = self._save({"epoch": self.epoch, "step": done,
+                                       "epoch_state": [np.asarray(s).tolist() for s in sums]})
         if stop:
             raise StoppedBySignal(f"stopped by {reasons} at epoch {self.epoch + 1}, step "
                                   f"{done} of {self.steps}; checkpoint {name} written; "
                                   "continue with the same command and --resume auto")
 
     def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
-        name, reasons = self._save({"epoch": epoch + 1, "metrics": ordered(logs)})
+        name, reasons, stop_training = self._save({"epoch": epoch + 1, "metrics": ordered(logs)})
+        self.model.stop_training = stop_training
         if reasons:
             self.stop_message = (f"stopped by {reasons} after epoch {epoch + 1}; checkpoint "
                                  f"{name} written; continue with the same command and "
                                  "--resume auto")
 
-    def _save(self, position: dict[str, Any]) -> tuple[str, str]:
+    def _save(self, position: dict[str, Any]) -> tuple[str, str, bool]:
         """Rank 0 writes; every rank gets the checkpoint's name (or rank 0's write error,
-        raised everywhere) and the stop requests of all ranks ("" when none)."""
+        raised everywhere), the stop requests of all ranks ("" when none) and whether any
+        rank's callbacks asked to stop training."""
+        model = self.step.model
+        local = [v.numpy() for v in rank_local_variables(model)]
+        rank_states = self.collectives.allgather_object(local) if local else None
         outcome = ""
         if self.collectives.world.is_chief:
             try:
-                outcome = self.store.save(self.step.model, self.step.optimizer, {
-                    **self.state, **self.live_state(), **position}).name
+                outcome = self.store.save(model, self.step.optimizers, {
+                    **self.state, **self.live_state(), **position}, rank_states).name
             except CheckpointWriteFailed as error:
                 outcome = f"error: {error}"
-        shared = self.collectives.allgather_object((outcome, REQUESTS.reason))
+        wants_stop = bool(model.stop_training or self.step.callback_stop_vote.numpy())
+        shared = self.collectives.allgather_object((outcome, REQUESTS.reason, wants_stop))
         name = shared[0][0]
         if name.startswith("error: "):
             raise CheckpointWriteFailed(name[len("error: "):])
         reasons = ", ".join(f"{reason} on rank {rank}"
-                            for rank, (_, reason) in enumerate(shared) if reason)
-        return name, reasons
+                            for rank, (_, reason, _) in enumerate(shared) if reason)
+        return name, reasons, any(stop for _, _, stop in shared)
+
+
+def batch_values(logs: dict | None) -> str:
+    """A progress line's numbers: the loss, or every value a model's own step returns (a GAN
+    reports ``d_loss`` and ``g_loss``, no ``loss``)."""
+    logs = logs or {}
+    shown = {"loss": logs["loss"]} if "loss" in logs else logs
+    return "  ".join(f"{name} {float(value):.4f}" for name, value in shown.items())
 
 
 class MetricsFiles(keras.callbacks.Callback):
@@ -382,10 +477,7 @@ class MetricsFiles(keras.callbacks.Callback):
         """Make the files end at ``epoch``, the resumed checkpoint's: drop rows of epochs
         that were lost with the crash, and restore that epoch's row from the checkpoint if
         the crash came between saving it and writing the row. No epoch appears twice."""
-        rows = []
-        if self.jsonl.exists():
-            rows = [json.loads(line) for line in self.jsonl.read_text().splitlines() if line]
-        rows = [row for row in rows if row["epoch"] <= epoch]
+        rows = [row for row in json_rows(self.jsonl) if row["epoch"] <= epoch]
         if checkpoint_metrics and (not rows or rows[-1]["epoch"] < epoch):
             rows.append({"epoch": epoch, **checkpoint_metrics})
         atomic_write_text(self.jsonl, "".join(json.dumps(row) + "\n" for row in rows))
@@ -431,7 +523,7 @@ class Progress(keras.callbacks.Callback):
         width = 30
         filled = int(width * done / self.steps)
         line = (f"  [{'=' * filled}{'.' * (width - filled)}] {done}/{self.steps} "
-                f"{self._rate():,.0f} ex/s loss {float(logs['loss']):.4f}")
+                f"{self._rate():,.0f} ex/s {batch_values(logs)}")
         if self.interactive:
             self.stream.write("\r" + line)
         else:
@@ -459,9 +551,9 @@ class RunHooks:
 
     world: World
     collectives: Collectives
-    step: StepMath
+    step: TrainingStep
     evaluate: Callable[[], dict[str, float]] | None
-    schedule: WarmupScaledRate
+    rates: RateControl
     store: CheckpointStore
     state: dict[str, Any]
     run_dir: Path
@@ -473,34 +565,84 @@ class RunHooks:
     user_callbacks: Sequence[keras.callbacks.Callback] = ()
     every_steps: int = 0
     resume: ResumePoint = ResumePoint()
+    validation_freq: int | list[int] = 1
+
+
+# Keras callbacks that write files or print: on rank 0 only, as one process would write them.
+WRITERS = (keras.callbacks.ModelCheckpoint, keras.callbacks.CSVLogger,
+           keras.callbacks.TensorBoard, keras.callbacks.BackupAndRestore,
+           keras.callbacks.ProgbarLogger, keras.callbacks.RemoteMonitor)
+
+
+class ChiefOnly(keras.callbacks.Callback):
+    """A user's writer callback (``WRITERS``) run by rank 0 alone; the other ranks skip it.
+    ``BackupAndRestore`` restores before training (``Run``), so its train-begin load is not
+    repeated here."""
+
+    def __init__(self, inner: keras.callbacks.Callback, is_chief: bool) -> None:
+        super().__init__()
+        self.inner = inner
+        self.is_chief = is_chief
+        restores = isinstance(inner, keras.callbacks.BackupAndRestore)
+        for name in ("on_train_begin", "on_train_end", "on_epoch_begin", "on_epoch_end",
+                     "on_train_batch_begin", "on_train_batch_end", "on_test_begin",
+                     "on_test_end", "on_test_batch_begin", "on_test_batch_end"):
+            skip = not is_chief or (restores and name == "on_train_begin")
+            if not skip:
+                setattr(self, name, getattr(inner, name))
+
+    def set_model(self, model: keras.Model) -> None:
+        super().set_model(model)
+        if self.is_chief:     # TensorBoard writes its graph already here
+            self.inner.set_model(model)
+
+    def set_params(self, params: dict) -> None:
+        super().set_params(params)
+        if self.is_chief:
+            self.inner.set_params(params)
+
+
+def rank_aware(callbacks: Sequence[keras.callbacks.Callback],
+               world: World) -> list[keras.callbacks.Callback]:
+    """The user's callbacks with each writer limited to rank 0 (see ``WRITERS``)."""
+    return [ChiefOnly(c, world.is_chief) if isinstance(c, WRITERS) else c for c in callbacks]
 
 
 def standard_callbacks(hooks: RunHooks) -> list[keras.callbacks.Callback]:
     """The callbacks of a run, in the order they must fire at the end of an epoch: first the
     ones every rank runs (they hold collectives), then the user's callbacks (every rank; the
     logs they see already hold the exact global metrics, validation and rate, equal on every
-    rank, so decisions such as early stopping agree), then rank 0's writers and its report."""
-    model, optimizer = hooks.step.model, hooks.step.optimizer
+    rank, so decisions such as early stopping agree; writers run on rank 0 only), then the
+    checkpoint and stop agreement, then rank 0's writers and its report."""
+    model = hooks.step.model
     callbacks: list[keras.callbacks.Callback] = [
         *([StallGuard(hooks.watchdog, hooks.collectives)] if hooks.watchdog is not None
           else []),
         StopOnDivergence(hooks.step, hooks.store),
         *([hooks.first_step] if hooks.first_step is not None else []),
         Throughput(hooks.progress.global_batch),
-        EpochMetrics(hooks.step, hooks.collectives),
+        hooks.rates,
+        EpochMetrics(hooks.step),
         AverageBatchNormStatistics(model, hooks.collectives),
-        *([Validation(hooks.evaluate)] if hooks.evaluate is not None else []),
-        LearningRateLog(hooks.schedule, optimizer),
+        *([Validation(hooks.evaluate, hooks.validation_freq)] if hooks.evaluate is not None
+          else []),
+        LearningRateLog(hooks.step.optimizers),
     ]
     if hooks.plateau is not None:
         callbacks.append(hooks.plateau)
-    callbacks += hooks.user_callbacks
-    plateau = hooks.plateau
-    live_state = (lambda: {"plateau": plateau.state()}) if plateau is not None else dict
+    callbacks += rank_aware(hooks.user_callbacks, hooks.world)
+    plateau, rates = hooks.plateau, hooks.rates
+
+    def live_state() -> dict[str, Any]:
+        return {"rates": rates.state(),
+                **({"plateau": plateau.state()} if plateau is not None else {})}
+
     callbacks.append(Checkpointing(hooks, live_state))
     if hooks.world.is_chief:
-        callbacks.append(MetricsFiles(hooks.run_dir))
+        run_dir = hooks.run_dir
+        callbacks.append(RunFileWriter(lambda: MetricsFiles(run_dir), run_dir, "the metrics files"))
         if hooks.tensorboard:
-            callbacks.append(TensorBoardEvents(hooks.run_dir / "tensorboard"))
+            callbacks.append(RunFileWriter(lambda: TensorBoardEvents(run_dir / "tensorboard"),
+                                           run_dir, "TensorBoard events"))
         callbacks.append(hooks.progress)
     return callbacks

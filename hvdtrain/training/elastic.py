@@ -31,7 +31,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import keras
 import tensorflow as tf
@@ -40,10 +40,11 @@ from hvdtrain.config import Config
 from hvdtrain.data.pipeline import ShardSpec
 from hvdtrain.data.sources import DataBundle
 from hvdtrain.checkpoint import CheckpointStore
-from hvdtrain.training.callbacks import Progress, RunHooks, standard_callbacks
+from hvdtrain.training.callbacks import Progress, RateControl, RunHooks, standard_callbacks
 from hvdtrain.training.schedule import WarmupScaledRate, world_scale
-from hvdtrain.training.step import Evaluation, StepMath
+from hvdtrain.training.step import StepMath
 from hvdtrain.world import Collectives, tf_variables
+from hvdtrain.writes import run_files
 
 
 @dataclass
@@ -56,8 +57,9 @@ class ElasticRun:
     model: keras.Model
     optimizer: keras.optimizers.Optimizer
     schedule: WarmupScaledRate
+    rates: RateControl
     first_step: StepMath   # the objective and built metric state every world's step keeps
-    evaluation: Evaluation
+    evaluate: Callable[[ShardSpec], dict[str, float]]
     store: CheckpointStore
     state: dict[str, Any]
     run_dir: Path
@@ -65,7 +67,7 @@ class ElasticRun:
 
 
 def _log_segment(run_dir: Path, epoch: int, offset: int, world_size: int, lr: float) -> None:
-    with open(run_dir / "elastic.jsonl", "a") as handle:
+    with run_files(run_dir, "elastic.jsonl"), open(run_dir / "elastic.jsonl", "a") as handle:
         handle.write(json.dumps({"epoch": epoch + 1, "offset": offset,
                                  "world_size": world_size, "lr": lr}) + "\n")
     print(f"elastic: epoch {epoch + 1} continues at example {offset} on {world_size} rank(s), "
@@ -86,29 +88,32 @@ def elastic_loop(run: ElasticRun) -> None:
         run.schedule.set_world_scale(world_scale(optim, world.size))
         step = StepMath(run.model, run.optimizer, collectives, run.first_step.objective,
                         run.first_step.options, run.first_step.train_metrics)   # this world
-        train_step = tf.function(step.train_step, jit_compile=False)
-        val_dataset = data.val.dataset(ShardSpec(data.val.num_examples, world,
-                                                 config.train.batch_size, "pad", False))
+        train_step = tf.function(step.keras_step, jit_compile=False)
+        val_spec = ShardSpec(data.val.num_examples, world, config.train.batch_size, "pad",
+                             False)
+        remainder = "pad" if config.data.remainder == "auto" else config.data.remainder
         while state.epoch < config.train.epochs:
             spec = ShardSpec(data.train.num_examples, world, config.train.batch_size,
-                             config.data.remainder, True, config.train.seed, 1, state.offset)
+                             remainder, config.data.shuffle, config.train.seed, 1, state.offset)
             steps = spec.steps_per_epoch
             if world.is_chief:
-                lr = float(run.schedule(run.optimizer.iterations))
+                lr = float(run.schedule(int(run.optimizer.iterations.numpy())))
                 _log_segment(run.run_dir, state.epoch, state.offset, world.size, lr)
             progress = Progress(config.train.epochs, steps, spec.global_batch,
                                 config.train.progress, interactive=False)
             hooks = keras.callbacks.CallbackList(standard_callbacks(RunHooks(
-                world, collectives, step, lambda: run.evaluation.run(val_dataset), run.schedule,
+                world, collectives, step, lambda: run.evaluate(val_spec), run.rates,
                 run.store, run.state, run.run_dir, progress, None, config.train.tensorboard)),
-                add_history=False, add_progbar=False)
+                add_history=False, add_progbar=False, model=run.model,
+                epochs=config.train.epochs, steps=steps, verbose=0)
             hooks.on_train_begin()
             hooks.on_epoch_begin(state.epoch)
             logs: dict = {}
             remaining = spec.remaining
             for index, batch in enumerate(data.train.dataset(spec, state.epoch,
                                                              state.epoch + 1)):
-                logs = train_step(*batch)
+                hooks.on_train_batch_begin(index)
+                logs = train_step(batch)
                 state.offset += min(spec.global_batch, remaining - index * spec.global_batch)
                 hooks.on_train_batch_end(index, logs)
                 if (index + 1) % config.train.commit_every == 0:

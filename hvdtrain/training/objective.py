@@ -32,6 +32,8 @@ import numpy as np
 import tensorflow as tf
 
 from hvdtrain.errors import UserError
+from hvdtrain.training.keras_internals import (compile_arguments, compile_metrics,
+                                               flat_compiled_metrics, same_rank)
 from hvdtrain.world import Collectives
 
 DEFAULT_LOSS = "sparse_categorical_crossentropy"
@@ -61,12 +63,10 @@ class CompiledObjective:
 
 def compiled_objective(model: keras.Model) -> CompiledObjective:
     """The loss, metrics and optimizer a model was compiled with, or the default."""
-    if not getattr(model, "compiled", False) or getattr(model, "loss", None) is None:
+    arguments = compile_arguments(model)
+    if not getattr(model, "compiled", False) or arguments.get("loss") is None:
         return CompiledObjective()
-    # Keras keeps compile()'s own arguments in the model's compile config; ``model.loss``
-    # alone would lose loss_weights and the metrics.
-    arguments = dict(getattr(getattr(model, "_compile_config", None), "config", {}) or {})
-    return CompiledObjective(loss=model.loss,
+    return CompiledObjective(loss=arguments["loss"],
                              loss_weights=arguments.get("loss_weights"),
                              metrics=arguments.get("metrics"),
                              weighted_metrics=arguments.get("weighted_metrics"),
@@ -195,6 +195,7 @@ class Objective:
             prediction = tf.cast(prediction, tf.float32)
             target = tf.convert_to_tensor(target)
             target = tf.cast(target, tf.float32) if target.dtype.is_floating else target
+            target, prediction = same_rank(target, prediction)
             value = per_example(loss.call(target, prediction))
             parts.append(value)
             total = weight * value if total is None else total + weight * value
@@ -217,11 +218,9 @@ class MetricState:
         compiled = objective.compiled
         self.compiled_metrics = None
         if compiled.metrics or compiled.weighted_metrics:
-            from keras.src.trainers.compile_utils import CompileMetrics
-
             names = objective.names if len(objective.names) > 1 else None
-            self.compiled_metrics = CompileMetrics(compiled.metrics, compiled.weighted_metrics,
-                                                   output_names=names)
+            self.compiled_metrics = compile_metrics(compiled.metrics, compiled.weighted_metrics,
+                                                    names)
 
     @property
     def metrics(self) -> list[keras.metrics.Metric]:
@@ -237,43 +236,26 @@ class MetricState:
         any metric whose state cannot be summed across ranks."""
         if self.compiled_metrics is not None and not self.compiled_metrics.built:
             self.compiled_metrics.build(y_true, y_pred)
-        for metric in self._leaf_metrics():
-            for variable in metric.variables:
-                aggregation = getattr(variable, "aggregation", "sum")
-                if aggregation != "sum":
-                    raise ObjectiveError(
-                        f"metric '{metric.name}' keeps state '{variable.name}' with "
-                        f"aggregation '{aggregation}', which cannot be summed across ranks "
-                        "for an exact global value; use a metric whose state is additive")
-
-    def _leaf_metrics(self) -> list[keras.metrics.Metric]:
-        """Every metric that holds state itself (Keras groups an output's metrics in lists)."""
-        def leaves(metric: keras.metrics.Metric) -> list[keras.metrics.Metric]:
-            inner = getattr(metric, "metrics", None)
-            if isinstance(inner, (list, tuple)) and inner and inner[0] is not metric:
-                return [leaf for child in inner for leaf in leaves(child)]
-            return [metric]
-
         found = [self.loss, *self.output_losses]
         if self.compiled_metrics is not None:
-            flat = getattr(self.compiled_metrics, "_flat_metrics", []) + getattr(
-                self.compiled_metrics, "_flat_weighted_metrics", [])
-            found += [leaf for metric in flat if metric is not None for leaf in leaves(metric)]
-        return found
+            found += flat_compiled_metrics(self.compiled_metrics)
+        check_additive(found)
 
     def reset(self) -> None:
         for metric in self.metrics:
             metric.reset_state()
 
     def update(self, y_true: Any, y_pred: Any, total: tf.Tensor, parts: list[tf.Tensor],
-               sample_weight: tf.Tensor, valid: tf.Tensor) -> None:
+               sample_weight: tf.Tensor, valid: tf.Tensor,
+               own_losses: tf.Tensor | float = 0.0) -> None:
         """Add a batch; padding rows (``valid`` false) are left out of every metric. Losses are
-        reported as Keras does: the sample-weighted sum over the examples' count."""
+        reported as Keras does: the sample-weighted sum over the examples' count, plus the
+        model's own losses of the batch (``own_losses``: ``add_loss``, regularisers)."""
         def real(values: Any) -> Any:
             return tf.nest.map_structure(lambda v: tf.boolean_mask(v, valid), values)
 
         weight = real(sample_weight)
-        self.loss.update_state(real(total) * weight)
+        self.loss.update_state(real(total) * weight + own_losses)
         for metric, part in zip(self.output_losses, parts):
             metric.update_state(real(part) * weight)
         if self.compiled_metrics is not None:
@@ -296,6 +278,29 @@ class MetricState:
         for variable, total in zip(variables, totals):
             variable.assign(total)
         return {name: float(value) for name, value in self.local_results().items()}
+
+
+def leaf_metrics(metrics: Sequence[keras.metrics.Metric]) -> list[keras.metrics.Metric]:
+    """Every metric that holds state itself (Keras groups an output's metrics in lists)."""
+    def leaves(metric: keras.metrics.Metric) -> list[keras.metrics.Metric]:
+        inner = getattr(metric, "metrics", None)
+        if isinstance(inner, (list, tuple)) and inner and inner[0] is not metric:
+            return [leaf for child in inner for leaf in leaves(child)]
+        return [metric]
+
+    return [leaf for metric in metrics for leaf in leaves(metric)]
+
+
+def check_additive(metrics: Sequence[keras.metrics.Metric]) -> None:
+    """Refuse a metric whose state cannot be summed across ranks for an exact global value."""
+    for metric in leaf_metrics(metrics):
+        for variable in metric.variables:
+            aggregation = getattr(variable, "aggregation", "sum")
+            if aggregation != "sum":
+                raise ObjectiveError(
+                    f"metric '{metric.name}' keeps state '{variable.name}' with aggregation "
+                    f"'{aggregation}', which cannot be summed across ranks for an exact global "
+                    "value; use a metric whose state is additive")
 
 
 def _probe_values(prediction: Any) -> np.ndarray:

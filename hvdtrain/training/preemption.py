@@ -23,12 +23,17 @@ to one rank only or only to the launcher. How hvdtrain turns that into a clean s
   request, a step that has run three times longer than the slowest step so far (and at least
   2 s) asks the other ranks' heartbeat ports (the watchdog's): one that refuses the connection
   belongs to a rank whose process has ended, so the step can never finish. A step that has run
-  ten times longer than the slowest (and at least 10 s) is stuck whatever the reason. Only the
-  stop path is timed here; a rank stuck without a request is the step-progress watchdog's
+  ten times longer than the slowest (and at least 10 s) is stuck whatever the reason. Between
+  steps (validation, the checkpoint agreement, setup) a request that has waited 5 s asks the
+  same ports: every part there that waits for the other ranks can never end once one is gone.
+  Only the stop path is timed here; a rank stuck without a request is the step-progress watchdog's
   business.
 * **The launcher going away** (its process killed, so the rank's parent changes) is a request
   too: the ranks stop, checkpoint and exit instead of training on unseen. Their output, which
-  led to the dead launcher, goes to /dev/null from then on.
+  led to the dead launcher, goes to /dev/null from then on (rank 0's run log keeps it), and
+  the process then ends without MPI's finalisation, which would wait for the dead launcher's
+  daemon (``launcher_gone``; Open MPI's own exit on losing that daemon is held back:
+  ``world.hold_open_mpi_abort``).
 """
 
 from __future__ import annotations
@@ -38,6 +43,8 @@ import signal
 import threading
 import time
 from typing import Callable
+
+from hvdtrain.world import hold_open_mpi_abort
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
 # Requests closer together than this are one event delivered twice, not a second request.
@@ -50,6 +57,10 @@ STUCK_MIN_S = 10.0
 # ... and this many times longer (at least PEER_CHECK_MIN_S) is worth asking whether a peer is gone.
 PEER_CHECK_FACTOR = 3
 PEER_CHECK_MIN_S = 2.0
+# Between steps (validation, checkpoint agreement, setup) nothing is timed, but every part that
+# waits for the other ranks can never end once one of them is gone: a request that has waited
+# this long there asks whether a peer's process has ended.
+BETWEEN_STEPS_PEER_CHECK_S = 5.0
 
 
 class StopRequests:
@@ -64,6 +75,7 @@ class StopRequests:
         self._steps_timed = 0
         self._slowest_step = 0.0
         self._gone_peers: Callable[[], list[str]] = list
+        self._launcher: int | None = None
 
     def install(self, watch_parent: bool) -> None:
         """Route the stop signals here (main thread only) and, when a launcher started this
@@ -81,8 +93,14 @@ class StopRequests:
         threading.Thread(target=self._read_signals, args=(read_fd,), daemon=True,
                          name="hvdtrain-stop-signals").start()
         if watch_parent:
-            threading.Thread(target=self._watch_parent, args=(os.getppid(),), daemon=True,
+            hold_open_mpi_abort()
+            self._launcher = os.getppid()
+            threading.Thread(target=self._watch_parent, args=(self._launcher,), daemon=True,
                              name="hvdtrain-launcher-watch").start()
+
+    def launcher_gone(self) -> bool:
+        """True when the launcher that started this process has ended (its parent changed)."""
+        return self._launcher is not None and os.getppid() != self._launcher
 
     def step_begins(self) -> None:
         self._step_began = time.monotonic()
@@ -117,6 +135,11 @@ class StopRequests:
             if gone := self._gone_peers():
                 return (f"this rank's step has waited {running:.0f} s for {', '.join(gone)}, "
                         "whose process has ended")
+        waited = time.monotonic() - self._first_at
+        if self._step_began is None and waited > BETWEEN_STEPS_PEER_CHECK_S:
+            if gone := self._gone_peers():
+                return (f"this rank has waited {waited:.0f} s between steps (validation, "
+                        f"checkpoint or setup) for {', '.join(gone)}, whose process has ended")
         return None
 
     def ignore_from_now(self) -> None:

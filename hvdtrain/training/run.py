@@ -1,13 +1,18 @@
 """One training run, start to end, on every rank: the ``Run`` object the CLI and the Python API
 (``hvdtrain.fit``) share.
 
-config -> world (Horovod or a world of one; devices) -> run directory -> data (sharded) -> model,
-its objective and the optimizer -> a probe batch (metrics built, output kind checked) -> restore
-(resume) -> broadcast from rank 0 -> train (fit or custom loop, same step and callbacks) -> final
-model, exact held-out metrics, and a check that every rank ended with the same weights.
+config -> world (Horovod or a world of one; devices; seeds) -> run directory -> data (sharded)
+-> the model and the step that trains it (hvdtrain's exact step, or the model's own), its
+optimizers and rates -> a probe batch (metrics built, output kind checked) -> restore (resume)
+-> broadcast from rank 0 -> train (the model's own ``fit``, or a custom loop; same step and
+callbacks) -> final model, exact held-out metrics, and a check that every rank ended with the
+same weights.
 
 Global state a run changes (Keras' precision policy, the umask) is restored when it ends, so a
-second run in the same process (a notebook, a test) starts clean.
+second run in the same process (a notebook, a test) starts clean. A run that fails on one rank
+shuts Horovod down there, so the other ranks' collectives end with an error at once (one line
+each: another rank failed) instead of waiting, and a second run in the same processes starts
+Horovod afresh.
 """
 
 from __future__ import annotations
@@ -28,24 +33,33 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from hvdtrain.checkpoint import CheckpointStore, atomic_write_text, lock_run_dir
+from hvdtrain import output
+from hvdtrain.checkpoint import (CheckpointStore, assign_rank_state, atomic_write_text,
+                                 build_optimizers, lock_run_dir)
 from hvdtrain.config import Config, DataConfig
-from hvdtrain.data.files import LABEL_RANGE_MESSAGE, FileSplit
+from hvdtrain.data.files import LABEL_RANGE_MESSAGE, FileSplit, corrupt_record_message
 from hvdtrain.data.pipeline import ShardSpec
 from hvdtrain.data.sources import ArraySplit, DataBundle, Split, load_source
-from hvdtrain.errors import UserError
+from hvdtrain.errors import (CheckpointWriteFailed, PeerFailed, StoppedBySignal,
+                             TrainingDiverged, UserError)
 from hvdtrain.models import build_model, check_input_shape
 from hvdtrain.plugins import load_callable
 from hvdtrain.plots import plot_curves
 from hvdtrain.training.elastic import ElasticRun, elastic_loop
+from hvdtrain.training.adapted_state import agree_on_adapted_state
 from hvdtrain.training.callbacks import (FirstStepClock, MetricsFiles, PlateauDecay, Progress,
                                          ResumePoint, RunHooks, standard_callbacks)
+from hvdtrain.training.keras_internals import initial_epoch_of, set_initial_epoch, sublayers
 from hvdtrain.training.loops import LOOPS
-from hvdtrain.training.schedule import WarmupScaledRate, make_optimizer, make_schedule
-from hvdtrain.training.objective import Objective, probe
-from hvdtrain.training.step import Evaluation, StepMath, StepOptions
+from hvdtrain.training.objective import probe
+from hvdtrain.training.own_step import OwnStep
+from hvdtrain.training.resume_check import check_resumable, optimizers_changed
+from hvdtrain.training.step import Evaluation, StepMath, StepOptions, TrainingStep
+from hvdtrain.training.trainable import Trainable, own_step_reason, prepare
 from hvdtrain.training.watchdog import stopped_after, watchdog_for
-from hvdtrain.world import Collectives, World, init_collectives, place_devices
+from hvdtrain.world import (Collectives, GradientReduction, World, ended_by_another_rank,
+                            init_collectives, place_devices)
+from hvdtrain.writes import run_files
 
 
 def say(world: World, message: str) -> None:
@@ -109,45 +123,53 @@ def weight_fingerprint(model: keras.Model) -> str:
     return digest.hexdigest()[:16]
 
 
-def _restore(model_label: str, store: CheckpointStore, model: keras.Model,
-             optimizer: keras.optimizers.Optimizer) -> dict[str, Any]:
-    """Rank 0: load the newest intact checkpoint into model and optimizer; return its state."""
+def _restore(run: dict[str, Any], accept_changes: bool, store: CheckpointStore,
+             model: keras.Model,
+             optimizers: dict[str, keras.optimizers.Optimizer]) -> dict[str, Any]:
+    """Rank 0: check that the newest intact checkpoint was trained with what this ``run``
+    trains (``resume_check``), load it into the model and its optimizers; return its state (and
+    every rank's random-generator state, for the ranks to take their own)."""
     latest = store.newest_intact(lambda line: print(f"hvdtrain: {line}", flush=True))
     state = store.read_state(latest)
-    if state.get("model") != model_label:
+    if state.get("model") != run["model"]:
         raise UserError(f"{latest} was trained with model '{state.get('model')}', not "
-                        f"'{model_label}'; resume with the same --model")
-    store.restore(latest, model, optimizer)
+                        f"'{run['model']}'; resume with the same --model")
+    changed = check_resumable(state, run, latest, accept_changes)
+    if changed:
+        print(f"hvdtrain: continuing {latest} with changed data or settings "
+              f"({'; '.join(changed)}), as --accept-changes asks", flush=True)
+    if optimizers_changed(state, run):   # only the weights carry over
+        optimizers, state["optimizers"], state["rates"] = {}, {}, {}
+    store.restore(latest, model, optimizers)
     return {"epoch": int(state["epoch"]), "plateau": state.get("plateau"),
+            "rates": state.get("rates", {}), "built_for": state.get("optimizers", {}),
             "metrics": state.get("metrics", {}), "name": latest.name,
+            "rank_states": store.rank_states(latest),
             "resume": ResumePoint(int(state["epoch"]), int(state.get("step", 0)),
                                   tuple(state.get("epoch_state", ())))}
 
 
+def seed_everything(seed: int, rank: int) -> None:
+    """Python, NumPy and Keras from ``seed + rank`` (weights start apart on purpose: the
+    broadcast must make them agree; Keras' seeded layers, dropout, draw per rank), TensorFlow's
+    global seed from ``seed`` on every rank, so a user pipeline's shuffle makes the same order
+    on every rank and its shards stay disjoint."""
+    keras.utils.set_random_seed(seed + rank)
+    tf.random.set_seed(seed)
+
+
+def raised_here(error: BaseException) -> bool:
+    """Whether an error began on this rank (the user's code, a one-rank mistake) while its
+    peers may wait for it in a collective, rather than in a collective (a peer's process is
+    gone: shutting Horovod down then waits on it, until Slurm kills the rank, measured) or by
+    agreement of every rank (a stop, a divergence, a failed checkpoint write)."""
+    if isinstance(error, (StoppedBySignal, TrainingDiverged, CheckpointWriteFailed)):
+        return False
+    return "Horovod" not in str(error) and not isinstance(error, tf.errors.UnavailableError)
+
+
 ModelFactory = Callable[[Any, "int | None"], keras.Model]
 DataFactory = Callable[[DataConfig, int], DataBundle]
-
-
-@dataclass
-class Trainable:
-    """The model, its objective, its optimizer and the schedule that drives the rate."""
-
-    model: keras.Model
-    objective: Objective
-    optimizer: keras.optimizers.Optimizer
-    schedule: WarmupScaledRate
-
-
-def make_optimizer_for(config: Config, model: keras.Model, world: World,
-                       updates_per_epoch: int) -> tuple[keras.optimizers.Optimizer,
-                                                        WarmupScaledRate]:
-    """The configured optimizer at the scaled, warmed-up rate (loss-scaled for float16), built."""
-    schedule = make_schedule(config.optim, world.size, updates_per_epoch, config.train.epochs)
-    optimizer = make_optimizer(config.optim, schedule)
-    if config.train.precision == "mixed_float16":
-        optimizer = keras.optimizers.LossScaleOptimizer(optimizer)
-    optimizer.build(model.trainable_variables)
-    return optimizer, schedule
 
 
 def check_elastic(config: Config, collectives: Collectives) -> None:
@@ -172,9 +194,7 @@ def data_errors_named(data: DataBundle):
     try:
         yield
     except tf.errors.DataLossError as error:
-        raise UserError("a TFRecord file is corrupt or truncated "
-                        f"({str(error).splitlines()[0][:160]}); regenerate it with "
-                        "'hvdtrain convert'") from error
+        raise UserError(corrupt_record_message((data.train, data.val), str(error))) from error
     except tf.errors.InvalidArgumentError as error:
         if LABEL_RANGE_MESSAGE not in str(error):
             raise
@@ -201,29 +221,51 @@ def _open_run_dir(config: Config, collectives: Collectives) -> tuple[Path, bool]
     return Path(config.train.run_dir), config.train.resume != "never"
 
 
-def _plan(config: Config, data: DataBundle,
-          collectives: Collectives) -> tuple[ShardSpec, int, ShardSpec | None]:
+def resolved_remainder(config: Config, own_step: str | None) -> str:
+    """``--remainder auto``: pad for hvdtrain's step, drop for a model's own (a mean per rank is
+    exact only over equal batches, and a padded row would count in it)."""
+    remainder = config.data.remainder
+    if own_step is not None and remainder == "pad":
+        raise UserError(f"--remainder pad adds zero-weight examples, which the model's own step "
+                        f"({own_step}) would count in its mean; use --remainder drop (or auto)")
+    if remainder == "auto":
+        return "drop" if own_step is not None else "pad"
+    return remainder
+
+
+def _plan(config: Config, data: DataBundle, collectives: Collectives,
+          own_step: str | None) -> tuple[ShardSpec, int, ShardSpec | None]:
     """(training shard spec, steps per epoch, validation shard spec), or a one-line error.
 
     Built-in sources and arrays give every rank the same steps by construction; for a user's
-    pipeline every rank reports its own count and all take the largest. Only then is there a
-    collective here: an elastic rank joining a running job starts here and must meet none."""
+    pipeline or dataset every rank reports its own count and all take the largest (padding) or
+    the smallest (dropping). Only then is there a collective here: an elastic rank joining a
+    running job starts here and must meet none. Evaluation under a model's own step runs each
+    rank's share unpadded (no collective per step there)."""
     world = collectives.world
     batch, optim = config.train.batch_size, config.optim
     if not data.train.normalised and optim.accumulation_steps > 1:
         raise UserError("--accumulation-steps needs in-memory or file data (the weights of an "
                         "update must be known before its first micro-step); raise the pipeline's "
                         "batch size instead")
+    remainder = resolved_remainder(config, own_step)
     examples = data.train.num_examples
-    spec = ShardSpec(examples or 0, world, batch, config.data.remainder, True,
+    spec = ShardSpec(examples or 0, world, batch, remainder, config.data.shuffle,
                      config.train.seed, optim.accumulation_steps)
-    steps = _agreed_steps(data.train, spec, collectives)
+    wanted = config.train.steps_per_epoch
+    if getattr(data.train, "infinite", False):
+        if not wanted:
+            raise UserError("the training dataset repeats forever; give steps_per_epoch")
+        steps = wanted
+    else:
+        steps = _agreed_steps(data.train, spec, collectives)
+        steps = min(steps, wanted) if wanted else steps
     spec = dataclasses.replace(spec, agreed_steps=steps)
     if steps == 0:
-        raise UserError(f"{examples} training examples cannot fill one update of "
+        fix = "lower --batch-size" + (" or use --remainder pad" if own_step is None else "")
+        raise UserError(f"{examples or 'the'} training examples cannot fill one update of "
                         f"{spec.update_batch} per rank group ({world.size} ranks x {batch} x "
-                        f"{optim.accumulation_steps} accumulation steps); lower --batch-size "
-                        "or use --remainder pad")
+                        f"{optim.accumulation_steps} accumulation steps); {fix}")
     if examples is not None and examples < world.size:
         raise UserError(f"{world.size} ranks but only {examples} training "
                         "examples: every rank needs at least one; launch fewer ranks")
@@ -232,53 +274,101 @@ def _plan(config: Config, data: DataBundle,
                    f"{data.train.mode(world.size)}")
     if data.val is None:
         return spec, steps, None
-    val_spec = ShardSpec(data.val.num_examples or 0, world, batch, "pad", False)
+    val_spec = ShardSpec(data.val.num_examples or 0, world, batch, "pad", False,
+                         equal_steps=own_step is None)
+    if own_step is not None:
+        return spec, steps, val_spec
     val_steps = _agreed_steps(data.val, val_spec, collectives)
     return spec, steps, dataclasses.replace(val_spec, agreed_steps=val_steps)
 
 
 def _agreed_steps(split: Split, spec: ShardSpec, collectives: Collectives) -> int:
-    """The split's steps per epoch, the most any rank counts where ranks count their own."""
+    """The split's steps per epoch; where ranks count their own, the most any rank counts
+    (the others pad) or, when dropping, the fewest (the others stop there)."""
     steps = split.steps_per_epoch(spec)
-    return steps if split.normalised else max(collectives.allgather_object(steps))
+    if split.normalised:
+        return steps
+    counts = collectives.allgather_object(steps)
+    return min(counts) if spec.remainder == "drop" else max(counts)
 
 
-def _starting_point(config: Config, model_label: str, collectives: Collectives, run_dir: Path,
-                    resuming: bool, store: CheckpointStore, trainable: Trainable,
-                    plateau: PlateauDecay | None) -> tuple[ResumePoint, list[str]]:
-    """Restore when resuming, then give every rank rank 0's weights and optimizer state.
+def _resumed(restored: dict[str, Any], world: World, run_dir: Path, store: CheckpointStore,
+             step: TrainingStep, trainable: Trainable,
+             plateau: PlateauDecay | None) -> ResumePoint:
+    """Every rank, after rank 0 restored a checkpoint: the same optimizers built, this rank's
+    own random-generator state back, the rate factors and plateau state loaded; rank 0 makes
+    the metrics files end at the checkpoint's epoch."""
+    build_optimizers(trainable.model, step.optimizers, restored["built_for"])
+    if restored["rank_states"][world.rank:world.rank + 1]:
+        assign_rank_state(trainable.model, restored["rank_states"][world.rank])
+    if plateau is not None and restored["plateau"]:
+        plateau.load(restored["plateau"])
+    trainable.rates.load(restored["rates"])
+    start = restored["resume"]
+    if world.is_chief:
+        with run_files(run_dir, "the metrics files"):
+            MetricsFiles(run_dir).resume_at(start.epoch, restored["metrics"])
+    where = f", step {start.step}" if start.step else ""
+    say(world, f"resuming after epoch {start.epoch}{where} from "
+               f"{store.directory / restored['name']}")
+    return start
 
-    Returns where to start and each rank's weight fingerprint before the broadcast.
-    """
-    world, model, optimizer = collectives.world, trainable.model, trainable.optimizer
-    initial_epoch = 0
+
+def _starting_point(config: Config, run: dict[str, Any], collectives: Collectives,
+                    run_dir: Path, resuming: bool, store: CheckpointStore, step: TrainingStep,
+                    trainable: Trainable, plateau: PlateauDecay | None,
+                    backup: keras.callbacks.BackupAndRestore | None
+                    ) -> tuple[ResumePoint, list[str]]:
+    """Restore when resuming (or from a user's ``BackupAndRestore``), then give every rank rank
+    0's weights and optimizer state; each rank keeps (or takes back) its own random-generator
+    state. ``run``: what this run trains (saved in its checkpoints, compared with theirs).
+    Returns where to start and each rank's weight fingerprint before the broadcast."""
+    world, model, optimizers = collectives.world, trainable.model, step.optimizers
+
+    def restore() -> dict[str, Any]:
+        return _restore(run, config.train.accept_changes, store, model, optimizers)
+
     start = ResumePoint()
     if resuming and config.train.elastic:
         # Rank 0 restores; the elastic state carries weights and epoch to the others.
         if world.is_chief:
-            restored = _restore(model_label, store, model, optimizer)
-            initial_epoch = restored["epoch"]
-            MetricsFiles(run_dir).resume_at(initial_epoch, restored["metrics"])
+            restored = restore()
+            start = ResumePoint(restored["epoch"])
+            with run_files(run_dir, "the metrics files"):
+                MetricsFiles(run_dir).resume_at(start.epoch, restored["metrics"])
     elif resuming:
-        restored = chief_decides(collectives,
-                                 lambda: _restore(model_label, store, model, optimizer))
-        initial_epoch, start = restored["epoch"], restored["resume"]
-        if plateau is not None and restored["plateau"]:
-            plateau.load(restored["plateau"])
-        if world.is_chief:
-            MetricsFiles(run_dir).resume_at(initial_epoch, restored["metrics"])
-        where = f", step {start.step}" if start.step else ""
-        say(world, f"resuming after epoch {initial_epoch}{where} from "
-                   f"{store.directory / restored['name']}")
+        start = _resumed(chief_decides(collectives, restore), world, run_dir, store, step,
+                         trainable, plateau)
+    elif backup is not None:
+        start = ResumePoint(chief_decides(collectives, lambda: _from_backup(backup, model)))
+        if start.epoch:
+            say(world, f"BackupAndRestore: continuing after epoch {start.epoch} from "
+                       f"{backup.backup_dir}")
     if world.is_chief:   # only now: a rejected run must not overwrite a run's config
-        atomic_write_text(run_dir / "config.yaml", config.to_yaml())
+        with run_files(run_dir, "config.yaml"):
+            atomic_write_text(run_dir / "config.yaml", config.to_yaml())
     if config.train.elastic:   # the elastic state broadcasts on every (re)start instead
-        return ResumePoint(initial_epoch), []
+        return ResumePoint(start.epoch), []
+    changed = agree_on_adapted_state(model, collectives)
+    if changed:
+        print(f"note: rank {world.rank}'s adapted state of {', '.join(changed)} differed from "
+              "rank 0's; every rank now uses rank 0's", flush=True)
     before_broadcast = collectives.allgather_object(weight_fingerprint(model))
     # One starting point for every rank: rank 0's weights and optimizer state (not the dropout
     # seeds: those stay rank-local so ranks drop different units).
-    collectives.broadcast_variables(model.weights + optimizer.variables)
+    collectives.broadcast_variables(model.weights + [
+        v for optimizer in optimizers.values() if optimizer.built for v in optimizer.variables])
     return start, before_broadcast
+
+
+def _from_backup(backup: keras.callbacks.BackupAndRestore, model: keras.Model) -> int:
+    """Rank 0: what a user's ``BackupAndRestore`` restores at train begin (weights, optimizer,
+    the epoch to start at), done once before the broadcast instead."""
+    backup.set_model(model)
+    backup.on_train_begin()
+    epoch = initial_epoch_of(model)
+    set_initial_epoch(model, None)
+    return epoch
 
 
 @dataclass(frozen=True)
@@ -300,12 +390,15 @@ class RunSummary:
 
 @dataclass(frozen=True)
 class RunResult:
-    """What ``Run.execute`` (and ``hvdtrain.fit``) returns on every rank."""
+    """What ``Run.execute`` (and ``hvdtrain.fit``) returns on every rank: the run directory,
+    the exact final metrics, every rank's weight fingerprint, the trained model and Keras'
+    ``History`` of the epochs' logs (``history.history["val_loss"]``...)."""
 
     run_dir: Path
     metrics: dict[str, float]
     fingerprints: list[str]
     model: keras.Model
+    history: keras.callbacks.History | None = None
 
 
 @contextlib.contextmanager
@@ -329,18 +422,39 @@ class Run:
     def __init__(self, config: Config, model_factory: ModelFactory | None = None,
                  data_factory: DataFactory | None = None,
                  callbacks: Sequence[keras.callbacks.Callback] = (),
-                 model_label: str | None = None) -> None:
+                 model_label: str | None = None,
+                 validation_freq: int | list[int] | None = None,
+                 process_ends_with_run: bool = False) -> None:
+        """``process_ends_with_run`` (the CLI): an error here ends the process, whose exit
+        shuts Horovod down after the error's line and code are out (so the launcher reports
+        them, not a peer's); otherwise (``hvdtrain.fit``) the run shuts it down itself, so no
+        peer waits and the next run starts afresh."""
+        self.process_ends_with_run = process_ends_with_run
         self.config = config
         self.model_factory = model_factory or (
             lambda shape, classes: build_model(config.model, shape, classes))
         self.data_factory = data_factory or load_source
         self.extra_callbacks = list(callbacks)
         self.model_label = model_label or config.model.model
+        self.validation_freq = validation_freq or config.train.validation_freq
 
     def execute(self) -> RunResult:
         """Train on this rank; return the final exact metrics (every rank gets them)."""
         with run_environment(self.config.train.precision):
-            return self._train()
+            collectives = init_collectives()
+            try:
+                return self._train(collectives)
+            except BaseException as error:
+                peer_failed = ended_by_another_rank(error)
+                leave = peer_failed or (raised_here(error) and not self.process_ends_with_run)
+                if leave and collectives.world.size > 1 and not self.config.train.elastic:
+                    # No peer waits for this rank in a collective; the next run starts
+                    # Horovod afresh.
+                    collectives.shutdown()
+                if peer_failed:
+                    raise PeerFailed("another rank ended with an error (shown by that rank); "
+                                     "this rank stopped with it") from error
+                raise
 
     def _callbacks(self) -> list[keras.callbacks.Callback]:
         """The user's callbacks: from ``--callbacks module:fn`` and from the Python API."""
@@ -356,21 +470,13 @@ class Run:
             found += made
         return found
 
-    def _trainable(self, data: DataBundle, world: World, updates_per_epoch: int) -> Trainable:
+    def _model(self, data: DataBundle) -> keras.Model:
         model = self.model_factory(data.input_shape, data.num_classes)
         if not isinstance(model, keras.Model):
             raise UserError(f"'{self.model_label}' gave {type(model).__name__}, not a "
                             "keras.Model")
         check_input_shape(model, self.model_label, data.input_shape)
-        objective = Objective.for_model(model)
-        optimizer, schedule = make_optimizer_for(self.config, model, world, updates_per_epoch)
-        compiled = objective.compiled.optimizer
-        if compiled is not None and world.is_chief:
-            name = compiled if isinstance(compiled, str) else type(compiled).__name__
-            print(f"note: the model was compiled with optimizer {name}; hvdtrain trains with "
-                  f"--optimizer {self.config.optim.optimizer} at the scaled, warmed-up rate",
-                  flush=True)
-        return Trainable(model, objective, optimizer, schedule)
+        return model
 
     def _float32_copy(self, model: keras.Model, data: DataBundle) -> keras.Model:
         """The trained model rebuilt under the float32 policy, for saving and inference."""
@@ -381,80 +487,140 @@ class Run:
         copy.set_weights(model.get_weights())
         return copy
 
-    def _train(self) -> RunResult:
+    def _step(self, trainable: Trainable, data: DataBundle,
+              collectives: Collectives) -> TrainingStep:
+        optim = self.config.optim
+        if trainable.own_step is not None:
+            op = "adasum" if optim.reduction == "adasum" else "average"
+            return OwnStep(trainable.model, collectives, data.keras_element,
+                           GradientReduction(op, optim.compression == "fp16"))
+        return StepMath(trainable.model, trainable.optimizer, collectives, trainable.objective,
+                        StepOptions(optim.accumulation_steps, optim.reduction == "adasum",
+                                    optim.compression == "fp16", data.train.normalised))
+
+    @staticmethod
+    def _evaluation(step: TrainingStep, trainable: Trainable, data: DataBundle,
+                    collectives: Collectives) -> tuple[Callable[[ShardSpec], dict[str, float]],
+                                                       list]:
+        """Exact validation over every rank's shard (``val_*`` names) for a shard spec, and the
+        metric states the probe must build."""
+        if isinstance(step, OwnStep):
+            return (lambda spec: {"val_" + name: value for name, value in
+                                  step.evaluate(data.val.dataset(spec)).items()}), []
+        evaluation = Evaluation(trainable.model, collectives, trainable.objective)
+        return (lambda spec: evaluation.run(data.val.dataset(spec))), [
+            step.train_metrics, evaluation.metrics]
+
+    def _probe(self, trainable: Trainable, batch: tuple, metric_states: list) -> None:
+        """One real batch before training: hvdtrain's step builds its metrics and checks the
+        outputs against the loss; a model's own step is built (as its first step would)."""
+        model = trainable.model
+        if trainable.own_step is None:
+            probe(model, trainable.objective, batch, metric_states, self.model_label)
+            # Keras' fit reads the model's own compiled metrics at every epoch end (hvdtrain's
+            # exact values replace them): they must be built.
+            features, targets, sample_weight = batch[:3]
+            model.compute_metrics(features, targets, model(features, training=False),
+                                  sample_weight=sample_weight)
+            model.reset_metrics()
+            return
+        if all(layer.built for layer in sublayers(model)) and model.weights:
+            return
+        try:
+            model(batch[0], training=False)
+        except Exception as error:  # noqa: BLE001 - whatever a user's call raises
+            raise UserError(f"model '{self.model_label}' is not built and calling it on a batch "
+                            f"failed ({type(error).__name__}: {str(error)[:160]}); build it "
+                            "(and its sub-models) before training") from error
+
+    def _train(self, collectives: Collectives) -> RunResult:
         config = self.config
         launched = time.perf_counter()
-        collectives = init_collectives()
         world = collectives.world
         device = place_devices(world, config.train.threads)
         if config.train.deterministic:
             tf.config.experimental.enable_op_determinism()
-        # Ranks start from different seeds on purpose: the broadcast below must make them agree.
-        keras.utils.set_random_seed(config.train.seed + world.rank)
+        seed_everything(config.train.seed, world.rank)
         run_dir, resuming = _open_run_dir(config, collectives)
+        if world.is_chief:
+            output.log_to(run_dir)
         say(world, f"hvdtrain: {world.size} rank(s) on {world.cross_size} node(s); rank 0 on "
                    f"{world.host}, {device}; run directory {run_dir}")
         say(world, "resolved config:\n" + config.to_yaml().rstrip())
 
         data = self.data_factory(config.data, config.train.seed)
-        spec, steps, val_spec = _plan(config, data, collectives)
+        model = self._model(data)
+        own_step = own_step_reason(model, data)
+        spec, steps, val_spec = _plan(config, data, collectives, own_step)
         optim = config.optim
-        trainable = self._trainable(data, world, steps // optim.accumulation_steps)
-        model = trainable.model
+        trainable = prepare(config, model, data, world, steps // optim.accumulation_steps,
+                            own_step)
         if config.train.elastic and not isinstance(data.train, ArraySplit):
             raise UserError("--elastic supports in-memory datasets (arrays); a pipeline cannot "
                             "be re-sharded at an offset into its epoch")
-        evaluation = Evaluation(model, collectives, trainable.objective)
-        step = StepMath(model, trainable.optimizer, collectives, trainable.objective,
-                        StepOptions(optim.accumulation_steps, optim.reduction == "adasum",
-                                    optim.compression == "fp16", data.train.normalised))
+        say(world, "step: " + ("hvdtrain's exact step (the model uses Keras' train_step)"
+                               if own_step is None else
+                               f"the model's own train_step ({own_step})"))
+        say(world, trainable.description)
+        step = self._step(trainable, data, collectives)
+        evaluate, metric_states = self._evaluation(step, trainable, data, collectives)
+        validate = None if data.val is None else (lambda: evaluate(val_spec))
         with data_errors_named(data):
-            probe(model, trainable.objective, next(iter(data.train.dataset(spec, 0, 1))),
-                  [step.train_metrics, evaluation.metrics], self.model_label)
+            self._probe(trainable, next(iter(data.train.dataset(spec, 0, 1))), metric_states)
         plateau = (PlateauDecay(trainable.schedule, optim.lr_decay_factor, optim.plateau_patience)
                    if optim.lr_schedule == "plateau" else None)
-        if plateau is not None and data.val is None:
-            raise UserError("--lr-schedule plateau watches val_loss; give the pipeline a "
-                            "validation factory or choose another schedule")
+        if plateau is not None and (validate is None or self.validation_freq != 1):
+            raise UserError("--lr-schedule plateau watches val_loss after every epoch; give "
+                            "validation data (every epoch) or choose another schedule")
         user_callbacks = self._callbacks()
+        backup = next((c for c in user_callbacks
+                       if isinstance(c, keras.callbacks.BackupAndRestore)), None)
         store = CheckpointStore(run_dir, config.train.keep_checkpoints)
-        start, before_broadcast = _starting_point(
-            config, self.model_label, collectives, run_dir, resuming, store, trainable, plateau)
-        initial_epoch = start.epoch
-
-        epochs = config.train.epochs
-        validate = None if data.val is None else (lambda: evaluation.run(
-            data.val.dataset(val_spec)))
         state = {"model": self.model_label, "dataset": config.data.dataset,
                  "input_shape": data.input_shape, "num_classes": data.num_classes,
+                 "examples": data.train.num_examples,
+                 "optimizer_classes": {name: type(optimizer).__name__
+                                       for name, optimizer in step.optimizers.items()},
                  "world_size": world.size, "config": config.to_dict()}
+        start, before_broadcast = _starting_point(
+            config, state, collectives, run_dir, resuming, store, step, trainable, plateau,
+            backup)
+        initial_epoch = max(start.epoch, config.train.initial_epoch)
+
+        epochs = config.train.epochs
         say(world, f"training {self.model_label} on {config.data.dataset}: "
                    f"{data.train.num_examples or 'pipeline'} examples, {steps} steps/epoch, "
-                   f"global batch {spec.global_batch}, remainder policy "
-                   f"'{config.data.remainder}'")
+                   f"global batch {spec.global_batch}, remainder policy '{spec.remainder}'")
         started = time.perf_counter()
         first_step = FirstStepClock()
+        history = None
         if config.train.elastic:
             elastic_loop(ElasticRun(config, collectives, data, model, trainable.optimizer,
-                                    trainable.schedule, step, evaluation, store, state, run_dir,
-                                    initial_epoch))
+                                    trainable.schedule, trainable.rates, step, evaluate,
+                                    store, state, run_dir, initial_epoch))
             world = collectives.world   # the world the job ended with: validate on its shards
             val_spec = ShardSpec(data.val.num_examples, world, config.train.batch_size, "pad",
                                  False)
+            validate = lambda: evaluate(val_spec)  # noqa: E731 - the same closure, new world
         elif initial_epoch < epochs:
             watchdog = watchdog_for(world, config.train.stall_timeout)
             progress = Progress(epochs, steps, spec.global_batch, config.train.progress,
                                 interactive=sys.stdout.isatty() and world.size == 1)
             callbacks = standard_callbacks(RunHooks(
-                world, collectives, step, validate, trainable.schedule, store, state, run_dir,
+                world, collectives, step, validate, trainable.rates, store, state, run_dir,
                 progress, plateau, config.train.tensorboard, first_step, watchdog,
-                user_callbacks, config.train.checkpoint_every_steps, start))
-            with data_errors_named(data), stopped_after(watchdog):
-                LOOPS[config.train.loop](step, data.train.dataset(spec, initial_epoch, epochs),
-                                         epochs, initial_epoch, steps, callbacks, start.step)
+                user_callbacks, config.train.checkpoint_every_steps, start,
+                self.validation_freq))
+            distributed = (step.distributed() if isinstance(step, OwnStep)
+                           else contextlib.nullcontext())
+            with data_errors_named(data), stopped_after(watchdog), distributed:
+                history = LOOPS[config.train.loop](
+                    step, data.train.dataset(spec, initial_epoch, epochs), epochs,
+                    initial_epoch, steps, callbacks,
+                    start.step if start.epoch == initial_epoch else 0)
         trained = time.perf_counter() - started
 
-        metrics = {} if data.val is None else evaluation.run(data.val.dataset(val_spec))
+        metrics = {} if validate is None else validate()
         gathered = collectives.allgather_object((weight_fingerprint(model),
                                                  dataclasses.asdict(world)))
         fingerprints = [fingerprint for fingerprint, _ in gathered]
@@ -465,29 +631,47 @@ class Run:
                                  None if data.val is None else data.val.num_examples,
                                  [facts for _, facts in gathered])
             _finish(run_dir, self._float32_copy(model, data), summary)
-        return RunResult(run_dir, metrics, fingerprints, model)
+        return RunResult(run_dir, metrics, fingerprints, model, history)
 
 
 def train(config: Config) -> RunResult:
     """Run the configured training on this rank (the CLI's entry)."""
-    return Run(config).execute()
+    return Run(config, process_ends_with_run=True).execute()
+
+
+def _save_model(run_dir: Path, model: keras.Model) -> Path:
+    """The final model as ``model.keras``; a model Keras cannot serialise whole (a subclass
+    without ``get_config``, such as a GAN) as its weights, ``model.weights.h5``, said in one
+    line."""
+    partial = run_dir / ".model.partial.keras"
+    if not model.built and all(layer.built for layer in sublayers(model)):
+        model.built = True     # a composite (a GAN) whose parts are built: it has trained
+    with run_files(run_dir, "the final model", leftover=partial):
+        try:
+            model.save(partial)
+        except (NotImplementedError, TypeError, ValueError) as error:
+            partial.unlink(missing_ok=True)
+            path = run_dir / "model.weights.h5"
+            model.save_weights(path)
+            why = str(error).strip().splitlines()[0][:120] if str(error).strip() else "no config"
+            print(f"note: Keras cannot save this model whole ({type(error).__name__}: {why}); "
+                  f"saved its weights to {path} (give the class get_config/from_config to "
+                  "save it whole)", flush=True)
+            return path
+        partial.replace(run_dir / "model.keras")
+    return run_dir / "model.keras"
 
 
 def _finish(run_dir: Path, model: keras.Model, summary: RunSummary) -> None:
     """Rank 0: save the final model, the summary and the curves, and report."""
-    compiled_optimizer = getattr(model, "optimizer", None)
-    if compiled_optimizer is not None and not compiled_optimizer.built:
-        # The optimizer a user compiled with is saved with the model; built (untrained, since
-        # hvdtrain trained with its own), it loads back without Keras' mismatch warning.
-        compiled_optimizer.build(model.trainable_variables)
-    partial = run_dir / ".model.partial.keras"
-    model.save(partial)
-    partial.replace(run_dir / "model.keras")
+    saved = _save_model(run_dir, model)
     fingerprints, metrics = summary.fingerprints, summary.metrics
-    atomic_write_text(run_dir / "summary.json",
-                      json.dumps(dataclasses.asdict(summary), indent=2) + "\n")
+    with run_files(run_dir, "summary.json"):
+        atomic_write_text(run_dir / "summary.json",
+                          json.dumps(dataclasses.asdict(summary), indent=2) + "\n")
     if (run_dir / "metrics.jsonl").exists():
-        plot_curves(run_dir / "metrics.jsonl", run_dir / "curves.png")
+        with run_files(run_dir, "curves.png"):
+            plot_curves(run_dir / "metrics.jsonl", run_dir / "curves.png")
     agreement = ("identical on all ranks" if summary.weights_identical else
                  "DIFFER across ranks: " + ", ".join(fingerprints))
     print(f"weights {agreement} (fingerprint {fingerprints[0]})", flush=True)
@@ -499,6 +683,6 @@ def _finish(run_dir: Path, model: keras.Model, summary: RunSummary) -> None:
         names = sorted(metrics, key=lambda name: name.endswith("loss"))
         shown = ", ".join(f"{name[4:]}: {metrics[name]:.4f}" for name in names)
         print(f"held-out {shown} on {summary.validation_examples or 'the validation'} "
-              f"examples; model saved to {run_dir / 'model.keras'}", flush=True)
+              f"examples; model saved to {saved}", flush=True)
     else:
-        print(f"no validation data; model saved to {run_dir / 'model.keras'}", flush=True)
+        print(f"no validation data; model saved to {saved}", flush=True)

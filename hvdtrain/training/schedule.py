@@ -9,6 +9,14 @@ factor every few epochs, or decays by a factor when the averaged validation loss
 The rate is a function of the optimizer's step counter (and, for plateau decay, of a scale
 that is saved in checkpoints), so a resumed run continues at the right rate. With gradient
 accumulation the counter advances once per update, not once per batch.
+
+The optimizer's ``learning_rate`` stays a plain variable that ``RateControl`` (a callback)
+sets before every step, so Keras callbacks that set the rate (``ReduceLROnPlateau``,
+``LearningRateScheduler``) work as they do in one process: a change they make is kept as a
+factor on top of hvdtrain's schedule. Every optimizer the model owns (a GAN has two) follows
+the schedule from its own base rate and step counter. An optimizer built with a
+``LearningRateSchedule`` object of the user's keeps it as written (Keras cannot set such a
+rate; the run says so in one line).
 """
 
 from __future__ import annotations
@@ -16,9 +24,8 @@ from __future__ import annotations
 import math
 
 import keras
-import tensorflow as tf
 
-from hvdtrain.config import OptimConfig
+from hvdtrain.config import DEFAULT_LEARNING_RATE, OptimConfig
 from hvdtrain.errors import UserError
 from hvdtrain.plugins import is_plugin, load_callable
 
@@ -32,8 +39,9 @@ def scale_factor(policy: str, world_size: int) -> float:
     return 1.0
 
 
-class WarmupScaledRate(keras.optimizers.schedules.LearningRateSchedule):
-    """``base`` at step 0, linearly to ``base * scale`` at ``warmup_steps``, then ``decay``."""
+class WarmupScaledRate:
+    """``base`` at step 0, linearly to ``base * scale`` at ``warmup_steps``, then ``decay``;
+    ``multiplier(step)`` is the same curve for a base of 1 (what other optimizers follow)."""
 
     def __init__(self, base: float, scale: float, warmup_steps: int, decay: str = "constant",
                  total_steps: int = 0, decay_steps: int = 0, decay_factor: float = 1.0) -> None:
@@ -45,40 +53,31 @@ class WarmupScaledRate(keras.optimizers.schedules.LearningRateSchedule):
         self.decay_steps = int(decay_steps)
         self.decay_factor = float(decay_factor)
         # Multiplied in by plateau decay; saved with checkpoints.
-        self.plateau_scale = tf.Variable(1.0, trainable=False, dtype=tf.float32,
-                                         name="plateau_scale")
-        # The world-size factor as a variable: elastic training changes it without retracing.
-        self.world_scale = tf.Variable(self.scale, trainable=False, dtype=tf.float32,
-                                       name="world_scale")
+        self.plateau_scale = 1.0
 
     def set_world_scale(self, scale: float) -> None:
+        """Elastic training changes the world-size factor when the world changes."""
         self.scale = float(scale)
-        self.world_scale.assign(self.scale)
 
-    def _after_warmup(self, step: tf.Tensor) -> tf.Tensor:
-        target = self.base * self.world_scale
+    def _after_warmup(self, step: float) -> float:
         if self.decay == "cosine":
             span = max(1, self.total_steps - self.warmup_steps)
-            progress = tf.clip_by_value((step - self.warmup_steps) / span, 0.0, 1.0)
-            return target * 0.5 * (1.0 + tf.cos(math.pi * progress))
+            progress = min(max((step - self.warmup_steps) / span, 0.0), 1.0)
+            return self.scale * 0.5 * (1.0 + math.cos(math.pi * progress))
         if self.decay == "step" and self.decay_steps > 0:
-            return target * tf.pow(self.decay_factor, tf.floor(step / self.decay_steps))
-        return target
+            return self.scale * self.decay_factor ** math.floor(step / self.decay_steps)
+        return self.scale
 
-    def __call__(self, step):
-        step = tf.cast(step, tf.float32)
-        if self.warmup_steps > 0:
-            progress = tf.minimum(1.0, step / self.warmup_steps)
-            warm = self.base + (self.base * self.world_scale - self.base) * progress
-            rate = tf.where(step < self.warmup_steps, warm, self._after_warmup(step))
+    def multiplier(self, step: int) -> float:
+        step = float(step)
+        if step < self.warmup_steps:
+            rate = 1.0 + (self.scale - 1.0) * step / self.warmup_steps
         else:
             rate = self._after_warmup(step)
         return rate * self.plateau_scale
 
-    def get_config(self) -> dict:
-        return {"base": self.base, "scale": self.scale, "warmup_steps": self.warmup_steps,
-                "decay": self.decay, "total_steps": self.total_steps,
-                "decay_steps": self.decay_steps, "decay_factor": self.decay_factor}
+    def __call__(self, step: int) -> float:
+        return self.base * self.multiplier(step)
 
 
 def world_scale(config: OptimConfig, world_size: int) -> float:
@@ -89,9 +88,12 @@ def world_scale(config: OptimConfig, world_size: int) -> float:
 
 
 def make_schedule(config: OptimConfig, world_size: int, updates_per_epoch: int,
-                  epochs: int) -> WarmupScaledRate:
+                  epochs: int, base: float | None = None) -> WarmupScaledRate:
+    """The run's schedule from ``base`` (default: ``--learning-rate``, else hvdtrain's)."""
+    if base is None:
+        base = DEFAULT_LEARNING_RATE if config.learning_rate is None else config.learning_rate
     return WarmupScaledRate(
-        base=config.learning_rate,
+        base=base,
         scale=world_scale(config, world_size),
         warmup_steps=int(round(config.warmup_epochs * updates_per_epoch)),
         decay=config.lr_schedule,
@@ -106,19 +108,21 @@ WITH_MOMENTUM = ("sgd", "rmsprop")
 
 
 def make_optimizer(config: OptimConfig, schedule: WarmupScaledRate) -> keras.optimizers.Optimizer:
-    """The configured optimizer driven by ``schedule`` (scaled and warmed up): a Keras optimizer
-    by name with its defaults, or a user's ``package.module:fn(learning_rate)``."""
+    """The configured optimizer at the schedule's starting rate (``RateControl`` moves it): a
+    Keras optimizer by name with its defaults (``auto``, with no compiled optimizer to take:
+    sgd), or a user's ``package.module:fn(learning_rate)`` called with the base rate."""
     if is_plugin(config.optimizer):
-        optimizer = load_callable(config.optimizer, "optimizer")(schedule)
+        optimizer = load_callable(config.optimizer, "optimizer")(schedule.base)
         if not isinstance(optimizer, keras.optimizers.Optimizer):
             raise UserError(f"'{config.optimizer}' returned {type(optimizer).__name__}, not a "
-                            "keras.optimizers.Optimizer; build it with learning_rate=the "
-                            "schedule it receives and return it")
+                            "keras.optimizers.Optimizer; build it with the learning rate it "
+                            "receives and return it")
         return optimizer
-    arguments = {"learning_rate": schedule}
-    if config.optimizer in WITH_MOMENTUM:
+    name = "sgd" if config.optimizer == "auto" else config.optimizer   # nothing compiled
+    arguments = {"learning_rate": schedule.base}
+    if name in WITH_MOMENTUM:
         arguments["momentum"] = config.momentum
-    return keras_optimizer_classes()[config.optimizer](**arguments)
+    return keras_optimizer_classes()[name](**arguments)
 
 
 def keras_optimizer_classes() -> dict[str, type]:

@@ -27,22 +27,74 @@ infinite every rank skips that update and the run stops there.
 
 Stop requests: a rank asked to stop (see ``preemption``) sets ``stop_vote``; the vote rides in
 the same allreduce as the loss, and ``stop_votes`` (the global sum) tells every rank, after the
-same update, that the job stops there.
+same update, that the job stops there. A callback that stops training from a batch hook
+(``model.stop_training``, e.g. Keras' ``TerminateOnNaN``) on one rank casts
+``callback_stop_vote`` the same way, so every rank stops after the same step.
+
+Sparse gradients (an ``Embedding``'s ``IndexedSlices``) reach the optimizer as Keras gives them,
+repeated rows included (Keras' Adam and RMSprop apply them row by row), so one process equals
+plain Keras; across ranks every rank's rows are gathered, which is the sparse gradient of the
+whole global batch.
 
 Metrics are Keras metric objects updated locally and reduced across ranks once per epoch by
 summing their state variables: every metric is exact over the global data, not a mean of
-per-rank means.
+per-rank means. The reported loss is Keras': the weighted loss plus the model's own losses
+(``add_loss``, regularisers), so a callback watching ``loss`` or ``val_loss`` sees the number
+one process would.
+
+This is hvdtrain's step for a model that uses Keras' own ``train_step``; a model that defines its
+own is trained with its code (``hvdtrain.training.own_step``). Both offer what the loops and the
+callbacks use (``TrainingStep``).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any, Protocol
 
 import keras
 import tensorflow as tf
 
 from hvdtrain.training.objective import MetricState, Objective
 from hvdtrain.world import Collectives, GradientReduction
+
+
+class TrainingStep(Protocol):
+    """What the loops and callbacks ask of a training step, whichever code it runs."""
+
+    model: keras.Model
+    optimizer: keras.optimizers.Optimizer
+    # Every optimizer the step applies, by the model's attribute name ("optimizer" first).
+    optimizers: dict[str, keras.optimizers.Optimizer]
+    collectives: Collectives
+    # The last step's loss over the global batch (equal on every rank): stops a diverged run.
+    global_loss: tf.Variable
+    # Set here, summed across ranks in the step: a stop request, and a batch hook's stop.
+    stop_vote: tf.Variable
+    stop_votes: tf.Variable
+    callback_stop_vote: tf.Variable
+    callback_stop_votes: tf.Variable
+    # False when the update of a step whose loss is not finite has already been applied.
+    skips_non_finite_updates: bool
+
+    def keras_step(self, data: Any) -> dict[str, Any]:
+        """One step on one dataset element (graph-safe): Keras ``fit`` runs it as the model's
+        ``train_step``, the custom loop in a ``tf.function``."""
+
+    def begin_epoch(self) -> None:
+        """Start the epoch's running metric state afresh."""
+
+    def epoch_results(self, logs: dict[str, Any]) -> dict[str, float]:
+        """The epoch's exact global metrics, equal on every rank (a collective)."""
+
+    @property
+    def epoch_state_variables(self) -> list[Any]:
+        """The epoch's running metric state (mid-epoch checkpoints save its sum over ranks)."""
+
+
+def vote_variables() -> tuple[tf.Variable, ...]:
+    """(global loss, stop vote, stop votes, callback stop vote, callback stop votes)."""
+    return tuple(tf.Variable(0.0, trainable=False, dtype=tf.float32) for _ in range(5))
 
 
 @dataclass(frozen=True)
@@ -79,11 +131,9 @@ class StepMath:
         self.options = options
         self.train_metrics = train_metrics or objective.new_metrics()
         self.loss_scaling = isinstance(optimizer, keras.optimizers.LossScaleOptimizer)
-        # The last update's loss over the whole global batch: equal on every rank, so every
-        # rank makes the same decision when it stops being finite.
-        self.global_loss = tf.Variable(0.0, trainable=False, dtype=tf.float32)
-        self.stop_vote = tf.Variable(0.0, trainable=False, dtype=tf.float32)
-        self.stop_votes = tf.Variable(0.0, trainable=False, dtype=tf.float32)
+        self.skips_non_finite_updates = True
+        (self.global_loss, self.stop_vote, self.stop_votes, self.callback_stop_vote,
+         self.callback_stop_votes) = vote_variables()
         self.accumulated: list[tf.Variable] = []
         if options.accumulation_steps > 1:
             self.accumulated = [tf.Variable(tf.zeros(v.shape, tf.float32), trainable=False)
@@ -94,16 +144,18 @@ class StepMath:
     def _apply(self, gradients: list[tf.Tensor], loss: tf.Tensor) -> None:
         """Reduce across ranks and update, unless the global loss is not finite: then the
         update is skipped on every rank and ``global_loss`` tells the caller to stop."""
-        scalars = [tf.cast(loss, tf.float32), tf.identity(self.stop_vote)]
+        scalars = [tf.cast(loss, tf.float32), tf.identity(self.stop_vote),
+                   tf.identity(self.callback_stop_vote)]
         if self.options.adasum or self.options.fp16_compression:
-            global_loss, votes = self.collectives.allreduce_sum(scalars)
+            global_loss, votes, callback_votes = self.collectives.allreduce_sum(scalars)
             gradients = self.collectives.reduce_gradients(
                 gradients, self.options.reduction(self.collectives.world.size))
-        else:   # one collective per step: loss and stop vote ride in the gradients' allreduce
-            *gradients, global_loss, votes = self.collectives.reduce_gradients(
+        else:   # one collective per step: loss and votes ride in the gradients' allreduce
+            *gradients, global_loss, votes, callback_votes = self.collectives.reduce_gradients(
                 [*gradients, *scalars])
         self.global_loss.assign(global_loss)
         self.stop_votes.assign(votes)
+        self.callback_stop_votes.assign(callback_votes)
 
         def update() -> tf.Tensor:
             self.optimizer.apply(gradients, self.model.trainable_variables)
@@ -133,6 +185,19 @@ class StepMath:
         """The epoch's running metric state (saved by mid-epoch checkpoints)."""
         return self.train_metrics.variables
 
+    @property
+    def optimizers(self) -> dict[str, keras.optimizers.Optimizer]:
+        return {"optimizer": self.optimizer}
+
+    def begin_epoch(self) -> None:
+        self.train_metrics.reset()
+
+    def epoch_results(self, logs: dict[str, Any]) -> dict[str, float]:
+        return self.train_metrics.global_results(self.collectives)
+
+    def keras_step(self, data: Any) -> dict[str, tf.Tensor]:
+        return self.train_step(*data)
+
     def _global_weights(self, weights: tf.Tensor) -> tf.Tensor:
         """Weights that divide by the real examples of the global batch (see the module doc)."""
         if self.options.normalised:
@@ -148,19 +213,28 @@ class StepMath:
             predictions = self.model(x, training=True)
             total, parts = self.objective.per_example_losses(y, predictions)
             loss = tf.reduce_sum(total * sample_weight * weights)
+            own_losses = model_losses(self.model)
             if self.model.losses:
                 shares = self.collectives.world.size * self.options.accumulation_steps
-                loss += tf.cast(tf.add_n(self.model.losses), tf.float32) / shares
+                loss += own_losses / shares
             scaled = self.optimizer.scale_loss(loss) if self.loss_scaling else loss
         gradients = tape.gradient(scaled, variables)
-        gradients = [tf.zeros_like(v) if g is None else tf.convert_to_tensor(g)
-                     for g, v in zip(gradients, variables)]
         if self.accumulated:
-            self._accumulate(gradients, loss)
+            self._accumulate([tf.zeros_like(v) if g is None else tf.convert_to_tensor(g)
+                              for g, v in zip(gradients, variables)], loss)
         else:
             self._apply(gradients, loss)
-        self.train_metrics.update(y, predictions, total, parts, sample_weight, weights > 0)
+        self.train_metrics.update(y, predictions, total, parts, sample_weight, weights > 0,
+                                  own_losses)
         return self.train_metrics.local_results()
+
+
+def model_losses(model: keras.Model) -> tf.Tensor:
+    """The sum of the model's own losses of the last forward pass (``add_loss``, weight and
+    activity regularisers), as float32; 0 when it has none."""
+    if not model.losses:
+        return tf.constant(0.0)
+    return tf.cast(tf.add_n(model.losses), tf.float32)
 
 
 class Evaluation:
@@ -177,7 +251,8 @@ class Evaluation:
     def _eval_step(self, x, y, sample_weight: tf.Tensor, weights: tf.Tensor) -> None:
         predictions = self.model(x, training=False)
         total, parts = self.objective.per_example_losses(y, predictions)
-        self.metrics.update(y, predictions, total, parts, sample_weight, weights > 0)
+        self.metrics.update(y, predictions, total, parts, sample_weight, weights > 0,
+                            model_losses(self.model))
 
     def run(self, dataset: tf.data.Dataset, prefix: str = "val_") -> dict[str, float]:
         self.metrics.reset()

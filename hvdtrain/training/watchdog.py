@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import signal
 import socket
 import sys
@@ -51,10 +52,10 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator, TextIO
+from typing import Callable, Iterator, Mapping, TextIO
 
 from hvdtrain.errors import STALLED_EXIT_CODE
-from hvdtrain.world import World
+from hvdtrain.world import World, keepalive_window_s
 
 FLOOR_S = 30.0
 STEP_FACTOR = 20.0
@@ -62,6 +63,10 @@ FIRST_PHASE_S = 120.0
 PHASE_FACTOR = 3.0
 OUTPUT_GRACE_S = 1.5
 PROBE_TIMEOUT_S = 3.0
+# A rank under orted waits for the launcher's keep-alive to end the job when it takes at most
+# this long (launcher_defaults: 46 s); Open MPI's own (480 s) is not waited for.
+KEEPALIVE_WAIT_LIMIT_S = 60.0
+HNP_PROBE_S = 1.0
 
 
 def automatic_limit(slowest_step_s: float) -> float:
@@ -308,31 +313,61 @@ def unanswered(peers: list[Peer], timeout_s: float = PROBE_TIMEOUT_S) -> list[st
 
 
 def end_open_mpi_daemon(parent: int) -> None:
-    """End the Open MPI process that started this rank, if one did: it would wait for ever.
+    """End the Open MPI process that started this rank, if one did and it would wait for ever.
 
     Measured with a node cut off: mpirun (which starts the ranks of its own node) and orted
-    (which mpirun starts on every other node over ssh, detached from the ssh session) both wait
-    for the lost node's acknowledgement of the abort, until TCP gives up (about 15 minutes).
-    orted ends its node's ranks and exits on SIGTERM; mpirun answers the first SIGTERM with an
-    "abort already in progress" and keeps waiting, so it gets SIGKILL, and so do the ssh
-    clients it started (they would wait for the lost node as long); its other nodes' orteds
-    then lose their connection to it and end their ranks. Slurm's and Gloo's launchers are left
-    alone: they end a failed rank's job themselves.
+    (which mpirun starts on every other node over ssh, or srun under Slurm) both wait for the
+    lost node's acknowledgement of the abort, until TCP gives up (about 15 minutes). mpirun
+    answers a first SIGTERM with an "abort already in progress" and keeps waiting, so it gets
+    SIGKILL, and so do the ssh and srun clients it started (they would wait for the lost node
+    as long); its other nodes' orteds then lose their connection to it and end their ranks.
+
+    Under orted the launcher is elsewhere, possibly outside the nodes, where no rank can end
+    it. Ending orted makes mpirun start to end the job, and its messages to the lost node then
+    wait for TCP's retransmissions; so when the launcher's keep-alive (``world.
+    launcher_defaults``) will find the lost node soon and this rank's node still reaches the
+    launcher, the rank leaves the ending to it (orted ends its ranks then) and ends orted only
+    if that has not happened in time. A rank that cannot reach the launcher is on the lost side:
+    its orted's own messages to mpirun are stuck, so it is ended at once. Slurm's and Gloo's
+    launchers are left alone: they end a failed rank's job themselves.
     """
     try:
         name = Path(f"/proc/{parent}/comm").read_text().strip()
     except OSError:
         return
-    signals = {"orted": signal.SIGTERM, "mpirun": signal.SIGKILL, "orterun": signal.SIGKILL}
-    if name not in signals:
+    if name not in ("orted", "mpirun", "orterun"):
         return
     time.sleep(OUTPUT_GRACE_S)   # the daemon forwards this rank's line first
-    victims = [parent] + (children_named(parent, "ssh") if name != "orted" else [])
+    if name == "orted":
+        window = keepalive_window_s()
+        if window <= KEEPALIVE_WAIT_LIMIT_S and launcher_answers(os.environ):
+            time.sleep(window + OUTPUT_GRACE_S)
+            if os.getppid() != parent:   # orted is gone (and its pid may be another's now)
+                return
+        victims, signal_number = [parent], signal.SIGTERM
+    else:
+        victims = [parent] + children_named(parent, "ssh") + children_named(parent, "srun")
+        signal_number = signal.SIGKILL
     for pid in victims:
         try:
-            os.kill(pid, signals[name])
+            os.kill(pid, signal_number)
         except ProcessLookupError:
             pass
+
+
+def launcher_answers(environ: Mapping[str, str]) -> bool:
+    """True when this rank's mpirun (Open MPI's HNP, whose addresses Open MPI gives every rank
+    in ``OMPI_MCA_orte_hnp_uri``) accepts a connection: this rank's node is still on the
+    network. False when it does not answer, or its address is unknown."""
+    uri = environ.get("OMPI_MCA_orte_hnp_uri", "")
+    for addresses, port in re.findall(r"tcp://([^;\[]+):(\d+)", uri):
+        for address in addresses.split(","):
+            try:
+                with socket.create_connection((address, int(port)), timeout=HNP_PROBE_S):
+                    return True
+            except OSError:
+                continue
+    return False
 
 
 def children_named(parent: int, name: str) -> list[int]:

@@ -1,0 +1,162 @@
+"""The model's own step: a model that defines ``train_step``, ``test_step``, ``compute_loss`` or
+``compute_metrics`` (the pattern of Keras' guide "Customizing what happens in fit": a custom
+step, a GAN with two optimizers, a VAE with its loss trackers) is trained with *its* code on
+every rank. Distribution lives underneath that code, as in the Horovod drop-in:
+
+* **Gradients.** Every optimizer the model owns (``model.optimizer`` and every optimizer held
+  in an attribute, e.g. a GAN's ``d_optimizer`` and ``g_optimizer``) is, for the run, a
+  distributed optimizer (``distributed_optimizer``: the drop-in's mechanism): its ``apply``
+  averages the gradients across ranks first. Each rank's loss is a mean over its own batch
+  (Keras' ``sum_over_batch_size``); the average of equal-sized means is the mean over the
+  global batch, so N ranks with batch b make the update one process makes with batch N*b,
+  provided every rank's batch has the same size. The data plan keeps that: nothing is padded,
+  and the last partial global batch of an epoch is dropped (``--remainder auto``).
+* **Logs and agreement.** After the model's step, one small allreduce averages the step's
+  scalar logs across ranks (every rank's batch callbacks see the same numbers) and carries the
+  stop votes (a stop request, a batch hook's ``stop_training``), as hvdtrain's own step does in
+  its gradient allreduce.
+* **Exact metrics.** At an epoch's end, and after evaluation, the state variables of every
+  metric the model tracks (``model.metrics``: the loss tracker, compiled metrics, the model's
+  own trackers) are summed across ranks, and every log named after a metric is read again from
+  it: exact over the global data. A log that names no metric is the mean over ranks of each
+  rank's value.
+* **Evaluation** runs the model's ``test_step`` through Keras' ``evaluate`` on each rank's
+  share of the validation data (uneven, unpadded: evaluation holds no collective per step),
+  then reduces as above.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Iterator
+
+import keras
+import tensorflow as tf
+
+from hvdtrain.training.distributed_optimizer import distributed_for_the_run
+from hvdtrain.training.objective import check_additive
+from hvdtrain.training.step import vote_variables
+from hvdtrain.world import Collectives, GradientReduction
+
+# The Trainer methods whose override makes a step the model's own.
+OWN_STEP_METHODS = ("train_step", "test_step", "compute_loss", "compute_metrics")
+
+
+def own_step_methods(model: keras.Model) -> list[str]:
+    """The step methods ``model``'s class defines itself (empty: Keras' own)."""
+    return [name for name in OWN_STEP_METHODS
+            if getattr(type(model), name) is not getattr(keras.Model, name)]
+
+
+def owned_optimizers(model: keras.Model) -> dict[str, keras.optimizers.Optimizer]:
+    """Every optimizer the model holds, by attribute name, ``optimizer`` first."""
+    found: dict[str, keras.optimizers.Optimizer] = {}
+    for name, value in [("optimizer", getattr(model, "optimizer", None)), *vars(model).items()]:
+        if isinstance(value, keras.optimizers.Optimizer) and all(
+                value is not known for known in found.values()):
+            found[name] = value
+    return found
+
+
+def _scalar(value: Any) -> bool:
+    return (isinstance(value, (tf.Tensor, tf.Variable, float, int))
+            and getattr(value, "shape", ()) == ())
+
+
+class OwnStep:
+    """The ``TrainingStep`` of a model trained with its own step (see the module doc)."""
+
+    skips_non_finite_updates = False
+
+    def __init__(self, model: keras.Model, collectives: Collectives, keras_element: Any,
+                 reduction: GradientReduction = GradientReduction("average")) -> None:
+        """``keras_element(x, y, sample_weight)``: the batch as Keras ``fit`` would hand it to
+        ``train_step`` for this data (``x``, ``(x, y)`` or ``(x, y, sample_weight)``);
+        ``reduction``: how the optimizers combine gradients (average, or Adasum of the ranks'
+        mean gradients; fp16 on the wire)."""
+        self.model = model
+        self.collectives = collectives
+        self.optimizers = owned_optimizers(model)
+        self.optimizer = next(iter(self.optimizers.values()), None)
+        self.keras_element = keras_element
+        self.reduction = reduction
+        self._model_step = type(model).train_step.__get__(model)
+        (self.global_loss, self.stop_vote, self.stop_votes, self.callback_stop_vote,
+         self.callback_stop_votes) = vote_variables()
+
+    @contextlib.contextmanager
+    def distributed(self) -> Iterator[None]:
+        """While the block runs, the model's optimizers average gradients across ranks."""
+        with distributed_for_the_run(list(self.optimizers.values()), self.reduction,
+                                     self.collectives.reduce_gradients):
+            yield
+
+    def keras_step(self, data: Any) -> dict[str, Any]:
+        x, y, sample_weight, _ = data
+        logs = self._model_step(self.keras_element(x, y, sample_weight))
+        if not isinstance(logs, dict):
+            logs = {"loss": logs}
+        return self._agreed(logs)
+
+    def _agreed(self, logs: dict[str, Any]) -> dict[str, Any]:
+        """The step's scalar logs averaged across ranks, with the votes in the same
+        allreduce."""
+        names = [name for name, value in logs.items() if _scalar(value)]
+        values = [tf.cast(logs[name], tf.float32) for name in names]
+        *totals, votes, callback_votes = self.collectives.allreduce_sum(
+            [*values, tf.identity(self.stop_vote), tf.identity(self.callback_stop_vote)])
+        self.stop_votes.assign(votes)
+        self.callback_stop_votes.assign(callback_votes)
+        size = float(self.collectives.world.size)
+        agreed = dict(logs)
+        agreed.update({name: total / size for name, total in zip(names, totals)})
+        if "loss" in names:
+            self.global_loss.assign(agreed["loss"])
+        return agreed
+
+    @property
+    def metric_variables(self) -> list[Any]:
+        """The state of every metric the model tracks, each variable once."""
+        seen: dict[int, Any] = {}
+        for metric in self.model.metrics:
+            for variable in metric.variables:
+                seen.setdefault(id(variable), variable)
+        return list(seen.values())
+
+    @property
+    def epoch_state_variables(self) -> list[Any]:
+        return self.metric_variables
+
+    def begin_epoch(self) -> None:
+        self.model.reset_metrics()
+
+    def _global_metric_results(self) -> dict[str, float]:
+        """Sum every metric's state across ranks, then read each metric by name."""
+        check_additive(self.model.metrics)
+        variables = self.metric_variables
+        totals = self.collectives.allreduce_sum([tf.convert_to_tensor(v) for v in variables])
+        for variable, total in zip(variables, totals):
+            variable.assign(total)
+        return {name: float(value) for name, value in self.model.get_metrics_result().items()
+                if _scalar(value)}
+
+    def _global_logs(self, logs: dict[str, Any]) -> dict[str, float]:
+        """Each scalar log from the global metric of its name, else the mean over ranks."""
+        results = self._global_metric_results()
+        others = [name for name, value in logs.items() if name not in results and _scalar(value)]
+        means = self.collectives.allreduce_sum([tf.constant(float(logs[name]), tf.float32)
+                                                for name in others])
+        size = self.collectives.world.size
+        agreed = {name: results[name] for name in logs if name in results}
+        agreed.update({name: float(total) / size for name, total in zip(others, means)})
+        return agreed
+
+    def epoch_results(self, logs: dict[str, Any]) -> dict[str, float]:
+        return self._global_logs(logs)
+
+    def evaluate(self, dataset: tf.data.Dataset) -> dict[str, float]:
+        """The model's ``test_step`` over this rank's share, then the exact global values."""
+        batches = dataset.map(lambda x, y, sample_weight, _: self.keras_element(x, y,
+                                                                                sample_weight))
+        logs = self.model.evaluate(batches, verbose=0, return_dict=True)
+        return self._global_logs(logs)

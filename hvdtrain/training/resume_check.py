@@ -1,0 +1,82 @@
+"""A resume never mixes runs: a checkpoint records what it was trained with, and a run that
+resumes it must match.
+
+* **The model** (its name, example shape, class count, and the options that define it) must be
+  the same: the weights would not fit; refused with one line (start a new ``--run-dir``).
+* **The data and the optimizers** (dataset, paths, example count, the data's options; each
+  optimizer's class) and **the settings that change the math** (learning rate and schedule,
+  batch size, seed, reduction, remainder...) may change only when asked: ``--accept-changes``
+  continues with the new ones (fine-tuning on other data, more epochs at another rate; another
+  optimizer starts from fresh state), said in one line. Without it: refused, one line naming
+  the difference and both fixes.
+* Options that change neither (epochs, where and how often to checkpoint, progress, threads,
+  the loop, callbacks, the stall limit...) change freely, as does the world size.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from hvdtrain.errors import UserError
+
+# What defines the model: the weights of another would not fit (state keys, and options).
+MODEL = {"model": "--model", "input_shape": "example shape", "num_classes": "class count"}
+MODEL_OPTIONS = ("hidden_units", "weight_decay", "resnet_blocks", "precision")
+# What the model is trained on and with (state keys); changeable on request.
+RUN = {"dataset": "--dataset", "examples": "training examples",
+       "optimizer_classes": "optimizer"}
+# Config options that neither define nor change what a step computes (the model, the dataset
+# and the optimizer are compared as what was built from them).
+OPERATIONAL = ("epochs", "run_dir", "resume", "accept_changes", "progress", "debug",
+               "tensorboard", "keep_checkpoints", "checkpoint_every_steps", "stall_timeout",
+               "threads", "deterministic", "loop", "callbacks", "validation_freq",
+               "initial_epoch", "commit_every", "cache", "data_dir", "steps_per_epoch",
+               "elastic", "dataset", "model", "optimizer")
+
+
+class MixedRuns(UserError):
+    """The checkpoint to resume was trained with something else."""
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _options(state: dict[str, Any]) -> dict[str, Any]:
+    return {name: value for section in state.get("config", {}).values()
+            for name, value in section.items()}
+
+
+def check_resumable(saved: dict[str, Any], current: dict[str, Any], path: Path,
+                    accept_changes: bool) -> list[str]:
+    """Refuse (one line) a resume that would mix runs; return the changes accepted with
+    ``--accept-changes`` (as ``what old -> new``)."""
+    current = json.loads(json.dumps(current))     # as the checkpoint holds it: lists
+    before, now = _options(saved), _options(current)
+    for key, what in MODEL.items():
+        if key in saved and saved[key] != current[key]:
+            raise MixedRuns(f"{path} was trained with {what} {saved[key]!r}, not "
+                            f"{current[key]!r}; resume with the same model, or start a new "
+                            "--run-dir")
+    for name in MODEL_OPTIONS:
+        if name in before and before[name] != now.get(name):
+            raise MixedRuns(f"{path} was trained with {_flag(name)} {before[name]!r}, not "
+                            f"{now.get(name)!r}: another model; start a new --run-dir")
+    changed = [f"{what} {saved[key]!r} -> {current[key]!r}" for key, what in RUN.items()
+               if key in saved and saved[key] != current[key]]
+    changed += [f"{_flag(name)} {before[name]!r} -> {now[name]!r}" for name in now
+                if name in before and before[name] != now[name]
+                and name not in MODEL_OPTIONS and name not in OPERATIONAL]
+    if changed and not accept_changes:
+        raise MixedRuns(f"{path} was trained with other data or settings ({'; '.join(changed)}"
+                        "); pass --accept-changes to continue with the new ones, or start a "
+                        "new --run-dir")
+    return changed
+
+
+def optimizers_changed(saved: dict[str, Any], current: dict[str, Any]) -> bool:
+    """Whether the optimizers' classes differ (their saved state then does not apply)."""
+    return ("optimizer_classes" in saved
+            and saved["optimizer_classes"] != current["optimizer_classes"])

@@ -1,0 +1,162 @@
+"""What a run trains: the user's model, which step trains it, its optimizers and the rate they
+follow.
+
+* **The step.** A model on Keras' own ``train_step`` with a compiled loss (or uncompiled: it
+  gets hvdtrain's default objective) and targets is trained by hvdtrain's exact step
+  (``step.StepMath``: global-batch weighting, padding, one collective per step). A model that
+  defines its own step, or that Keras would train on ``add_loss`` alone, or data without
+  targets, is trained by the model's own code (``own_step.OwnStep``). The run says which in
+  one line.
+* **The optimizer** is the model's: the one it was compiled with (its rate, unless
+  ``--learning-rate`` names one), unless ``--optimizer`` names another; an uncompiled model
+  is compiled with ``--optimizer`` (sgd) and hvdtrain's default loss and metrics. A model's own
+  step keeps every optimizer it owns. Every rate is scaled to the world size and warmed up as
+  configured (``schedule``), said in one line.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import keras
+
+from hvdtrain.config import DEFAULT_LEARNING_RATE, Config
+from hvdtrain.data.sources import DataBundle
+from hvdtrain.errors import UserError
+from hvdtrain.training.callbacks import RateControl
+from hvdtrain.training.keras_internals import compile_arguments
+from hvdtrain.training.objective import DEFAULT_LOSS, DEFAULT_METRICS, Objective
+from hvdtrain.training.own_step import own_step_methods, owned_optimizers
+from hvdtrain.training.schedule import WarmupScaledRate, make_optimizer, make_schedule
+from hvdtrain.world import World
+
+
+def own_step_reason(model: keras.Model, data: DataBundle) -> str | None:
+    """Why the model must be trained by its own step, or None for hvdtrain's exact step."""
+    methods = own_step_methods(model)
+    if methods:
+        return f"it defines {', '.join(methods)}"
+    if not data.targets:
+        return "the data has no targets"
+    if getattr(model, "compiled", False) and compile_arguments(model).get("loss") is None:
+        return "it was compiled without a loss (Keras trains it on its add_loss losses)"
+    return None
+
+
+def settable_rate(optimizer: keras.optimizers.Optimizer) -> float | None:
+    """The optimizer's rate for one rank, or None when it is a ``LearningRateSchedule`` (Keras
+    cannot set such a rate). After an earlier run of this model it is that run's base rate,
+    unless the user has set another since (``RateControl.on_train_end``)."""
+    try:
+        rate = float(optimizer.learning_rate)
+        optimizer.learning_rate = rate
+    except TypeError:
+        return None
+    base, last = getattr(optimizer, "_hvdtrain_rates", (rate, rate))
+    return base if rate == last else rate
+
+
+@dataclass
+class Trainable:
+    """The model, why its own step trains it (None: hvdtrain's step), the optimizers, the
+    schedule they follow and the callback that sets their rates."""
+
+    model: keras.Model
+    own_step: str | None
+    optimizer: keras.optimizers.Optimizer
+    schedule: WarmupScaledRate
+    rates: RateControl
+    objective: Objective | None
+    description: str
+
+
+def _checked_compile(model: keras.Model, own_step: str | None, config: Config) -> None:
+    """Refuse what the run cannot honour, in one line each."""
+    per_execution = getattr(model, "steps_per_execution", 1) or 1
+    if per_execution != 1:
+        raise UserError(f"the model was compiled with steps_per_execution={per_execution}; "
+                        "hvdtrain needs every step to reach its callbacks (stop votes, "
+                        "checkpoints): compile with steps_per_execution=1")
+    if own_step is None:
+        return
+    if not getattr(model, "compiled", False):
+        raise UserError(f"the model trains with its own step ({own_step}) but is not "
+                        "compiled; call model.compile(...) as you would before model.fit")
+    if config.optim.optimizer != "auto" or config.optim.learning_rate is not None:
+        raise UserError(f"--optimizer/--learning-rate choose hvdtrain's optimizer, but this "
+                        f"model trains with its own step ({own_step}) and its own optimizers; "
+                        "drop them (the rates are still scaled with --lr-scaling)")
+    if config.optim.accumulation_steps != 1 or config.train.elastic:
+        raise UserError(f"--accumulation-steps and --elastic need hvdtrain's step, but this "
+                        f"model trains with its own ({own_step}); drop them")
+
+
+def _exact_optimizer(config: Config, model: keras.Model,
+                     schedule: WarmupScaledRate) -> tuple[keras.optimizers.Optimizer, str]:
+    """hvdtrain's step: the compiled optimizer, or the configured one put on the model."""
+    optim = config.optim
+    compiled = getattr(model, "optimizer", None) if getattr(model, "compiled", False) else None
+    if optim.optimizer == "auto" and compiled is not None:
+        if optim.learning_rate is not None:
+            compiled.learning_rate = optim.learning_rate
+        return compiled, f"the model's compiled {type(compiled).__name__}"
+    named = "sgd" if optim.optimizer == "auto" else optim.optimizer
+    optimizer = make_optimizer(optim, schedule)
+    if config.train.precision == "mixed_float16":
+        optimizer = keras.optimizers.LossScaleOptimizer(optimizer)
+    if compiled is None:
+        model.compile(optimizer=optimizer, loss=DEFAULT_LOSS, metrics=list(DEFAULT_METRICS))
+    else:   # compiled again, so a saved model names the optimizer it was trained with
+        arguments = compile_arguments(model)
+        model.compile(**{**arguments, "optimizer": optimizer})
+    momentum = f" (momentum {optim.momentum:g})" if named in ("sgd", "rmsprop") else ""
+    return optimizer, f"{named}{momentum}"
+
+
+def prepare(config: Config, model: keras.Model, data: DataBundle, world: World,
+            updates_per_epoch: int, own_step: str | None) -> Trainable:
+    """The run's optimizers and rates, the model compiled where hvdtrain's step needs it."""
+    _checked_compile(model, own_step, config)
+    optim = config.optim
+    if own_step is None:
+        compiled = getattr(model, "optimizer", None) if getattr(model, "compiled", False) \
+            else None
+        own_rate = (settable_rate(compiled) if compiled is not None and optim.optimizer == "auto"
+                    else None)
+        base = optim.learning_rate or own_rate or DEFAULT_LEARNING_RATE
+        schedule = make_schedule(optim, world.size, updates_per_epoch, config.train.epochs,
+                                 base)
+        optimizer, what = _exact_optimizer(config, model, schedule)
+        optimizer.build(model.trainable_variables)
+        bases = {"optimizer": (optimizer, base)} if settable_rate(optimizer) is not None else {}
+        objective = Objective.for_model(model)
+    else:
+        schedule = make_schedule(optim, world.size, updates_per_epoch, config.train.epochs)
+        optimizers = owned_optimizers(model)
+        bases = {name: (o, rate) for name, o in optimizers.items()
+                 if (rate := settable_rate(o)) is not None}
+        optimizer = next(iter(optimizers.values()))
+        what = ", ".join(f"{name} ({type(o).__name__})" for name, o in optimizers.items())
+        objective = None
+    fixed = [name for name, o in (owned_optimizers(model).items() if own_step else
+                                  [("optimizer", optimizer)]) if name not in bases]
+    description = _describe(what, bases, fixed, schedule, config, world)
+    return Trainable(model, own_step, optimizer, schedule, RateControl(schedule, bases),
+                     objective, description)
+
+
+def _describe(what: str, bases: dict, fixed: list[str], schedule: WarmupScaledRate,
+              config: Config, world: World) -> str:
+    """One line: which optimizer(s), at what rates, scaled how."""
+    optim = config.optim
+    rates = ", ".join(f"{base:g}" if list(bases) == ["optimizer"] else f"{name} {base:g}"
+                      for name, (_, base) in bases.items())
+    scaled = (f"x{schedule.scale:g} for {world.size} rank(s) (--lr-scaling {optim.lr_scaling})"
+              if schedule.scale != 1 else "not scaled")
+    warmup = (f" after a {optim.warmup_epochs:g}-epoch warmup" if schedule.warmup_steps and
+              schedule.scale != 1 else "")
+    line = f"optimizer: {what}; rate per rank {rates or 'as built'}, {scaled}{warmup}"
+    if fixed:
+        line += (f"; {', '.join(fixed)} follow(s) the user's own LearningRateSchedule, left as "
+                 "written (not scaled)")
+    return line

@@ -1,0 +1,141 @@
+"""What a notebook or script does with ``hvdtrain.fit`` beyond one clean run, on every rank of
+one job (``horovodrun -np 2 python -m fit_api_checks OUT_DIR``):
+
+1. a user's callback raises on rank 1 only: rank 1 gets its own error, rank 0 a
+   ``PeerFailed`` at once (not a wait in a collective), and a second ``fit`` in the same
+   processes trains normally;
+2. ``BackupAndRestore``: a run interrupted after epoch 2 (a callback raises on every rank),
+   run again with the same callback, continues at epoch 3 and ends with the weights of an
+   uninterrupted run;
+3. a ``hvdtrain.Pipeline`` written as the README shows (shuffle with the shard's seed, then
+   take this rank's part): every example is trained once per epoch, on one rank.
+
+Rank 0 writes what every rank saw to ``OUT_DIR/checks.json``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import keras
+import numpy as np
+
+import hvdtrain
+from hvdtrain.world import init_collectives
+
+RANK = int(os.environ.get("OMPI_COMM_WORLD_RANK", os.environ.get("HOROVOD_RANK", "0")))
+OPTIONS = {"batch_size": 16, "progress": False, "tensorboard": False, "lr_scaling": "none",
+           "warmup_epochs": 0, "shuffle": False}
+
+
+def data():
+    from sklearn.datasets import load_digits
+
+    bunch = load_digits()
+    return (bunch.images / 16.0).astype(np.float32)[..., None], bunch.target.astype(np.int64)
+
+
+def model() -> keras.Model:
+    keras.utils.set_random_seed(3)
+    built = keras.Sequential([keras.Input((8, 8, 1)), keras.layers.Flatten(),
+                              keras.layers.Dense(16, activation="relu"),
+                              keras.layers.Dense(10, activation="softmax")])
+    built.compile(optimizer=keras.optimizers.Adam(0.01), loss="sparse_categorical_crossentropy",
+                  metrics=["accuracy"])
+    return built
+
+
+class FailAt(keras.callbacks.Callback):
+    """Raises at the end of an epoch, on the ranks named."""
+
+    def __init__(self, epoch: int, ranks: tuple[int, ...], message: str) -> None:
+        super().__init__()
+        self.epoch, self.ranks, self.message = epoch, ranks, message
+
+    def on_epoch_end(self, epoch, logs=None):
+        if epoch + 1 == self.epoch and RANK in self.ranks:
+            raise RuntimeError(self.message)
+
+
+def failure_then_another_fit(out: Path, x, y) -> dict:
+    started = time.monotonic()
+    try:
+        hvdtrain.fit(model(), x, y, epochs=3, run_dir=str(out / "fails"),
+                     callbacks=[FailAt(1, (1,), "the user's callback failed on rank 1")],
+                     **OPTIONS)
+        failure = None
+    except Exception as error:  # noqa: BLE001 - what the user's script catches
+        failure = f"{type(error).__name__}: {error}"
+    failed_after = time.monotonic() - started
+    again = hvdtrain.fit(model(), x, y, epochs=2, run_dir=str(out / "again"), **OPTIONS)
+    return {"failure": failure, "failed_after_s": failed_after,
+            "again": again.metrics, "again_fingerprints": again.fingerprints}
+
+
+def backup_and_restore(out: Path, x, y) -> dict:
+    backup = str(out / "backup")
+    try:
+        hvdtrain.fit(model(), x, y, epochs=4, run_dir=str(out / "interrupted"),
+                     callbacks=[keras.callbacks.BackupAndRestore(backup),
+                                FailAt(2, (0, 1), "interrupted")], **OPTIONS)
+        interrupted = None
+    except Exception as error:  # noqa: BLE001
+        interrupted = str(error)
+    resumed_model = model()
+    resumed = hvdtrain.fit(resumed_model, x, y, epochs=4, run_dir=str(out / "resumed"),
+                           callbacks=[keras.callbacks.BackupAndRestore(backup)], **OPTIONS)
+    straight_model = model()
+    hvdtrain.fit(straight_model, x, y, epochs=4, run_dir=str(out / "straight"), **OPTIONS)
+    difference = max(float(np.abs(a - b).max()) for a, b in
+                     zip(resumed_model.get_weights(), straight_model.get_weights()))
+    return {"interrupted": interrupted, "resumed_epochs": len(resumed.history.history["loss"]),
+            "difference": difference, "backup_left": os.path.exists(backup)}
+
+
+def pipeline_shards(out: Path, x, y) -> dict:
+    """Counts, per example id, how often this rank's training saw it."""
+    import tensorflow as tf
+
+    from user_programs import CountExamples
+
+    n = len(x)
+    ids = np.arange(1, n + 1, dtype=np.int64)
+
+    def train(shard: hvdtrain.Shard) -> tf.data.Dataset:
+        rows = tf.data.Dataset.from_tensor_slices(((x, ids), y))
+        rows = rows.shuffle(n, seed=shard.seed + shard.epoch)
+        return rows.shard(shard.size, shard.rank).batch(shard.batch_size)
+
+    counts = tf.Variable(tf.zeros([n + 1], tf.int64), trainable=False)
+    image, example_id = keras.Input((8, 8, 1)), keras.Input((), dtype="int64")
+    seen = CountExamples(counts)([image, example_id])
+    counted = keras.Model([image, example_id], keras.layers.Dense(10, activation="softmax")(
+        keras.layers.Flatten()(seen)))
+    counted.compile(optimizer="sgd", loss="sparse_categorical_crossentropy")
+    hvdtrain.fit(counted, hvdtrain.Pipeline(train=train), epochs=2,
+                 run_dir=str(out / "pipeline"), **OPTIONS)
+    return {"counts": counts.numpy().tolist()}
+
+
+def main() -> None:
+    out = Path(sys.argv[1])
+    x, y = data()
+    results = {"failure": failure_then_another_fit(out, x, y),
+               "backup": backup_and_restore(out, x, y),
+               "pipeline": pipeline_shards(out, x, y)}
+    everyone = init_collectives().allgather_object(results)
+    if RANK == 0:
+        (out / "checks.json").write_text(json.dumps(everyone))
+
+
+if __name__ == "__main__":
+    main()
+
+
+def failing_on_rank_1() -> list[keras.callbacks.Callback]:
+    """``--callbacks fit_api_checks:failing_on_rank_1``: the user's callback fails on rank 1."""
+    return [FailAt(1, (1,), "the user's callback failed on rank 1")]

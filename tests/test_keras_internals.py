@@ -1,0 +1,68 @@
+"""Every Keras (and tf.data) internal hvdtrain relies on, checked against the installed version
+in one process: a Keras upgrade that moves one fails here, by name, instead of deep in a run."""
+
+from __future__ import annotations
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from hvdtrain.training import keras_internals as internals
+from hvdtrain.training.objective import leaf_metrics
+
+
+def _compiled() -> keras.Model:
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3, activation="softmax")])
+    model.compile(optimizer="adam", loss="sparse_categorical_crossentropy",
+                  metrics=["accuracy"], loss_weights=None)
+    return model
+
+
+def test_keras_is_in_the_tested_range():
+    low, high = internals.TESTED_KERAS
+    assert low <= internals.keras_version() < high, keras.__version__
+
+
+def test_compile_arguments_and_compiled_metrics():
+    model = _compiled()
+    arguments = internals.compile_arguments(model)
+    assert arguments["loss"] == "sparse_categorical_crossentropy"
+    assert arguments["metrics"] == ["accuracy"] and "optimizer" in arguments
+    container = internals.compile_metrics(arguments["metrics"], None, None)
+    y, predictions = np.array([0, 1]), np.array([[0.9, 0.05, 0.05], [0.1, 0.8, 0.1]])
+    container.update_state(y, predictions)
+    flat = leaf_metrics(internals.flat_compiled_metrics(container))
+    assert [m.name for m in flat] == ["accuracy"]
+    assert float(container.result()["accuracy"]) == 1.0
+
+
+def test_sublayers_same_rank_and_optimizer_variables():
+    inner = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)], name="inner")
+    outer = keras.Sequential([keras.Input((4,)), inner, keras.layers.Dense(1)])
+    assert any(layer.name == "inner" for layer in internals.sublayers(outer))
+    assert len([layer for layer in internals.sublayers(outer)
+                if isinstance(layer, keras.layers.Dense)]) == 2
+    labels, outputs = internals.same_rank(tf.zeros([5]), tf.zeros([5, 1]))
+    assert labels.shape == (5, 1) and outputs.shape == (5, 1)
+    optimizer = keras.optimizers.Adam()
+    optimizer.build(outer.trainable_variables)
+    assert [v.path for v in internals.optimizer_variables_built_for(optimizer)] == [
+        v.path for v in outer.trainable_variables]
+
+
+def test_initial_epoch_is_what_fit_starts_at():
+    model = _compiled()
+    internals.set_initial_epoch(model, 2)
+    history = model.fit(np.zeros((4, 4)), np.zeros(4), epochs=3, verbose=0)
+    assert history.epoch == [2]
+    internals.set_initial_epoch(model, None)
+
+
+def test_batched_datasets_are_recognised():
+    rows = tf.data.Dataset.from_tensor_slices(np.arange(10.0))
+    assert not internals.dataset_is_batched(rows)
+    assert internals.dataset_is_batched(rows.batch(2).map(lambda x: x).prefetch(1))
+    assert internals.dataset_is_batched(rows.padded_batch(2))
+    assert not internals.dataset_is_batched(rows.batch(2).unbatch())
+    assert internals.dataset_is_batched(keras.utils.timeseries_dataset_from_array(
+        np.zeros((20, 2)), None, sequence_length=4, batch_size=3))

@@ -1,0 +1,141 @@
+"""Users' Keras programs through ``hvdtrain.fit`` on 2 ranks, each against the same program in
+one plain Keras process with twice the per-rank batch (``user_programs``: a custom
+``train_step``, a GAN, a VAE, preprocessing with ``adapt()``, a Transformer text classifier,
+an LSTM on a windowed series, a convnet with Keras callbacks and ``class_weight``, a user's own
+``tf.data.Dataset``, ``add_loss`` and regularisers).
+
+All programs run one after the other in one 2-rank job (and the references in one process),
+which also shows that a second ``fit`` in the same processes starts clean. Deterministic
+programs (``Program.exact``) must end within 1e-5 relative of the reference, weights and every
+epoch's metrics; the others (random noise drawn per rank, a dataset that reshuffles each pass)
+within the tolerance stated per check.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import numpy as np
+import pytest
+
+from conftest import BIN, REPO, launch, rank_env
+
+TESTS = REPO / "tests"
+sys.path.insert(0, str(TESTS))
+from user_programs import PROGRAMS  # noqa: E402
+
+pytestmark = pytest.mark.distributed
+BATCH = 32   # per rank; the reference runs 2 x BATCH in one process
+EXACT = ["custom_train_step", "preprocessing", "text_transformer", "lstm_timeseries",
+         "convnet_callbacks", "regularised_regression", "keras_arguments", "py_dataset"]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """(every rank's records under hvdtrain, the one-process reference's records)."""
+    import subprocess
+
+    out = tmp_path_factory.mktemp("user-programs")
+    result = launch("horovodrun", 2, ["hvdtrain", str(out), str(BATCH)],
+                    module="user_program_ranks", timeout=420, PYTHONPATH=str(TESTS))
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    reference = subprocess.run(
+        [str(BIN / "python"), "-m", "user_program_ranks", "keras", str(out), str(2 * BATCH)],
+        cwd=out, env=rank_env(PYTHONPATH=str(TESTS)), text=True, capture_output=True,
+        timeout=300, stdin=subprocess.DEVNULL)
+    assert reference.returncode == 0, reference.stderr[-4000:]
+    ranks = [json.loads((out / f"hvdtrain-{rank}.json").read_text()) for rank in (0, 1)]
+    return ranks, json.loads((out / "keras-0.json").read_text()), out
+
+
+def weights(record: dict) -> list[np.ndarray]:
+    with np.load(record["weights"]) as archive:
+        return [archive[key] for key in archive.files]
+
+
+def test_every_program_ends_with_identical_weights_on_both_ranks(runs):
+    ranks, _, _ = runs
+    assert set(ranks[0]) == set(PROGRAMS)
+    for name in PROGRAMS:
+        fingerprints = ranks[0][name]["fingerprints"]
+        assert len(fingerprints) == 2 and len(set(fingerprints)) == 1, name
+        for left, right in zip(weights(ranks[0][name]), weights(ranks[1][name])):
+            np.testing.assert_array_equal(left, right, err_msg=name)
+
+
+@pytest.mark.parametrize("name", EXACT)
+def test_deterministic_programs_equal_one_process_with_twice_the_batch(runs, name):
+    ranks, reference, _ = runs
+    ours, theirs = ranks[0][name], reference[name]
+    for left, right in zip(weights(ours), weights(theirs)):
+        np.testing.assert_allclose(left, right, rtol=1e-5, atol=1e-6, err_msg=name)
+    for metric, values in theirs["history"].items():
+        assert ours["history"][metric] == pytest.approx(values, rel=1e-5, abs=1e-6), metric
+
+
+def test_the_models_own_train_step_ran_on_every_rank_as_often_as_in_one_process(runs):
+    """Models with their own train_step count its calls: each rank ran it once per global
+    step, as many times as the one process with the global batch ran it."""
+    ranks, reference, _ = runs
+    for name in ("custom_train_step", "gan", "vae"):
+        expected = reference[name]["steps"]
+        assert expected > 0
+        assert [ranks[0][name]["steps"], ranks[1][name]["steps"]] == [expected, expected], name
+
+
+def test_gan_and_vae_losses_stay_near_one_process(runs):
+    """Their noise is drawn per rank (the user seeded one generator), so they are close, not
+    equal: every epoch's losses within 10% of the reference's."""
+    ranks, reference, _ = runs
+    for name, metrics in (("gan", ("d_loss", "g_loss")),
+                          ("vae", ("total_loss", "reconstruction_loss", "kl_loss"))):
+        for metric in metrics:
+            assert ranks[0][name]["history"][metric] == pytest.approx(
+                reference[name]["history"][metric], rel=0.1), (name, metric)
+
+
+def test_every_example_of_an_odd_sized_dataset_is_trained_once_per_epoch(runs):
+    ranks, reference, _ = runs
+    epochs = len(reference["user_dataset"]["history"]["loss"])
+    seen = np.add(*(np.array(r["user_dataset"]["notes"]["counts"]) for r in ranks))
+    assert ranks[0]["user_dataset"]["notes"]["examples"] == 1001
+    assert seen[0] == 0 and np.all(seen[1:] == epochs)          # id 0: padding rows only
+    own = [np.count_nonzero(r["user_dataset"]["notes"]["counts"]) for r in ranks]
+    assert sorted(own) == [1000, 1001] or sum(own) >= 1001      # both ranks trained
+    assert ranks[0]["user_dataset"]["history"]["loss"] == pytest.approx(
+        reference["user_dataset"]["history"]["loss"], rel=0.05)
+
+
+def test_keras_callbacks_decide_as_in_one_process_and_write_once(runs):
+    """EarlyStopping and ReduceLROnPlateau act at the same epochs as in one process (the
+    logs they see are exact and the same on every rank); ModelCheckpoint and CSVLogger write
+    from rank 0 only."""
+    ranks, reference, out = runs
+    ours, theirs = ranks[0]["convnet_callbacks"], reference["convnet_callbacks"]
+    assert len(ours["history"]["loss"]) == len(theirs["history"]["loss"]) < 12
+    assert ours["history"]["learning_rate"] == pytest.approx(theirs["history"]["learning_rate"])
+    assert min(theirs["history"]["learning_rate"]) < max(theirs["history"]["learning_rate"])
+    timed = "examples_per_second"     # each rank's own clock
+    assert ({k: v for k, v in ranks[1]["convnet_callbacks"]["history"].items() if k != timed}
+            == {k: v for k, v in ours["history"].items() if k != timed})
+    written = out / "hvdtrain-convnet_callbacks"
+    log = (written / "log.csv").read_text().splitlines()
+    assert len(log) == 1 + len(ours["history"]["loss"])        # a header, one row per epoch
+    assert (written / "best.keras").stat().st_size > 0
+    assert len(list((written / "tensorboard" / "train").glob("events.out.tfevents.*"))) == 1
+
+
+def test_keras_arguments_and_a_rate_scheduler_behave_as_in_one_process(runs):
+    """validation_split takes the same last quarter, validation runs after epochs 2 and 4
+    only, training starts at initial_epoch 1, and the scheduler's halved rates are used."""
+    ranks, reference, _ = runs
+    ours, theirs = ranks[0]["keras_arguments"], reference["keras_arguments"]
+    assert len(ours["history"]["loss"]) == len(theirs["history"]["loss"]) == 3
+    assert len(ours["history"]["val_loss"]) == len(theirs["history"]["val_loss"]) == 2
+
+
+def test_rank_dependent_adapt_ends_with_rank_0s_vocabulary_everywhere(runs):
+    ranks, reference, _ = runs
+    vocabularies = [r["preprocessing"]["notes"]["lookups"] for r in ranks]
+    assert vocabularies[0] == vocabularies[1] == reference["preprocessing"]["notes"]["lookups"]
