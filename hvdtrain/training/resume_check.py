@@ -21,8 +21,9 @@ from typing import Any
 
 from hvdtrain.errors import UserError
 
-# What defines the model: the weights of another would not fit (state keys, and options).
-MODEL = {"model": "--model", "input_shape": "example shape", "num_classes": "class count"}
+# What defines the model beside its name: the weights of another would not fit (state keys,
+# and options).
+MODEL = {"input_shape": "example shape", "num_classes": "class count"}
 MODEL_OPTIONS = ("hidden_units", "weight_decay", "resnet_blocks", "precision")
 # What the model is trained on and with (state keys); changeable on request.
 RUN = {"dataset": "--dataset", "examples": "training examples",
@@ -55,6 +56,9 @@ def check_resumable(saved: dict[str, Any], current: dict[str, Any], path: Path,
     ``--accept-changes`` (as ``what old -> new``)."""
     current = json.loads(json.dumps(current))     # as the checkpoint holds it: lists
     before, now = _options(saved), _options(current)
+    if saved.get("model") != current["model"]:
+        raise MixedRuns(f"{path} was trained with model {saved.get('model')!r}, not "
+                        f"{current['model']!r}; resume with the same --model")
     for key, what in MODEL.items():
         if key in saved and saved[key] != current[key]:
             raise MixedRuns(f"{path} was trained with {what} {saved[key]!r}, not "

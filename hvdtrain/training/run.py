@@ -131,9 +131,6 @@ def _restore(run: dict[str, Any], accept_changes: bool, store: CheckpointStore,
     every rank's random-generator state, for the ranks to take their own)."""
     latest = store.newest_intact(lambda line: print(f"hvdtrain: {line}", flush=True))
     state = store.read_state(latest)
-    if state.get("model") != run["model"]:
-        raise UserError(f"{latest} was trained with model '{state.get('model')}', not "
-                        f"'{run['model']}'; resume with the same --model")
     changed = check_resumable(state, run, latest, accept_changes)
     if changed:
         print(f"hvdtrain: continuing {latest} with changed data or settings "
