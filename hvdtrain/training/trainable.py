@@ -91,11 +91,14 @@ def _checked_compile(model: keras.Model, own_step: str | None, config: Config) -
                         f"model trains with its own ({own_step}); drop them")
 
 
-def _exact_optimizer(config: Config, model: keras.Model,
-                     schedule: WarmupScaledRate) -> tuple[keras.optimizers.Optimizer, str]:
-    """hvdtrain's step: the compiled optimizer, or the configured one put on the model."""
+def _compiled_optimizer(model: keras.Model) -> keras.optimizers.Optimizer | None:
+    return getattr(model, "optimizer", None) if getattr(model, "compiled", False) else None
+
+
+def _exact_optimizer(config: Config, model: keras.Model, compiled: keras.optimizers.Optimizer |
+                     None, schedule: WarmupScaledRate) -> tuple[keras.optimizers.Optimizer, str]:
+    """hvdtrain's step: the ``compiled`` optimizer, or the configured one put on the model."""
     optim = config.optim
-    compiled = getattr(model, "optimizer", None) if getattr(model, "compiled", False) else None
     if optim.optimizer == "auto" and compiled is not None:
         if optim.learning_rate is not None:
             compiled.learning_rate = optim.learning_rate
@@ -119,27 +122,26 @@ def prepare(config: Config, model: keras.Model, data: DataBundle, world: World,
     _checked_compile(model, own_step, config)
     optim = config.optim
     if own_step is None:
-        compiled = getattr(model, "optimizer", None) if getattr(model, "compiled", False) \
-            else None
+        compiled = _compiled_optimizer(model)
         own_rate = (settable_rate(compiled) if compiled is not None and optim.optimizer == "auto"
                     else None)
         base = optim.learning_rate or own_rate or DEFAULT_LEARNING_RATE
         schedule = make_schedule(optim, world.size, updates_per_epoch, config.train.epochs,
                                  base)
-        optimizer, what = _exact_optimizer(config, model, schedule)
+        optimizer, what = _exact_optimizer(config, model, compiled, schedule)
         optimizer.build(model.trainable_variables)
         bases = {"optimizer": (optimizer, base)} if settable_rate(optimizer) is not None else {}
+        fixed = [] if bases else ["optimizer"]
         objective = Objective.for_model(model)
     else:
         schedule = make_schedule(optim, world.size, updates_per_epoch, config.train.epochs)
         optimizers = owned_optimizers(model)
         bases = {name: (o, rate) for name, o in optimizers.items()
                  if (rate := settable_rate(o)) is not None}
+        fixed = [name for name in optimizers if name not in bases]
         optimizer = next(iter(optimizers.values()))
         what = ", ".join(f"{name} ({type(o).__name__})" for name, o in optimizers.items())
         objective = None
-    fixed = [name for name, o in (owned_optimizers(model).items() if own_step else
-                                  [("optimizer", optimizer)]) if name not in bases]
     description = _describe(what, bases, fixed, schedule, config, world)
     return Trainable(model, own_step, optimizer, schedule, RateControl(schedule, bases),
                      objective, description)
