@@ -57,15 +57,14 @@ class OneLineParser(argparse.ArgumentParser):
 
 def _train(args: argparse.Namespace) -> int:
     config = config_from_args(args)
-    from hvdtrain.training.preemption import REQUESTS
-    from hvdtrain.world import launched_by_a_launcher
+    from hvdtrain.training.liveness import liveness_for
 
-    if not config.train.elastic:   # elastic training handles a lost rank its own way
-        # Before TensorFlow loads (seconds): a stop requested meanwhile is honoured too.
-        REQUESTS.install(watch_parent=launched_by_a_launcher())
-    from hvdtrain.training.run import train
+    # Installed before TensorFlow loads (seconds), so a stop requested meanwhile is honoured
+    # too; the run uninstalls it when it ends.
+    with liveness_for(config, process_exits=args.process_exits).installed() as liveness:
+        from hvdtrain.training.run import train
 
-    train(config)
+        train(config, liveness)
     return 0
 
 
@@ -130,22 +129,17 @@ def entry() -> NoReturn:
     start-up notices filtered out of stderr, and output that a lost launcher cannot break."""
     hide_native_notices()
     output.install()
-    code = main()
-    from hvdtrain.training.preemption import REQUESTS
+    launcher = os.getppid()
+    code = main(process_exits=True)
     from hvdtrain.world import launched_by_a_launcher
 
-    if code == 0:
-        # Training is over and saved; this process only exits now. Here, not in main():
-        # an ignored signal is inherited by every process started later, so a main() called
-        # inside a longer-lived process (a test, a notebook) must leave the signals alone.
-        REQUESTS.ignore_from_now()
-
-    if REQUESTS.launcher_gone() or (code and launched_by_a_launcher()):
+    launcher_gone = launched_by_a_launcher() and os.getppid() != launcher
+    if launcher_gone or (code and launched_by_a_launcher()):
         # MPI's finalisation would wait: for the dead launcher's daemon, or for the other ranks'
         # own finalisation, which after an error here makes the launcher report whichever rank
         # leaves first. Leaving without it (Horovod shut down first, so no rank waits for this
         # one) makes the launcher report this rank's code, the first (measured).
-        if not REQUESTS.launcher_gone():
+        if not launcher_gone:
             leave_horovod()
         sys.stdout.flush()
         sys.stderr.flush()
@@ -153,13 +147,16 @@ def entry() -> NoReturn:
     sys.exit(code)
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, process_exits: bool = False) -> int:
+    """Run one command; return its exit code. ``process_exits``: the process ends right after
+    (the console script), so a training run leaves the stop signals ignored, not restored."""
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
         args = build_parser().parse_args(_with_default_command(argv))
     except SystemExit as exit_request:   # --help, --version, or a one-line usage error
         return int(exit_request.code or 0)
+    args.process_exits = process_exits
     debug = getattr(args, "debug", False) or "--debug" in argv
     try:
         return COMMANDS[args.command].run(args)

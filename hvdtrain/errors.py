@@ -3,7 +3,7 @@
 Exit codes: 1 another rank failed (its error is shown by that rank), 2 a mistake to fix, 3 the
 loss diverged, 74 a checkpoint or another file of the run could not be written, 75 stopped by a
 signal with a checkpoint written (continue with ``--resume auto``), 76 a rank made no progress
-for ``--stall-timeout`` (the watchdog ended it).
+for ``--stall-timeout`` (its liveness monitor ended it).
 """
 
 import errno
@@ -50,7 +50,7 @@ class StoppedBySignal(UserError):
 
 # A rank whose training made no progress for --stall-timeout seconds (a lost node, a cut network:
 # a collective that never returns) ends itself with this code, after one line naming it and
-# what it waited for (hvdtrain/training/watchdog.py). Resume with --resume.
+# what it waited for (hvdtrain/training/liveness.py). Resume with --resume.
 STALLED_EXIT_CODE = 76
 
 

@@ -314,10 +314,10 @@ def launcher_defaults() -> dict[str, str]:
 
     Open MPI's daemons learn of a vanished node only from TCP. By default they probe an idle
     connection after 300 s and give up 9 x 20 s later, and once mpirun has started to end the
-    job (a rank's watchdog ended one, say) its messages to the lost node wait for TCP's
+    job (a rank's liveness monitor ended one, say) its messages to the lost node wait for TCP's
     retransmissions, about 15 minutes: a launcher outside the nodes outlived its job. With
     these, a daemon that stops answering is declared lost 36 to 46 s after its node vanished:
-    after a rank's watchdog has named it (30 s by default; a rank under a remote daemon then
+    after a rank's liveness monitor has named it (30 s by default; a rank under a remote daemon then
     leaves the ending to Open MPI, ``keepalive_window_s``), and in time for the job, every
     process on every node included, to end within 60 s."""
     return dict(zip(KEEPALIVE_VARIABLES, ("10", "6", "6")))
@@ -341,7 +341,7 @@ LOST_DAEMON_GRACE_S = 120
 
 def hold_open_mpi_abort() -> None:
     """Before MPI starts, in a rank that stops itself when its launcher dies (the trainer's
-    ranks: ``training/preemption.py``): Open MPI ends such a rank (exit 195) as soon as it
+    ranks: ``training/liveness.py``): Open MPI ends such a rank (exit 195) as soon as it
     notices that its daemon is gone, even mid-checkpoint; delayed, the rank's own stop
     (checkpoint, exit 75) comes first. A setting of the user's wins."""
     os.environ.setdefault("OMPI_MCA_mpi_abort_delay", str(LOST_DAEMON_GRACE_S))

@@ -53,12 +53,13 @@ def test_a_second_stop_request_ends_the_process_at_once():
     """Two signals together are one request; one more, later, ends the process at once even
     while its main thread is blocked (here: sleeping)."""
     program = ("import os, signal, time\n"
-               "from hvdtrain.training.preemption import REQUESTS\n"
-               "REQUESTS.install(watch_parent=False)\n"
+               "from hvdtrain.training.liveness import Liveness\n"
+               "live = Liveness()\n"
+               "live.install()\n"
                "os.kill(os.getpid(), signal.SIGTERM)\n"
                "os.kill(os.getpid(), signal.SIGUSR1)\n"
                "time.sleep(0.5)\n"
-               "print('first:', REQUESTS.reason, flush=True)\n"
+               "print('first:', live.stop_reason, flush=True)\n"
                "time.sleep(3.5)\n"
                "os.kill(os.getpid(), signal.SIGUSR1)\n"
                "time.sleep(60)\n")
@@ -76,17 +77,15 @@ def test_a_stop_request_stuck_behind_an_ended_rank_leaves_within_seconds():
     soon as one refuses (a process that has ended), long before the 10 s stuck limit or
     Slurm's SIGKILL. A peer that still answers is not blamed."""
     program = ("import os, signal, time\n"
-               "from hvdtrain.training.preemption import REQUESTS\n"
-               "from hvdtrain.training.watchdog import Heartbeat, Peer, StepWatchdog\n"
+               "from hvdtrain.training.liveness import Heartbeat, Liveness, Peer\n"
                "alive, ended = Heartbeat(), Heartbeat()\n"
                "ended.close()\n"
-               "dog = StepWatchdog('rank 0 of 3 on here')\n"
-               "dog.peers = [Peer(1, '127.0.0.1', alive.port), Peer(2, '127.0.0.1', ended.port)]\n"
-               "REQUESTS.install(watch_parent=False)\n"
-               "REQUESTS.watch_peers(dog.gone_peers)\n"
+               "live = Liveness()\n"
+               "live.peers = [Peer(1, '127.0.0.1', alive.port), Peer(2, '127.0.0.1', ended.port)]\n"
+               "live.install()\n"
                "for _ in range(3):\n"
-               "    REQUESTS.step_begins(); time.sleep(0.05); REQUESTS.step_ends()\n"
-               "REQUESTS.step_begins()\n"
+               "    live.step_begins(); time.sleep(0.05); live.step_ends()\n"
+               "live.step_begins()\n"
                "os.kill(os.getpid(), signal.SIGTERM)\n"
                "print('stuck at', time.monotonic(), flush=True)\n"
                "time.sleep(60)\n")
@@ -278,6 +277,33 @@ def test_sigterm_to_the_launcher_stops_at_a_step_and_resume_auto_matches(
     code, output = finish(job, 240)
     assert code == 0, output[-3000:]
     assert_same_run(straight_runs[loop], run_dir)
+
+
+@pytest.mark.distributed
+def test_hvdtrain_fit_under_mpirun_stops_cleanly_on_sigterm(tmp_path):
+    """The Python API gets the CLI's stop: SIGTERM to launch/mpirun.sh mid-run stops both
+    ranks at one step with a checkpoint, ``fit`` raises StoppedBySignal (the script exits 75),
+    and the run leaves the process's signal handlers as it found them."""
+    run_dir = tmp_path / "run"
+    job = subprocess.Popen(
+        [str(REPO / "launch" / "mpirun.sh"), "-np", "2", "--command",
+         f"{sys.executable} {REPO / 'tests' / 'fit_stop_script.py'} {run_dir}"],
+        env=rank_env(HOROVOD_CYCLE_TIME=SLOW_CYCLE_MS, PYTHONPATH=str(REPO / "tests")),
+        cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        stdin=subprocess.DEVNULL, start_new_session=True)
+    try:
+        wait_for(lambda: step_checkpoint_after(run_dir) or job.poll() is not None, 240)
+        os.kill(job.pid, signal.SIGTERM)
+    finally:
+        code, output = finish(job, 120)
+    assert code == STOPPED, output[-3000:]
+    stops = re.findall(r"fit stopped: (stopped by SIGUSR1 on rank [01].*?--resume auto)", output)
+    assert len(stops) == 2 and stops[0] == stops[1], output[-3000:]
+    assert output.count("handlers restored: True") == 2, output[-3000:]
+    assert "Traceback" not in output
+    stopped_at = re.search(r"checkpoint (\S+) written", stops[0]).group(1)
+    assert (run_dir / "checkpoints" / stopped_at).is_dir()
+    assert_nothing_left(run_dir)
 
 
 @pytest.mark.distributed

@@ -26,10 +26,9 @@ from hvdtrain.checkpoint import CheckpointStore, atomic_write_text, rank_local_v
 from hvdtrain.errors import CheckpointWriteFailed, StoppedBySignal, TrainingDiverged
 from hvdtrain.startup import process_age_seconds
 from hvdtrain.training.keras_internals import sublayers
-from hvdtrain.training.preemption import REQUESTS
+from hvdtrain.training.liveness import Liveness
 from hvdtrain.training.schedule import WarmupScaledRate
 from hvdtrain.training.step import TrainingStep
-from hvdtrain.training.watchdog import Peer, StepWatchdog
 from hvdtrain.world import Collectives, World
 from hvdtrain.writes import RunFileWriter, json_rows
 
@@ -110,42 +109,41 @@ class FirstStepClock(keras.callbacks.Callback):
             self.seconds, self.unix_time = process_age_seconds(), time.time()
 
 
-class StallGuard(keras.callbacks.Callback):
-    """Feed the rank's ``StepWatchdog``: a beat after every step, a pause over each epoch's end
-    (validation and its collectives, rank 0's checkpoint). First in the list, so the pause
-    starts before any other epoch-end callback. The stop path asks its heartbeat probes which
-    ranks are gone (``StopRequests.watch_peers``)."""
+class LivenessHooks(keras.callbacks.Callback):
+    """Tell the rank's ``Liveness`` when each step begins and ends and when an epoch's end
+    (validation and its collectives, rank 0's checkpoint) is a phase. First in the list, so
+    the phase starts before any other epoch-end callback. With a stall limit, every rank
+    serves a heartbeat port and learns the others' at train begin (an allgather)."""
 
-    def __init__(self, watchdog: StepWatchdog, collectives: Collectives) -> None:
+    def __init__(self, liveness: Liveness, collectives: Collectives) -> None:
         super().__init__()
-        self.watchdog = watchdog
+        self.liveness = liveness
         self.collectives = collectives
-        self.paused = False
+        self.in_phase = False
 
     def on_train_begin(self, logs: dict | None = None) -> None:
-        world = self.collectives.world
-        port = self.watchdog.serve_heartbeat()
-        addresses = self.collectives.allgather_object((world.host, port))
-        self.watchdog.peers = [Peer(rank, host, port)
-                               for rank, (host, port) in enumerate(addresses)
-                               if rank != world.rank]
-        REQUESTS.watch_peers(self.watchdog.gone_peers)
-        self.watchdog.start()
+        if self.liveness.watches_stalls:
+            self.liveness.connect_peers(self.collectives.allgather_object,
+                                        self.collectives.world)
+
+    def on_train_batch_begin(self, batch: int, logs: dict | None = None) -> None:
+        self.liveness.step_begins()
 
     def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
-        self.watchdog.beat()
+        self.liveness.step_ends()
 
     def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
-        self.watchdog.pause(f"the end of epoch {epoch + 1} (validation, metrics, checkpoint)")
-        self.paused = True
+        self.liveness.phase_begins(f"the end of epoch {epoch + 1} (validation, metrics, "
+                                   "checkpoint)")
+        self.in_phase = True
 
     def on_epoch_begin(self, epoch: int, logs: dict | None = None) -> None:
-        if self.paused:
-            self.watchdog.resume()
-            self.paused = False
+        if self.in_phase:
+            self.liveness.phase_ends()
+            self.in_phase = False
 
     def on_train_end(self, logs: dict | None = None) -> None:
-        self.watchdog.stop()
+        self.liveness.training_ended()
 
 
 class Throughput(keras.callbacks.Callback):
@@ -158,6 +156,10 @@ class Throughput(keras.callbacks.Callback):
         self.steps = 0
         self.started = self.last_batch_end = 0.0
 
+    def rate(self) -> float:
+        """Global examples per second over this epoch's steps so far."""
+        return self.steps * self.global_batch / max(self.last_batch_end - self.started, 1e-9)
+
     def on_epoch_begin(self, epoch: int, logs: dict | None = None) -> None:
         self.started = self.last_batch_end = time.perf_counter()
         self.steps = 0
@@ -167,8 +169,7 @@ class Throughput(keras.callbacks.Callback):
         self.steps += 1
 
     def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
-        logs["examples_per_second"] = self.steps * self.global_batch / max(
-            self.last_batch_end - self.started, 1e-9)
+        logs["examples_per_second"] = self.rate()
 
 
 class AverageBatchNormStatistics(keras.callbacks.Callback):
@@ -361,27 +362,26 @@ class Checkpointing(keras.callbacks.Callback):
         super().__init__()
         self.step = hooks.step
         self.collectives = hooks.collectives
-        self.store = hooks.store
-        self.state = hooks.state
+        self.plan = hooks.checkpoints
+        self.liveness = hooks.liveness
         self.live_state = live_state
-        self.steps = hooks.progress.steps
-        self.every = hooks.every_steps
-        self.resume = hooks.resume
         self.epoch = 0
         self.stop_message = ""
+
+    def _stop_reason(self) -> str | None:
+        return None if self.liveness is None else self.liveness.stop_reason
 
     def on_epoch_begin(self, epoch: int, logs: dict | None = None) -> None:
         if self.stop_message:   # agreed at the previous epoch's end
             raise StoppedBySignal(self.stop_message)
         self.epoch = epoch
-        resume = self.resume
+        resume = self.plan.resume
         if resume.step and epoch == resume.epoch and self.collectives.world.is_chief:
             for variable, value in zip(self.step.epoch_state_variables, resume.epoch_state):
                 variable.assign(tf.cast(np.asarray(value), variable.dtype))
 
     def on_train_batch_begin(self, batch: int, logs: dict | None = None) -> None:
-        REQUESTS.step_begins()
-        if REQUESTS.reason is not None and not self.step.stop_vote.numpy():
+        if self._stop_reason() is not None and not self.step.stop_vote.numpy():
             self.step.stop_vote.assign(1.0)
 
     def _callback_stop(self) -> None:
@@ -396,13 +396,12 @@ class Checkpointing(keras.callbacks.Callback):
             self.step.callback_stop_votes.assign(0.0)
 
     def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
-        REQUESTS.step_ends()
         self._callback_stop()
-        done = batch + 1
-        if done == self.steps:   # the epoch end checkpoints (and stops, if agreed)
+        done, steps, every = batch + 1, self.params["steps"], self.plan.every_steps
+        if done == steps:   # the epoch end checkpoints (and stops, if agreed)
             return
         stop = float(self.step.stop_votes.numpy()) > 0
-        if not stop and not (self.every and done % self.every == 0):
+        if not stop and not (every and done % every == 0):
             return
         # The epoch's metric sums so far, over all ranks: rank 0 keeps them in the checkpoint.
         sums = self.collectives.allreduce_sum([tf.convert_to_tensor(v)
@@ -411,7 +410,7 @@ class Checkpointing(keras.callbacks.Callback):
                                        "epoch_state": [np.asarray(s).tolist() for s in sums]})
         if stop:
             raise StoppedBySignal(f"stopped by {reasons} at epoch {self.epoch + 1}, step "
-                                  f"{done} of {self.steps}; checkpoint {name} written; "
+                                  f"{done} of {steps}; checkpoint {name} written; "
                                   "continue with the same command and --resume auto")
 
     def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
@@ -432,12 +431,12 @@ class Checkpointing(keras.callbacks.Callback):
         outcome = ""
         if self.collectives.world.is_chief:
             try:
-                outcome = self.store.save(model, self.step.optimizers, {
-                    **self.state, **self.live_state(), **position}, rank_states).name
+                outcome = self.plan.store.save(model, self.step.optimizers, {
+                    **self.plan.state, **self.live_state(), **position}, rank_states).name
             except CheckpointWriteFailed as error:
                 outcome = f"error: {error}"
         wants_stop = bool(model.stop_training or self.step.callback_stop_vote.numpy())
-        shared = self.collectives.allgather_object((outcome, REQUESTS.reason, wants_stop))
+        shared = self.collectives.allgather_object((outcome, self._stop_reason(), wants_stop))
         name = shared[0][0]
         if name.startswith("error: "):
             raise CheckpointWriteFailed(name[len("error: "):])
@@ -490,46 +489,36 @@ class MetricsFiles(keras.callbacks.Callback):
 
 
 class Progress(keras.callbacks.Callback):
-    """Rank 0: a progress bar with examples/second, then a one-line summary per epoch."""
+    """Rank 0: a progress bar with examples/second, then a one-line summary per epoch. Epochs
+    and steps come from Keras' ``params``; the rate from the run's ``Throughput``."""
 
-    def __init__(self, epochs: int, steps: int, global_batch: int, show_bar: bool,
-                 interactive: bool, stream=None) -> None:
+    def __init__(self, throughput: Throughput, show_bar: bool, interactive: bool,
+                 stream=None) -> None:
         """``interactive``: redraw one line in place (a terminal, no launcher prefixing lines)."""
         super().__init__()
-        self.epochs, self.steps, self.global_batch = epochs, steps, global_batch
+        self.throughput = throughput
         self.show_bar = show_bar
         self.stream = stream or sys.stdout
         self.interactive = interactive
-        self.started = 0.0
-        self.last_batch_end = 0.0
         self.next_report = 0
-        self.ran = 0   # steps run in this epoch by this process (fewer in a resumed epoch)
 
     def on_epoch_begin(self, epoch: int, logs: dict | None = None) -> None:
-        self.started = self.last_batch_end = time.perf_counter()
-        self.next_report = max(1, self.steps // 4)
-        self.ran = 0
-
-    def _rate(self) -> float:
-        elapsed = self.last_batch_end - self.started
-        return self.ran * self.global_batch / max(elapsed, 1e-9)
+        self.next_report = max(1, self.params["steps"] // 4)
 
     def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
-        self.last_batch_end = time.perf_counter()
-        self.ran += 1
-        done = batch + 1
+        done, steps = batch + 1, self.params["steps"]
         if not self.show_bar or (not self.interactive and done < self.next_report):
             return
         width = 30
-        filled = int(width * done / self.steps)
-        line = (f"  [{'=' * filled}{'.' * (width - filled)}] {done}/{self.steps} "
-                f"{self._rate():,.0f} ex/s {batch_values(logs)}")
+        filled = int(width * done / steps)
+        line = (f"  [{'=' * filled}{'.' * (width - filled)}] {done}/{steps} "
+                f"{self.throughput.rate():,.0f} ex/s {batch_values(logs)}")
         if self.interactive:
             self.stream.write("\r" + line)
         else:
             self.stream.write(line + "\n")
             while self.next_report <= done:
-                self.next_report += max(1, self.steps // 4)
+                self.next_report += max(1, steps // 4)
         self.stream.flush()
 
     def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
@@ -541,31 +530,49 @@ class Progress(keras.callbacks.Callback):
         text = "  ".join(f"{name} {value:.4f}" for name, value in values.items())
         if lr is not None:
             text += f"  lr {lr:.5g}"
-        self.stream.write(f"epoch {epoch + 1}/{self.epochs}  {text}  {rate:,.0f} ex/s\n")
+        self.stream.write(f"epoch {epoch + 1}/{self.params['epochs']}  {text}  {rate:,.0f} "
+                          "ex/s\n")
         self.stream.flush()
 
 
-@dataclass
-class RunHooks:
-    """What the callbacks of one run act on."""
+@dataclass(frozen=True)
+class CheckpointPlan:
+    """Where the run checkpoints, how often within an epoch (0: at epoch ends only), what every
+    checkpoint records besides its position, and where a resumed run starts."""
 
-    world: World
-    collectives: Collectives
-    step: TrainingStep
-    evaluate: Callable[[], dict[str, float]] | None
-    rates: RateControl
     store: CheckpointStore
     state: dict[str, Any]
-    run_dir: Path
-    progress: Progress
-    plateau: PlateauDecay | None
-    tensorboard: bool
-    first_step: FirstStepClock | None = None
-    watchdog: StepWatchdog | None = None
-    user_callbacks: Sequence[keras.callbacks.Callback] = ()
     every_steps: int = 0
     resume: ResumePoint = ResumePoint()
+
+
+@dataclass(frozen=True)
+class Reporting:
+    """What rank 0 reports: the run directory's metrics files (and TensorBoard events), the
+    progress lines, and when the first step ended."""
+
+    run_dir: Path
+    global_batch: int
+    show_progress: bool
+    interactive: bool = False
+    tensorboard: bool = False
+    first_step: FirstStepClock | None = None
+
+
+@dataclass(frozen=True)
+class RunHooks:
+    """What the callbacks of one run act on (built by the run, for whichever loop trains)."""
+
+    collectives: Collectives
+    step: TrainingStep
+    rates: RateControl
+    checkpoints: CheckpointPlan
+    reporting: Reporting
+    liveness: Liveness | None = None
+    evaluate: Callable[[], dict[str, float]] | None = None
     validation_freq: int | list[int] = 1
+    plateau: PlateauDecay | None = None
+    user_callbacks: Sequence[keras.callbacks.Callback] = ()
 
 
 # Keras callbacks that write files or print: on rank 0 only, as one process would write them.
@@ -614,13 +621,14 @@ def standard_callbacks(hooks: RunHooks) -> list[keras.callbacks.Callback]:
     logs they see already hold the exact global metrics, validation and rate, equal on every
     rank, so decisions such as early stopping agree; writers run on rank 0 only), then the
     checkpoint and stop agreement, then rank 0's writers and its report."""
-    model = hooks.step.model
+    model, world, report = hooks.step.model, hooks.collectives.world, hooks.reporting
+    throughput = Throughput(report.global_batch)
     callbacks: list[keras.callbacks.Callback] = [
-        *([StallGuard(hooks.watchdog, hooks.collectives)] if hooks.watchdog is not None
+        *([LivenessHooks(hooks.liveness, hooks.collectives)] if hooks.liveness is not None
           else []),
-        StopOnDivergence(hooks.step, hooks.store),
-        *([hooks.first_step] if hooks.first_step is not None else []),
-        Throughput(hooks.progress.global_batch),
+        StopOnDivergence(hooks.step, hooks.checkpoints.store),
+        *([report.first_step] if report.first_step is not None else []),
+        throughput,
         hooks.rates,
         EpochMetrics(hooks.step),
         AverageBatchNormStatistics(model, hooks.collectives),
@@ -630,7 +638,7 @@ def standard_callbacks(hooks: RunHooks) -> list[keras.callbacks.Callback]:
     ]
     if hooks.plateau is not None:
         callbacks.append(hooks.plateau)
-    callbacks += rank_aware(hooks.user_callbacks, hooks.world)
+    callbacks += rank_aware(hooks.user_callbacks, world)
     plateau, rates = hooks.plateau, hooks.rates
 
     def live_state() -> dict[str, Any]:
@@ -638,11 +646,11 @@ def standard_callbacks(hooks: RunHooks) -> list[keras.callbacks.Callback]:
                 **({"plateau": plateau.state()} if plateau is not None else {})}
 
     callbacks.append(Checkpointing(hooks, live_state))
-    if hooks.world.is_chief:
-        run_dir = hooks.run_dir
+    if world.is_chief:
+        run_dir = report.run_dir
         callbacks.append(RunFileWriter(lambda: MetricsFiles(run_dir), run_dir, "the metrics files"))
-        if hooks.tensorboard:
+        if report.tensorboard:
             callbacks.append(RunFileWriter(lambda: TensorBoardEvents(run_dir / "tensorboard"),
                                            run_dir, "TensorBoard events"))
-        callbacks.append(hooks.progress)
+        callbacks.append(Progress(throughput, report.show_progress, report.interactive))
     return callbacks

@@ -40,7 +40,8 @@ from hvdtrain.config import Config
 from hvdtrain.data.pipeline import ShardSpec
 from hvdtrain.data.sources import DataBundle
 from hvdtrain.checkpoint import CheckpointStore
-from hvdtrain.training.callbacks import Progress, RateControl, RunHooks, standard_callbacks
+from hvdtrain.training.callbacks import (CheckpointPlan, RateControl, Reporting, RunHooks,
+                                         standard_callbacks)
 from hvdtrain.training.schedule import WarmupScaledRate, world_scale
 from hvdtrain.training.step import StepMath
 from hvdtrain.world import Collectives, tf_variables
@@ -84,6 +85,8 @@ def elastic_loop(run: ElasticRun) -> None:
 
     @collectives.elastic_run
     def train(state: Any) -> None:
+        """One world's segment of the training: the callbacks' train begin and end frame it
+        (as one ``fit`` call would), each epoch's steps reach them in Keras' ``params``."""
         world = collectives.refresh_world()
         run.schedule.set_world_scale(world_scale(optim, world.size))
         step = StepMath(run.model, run.optimizer, collectives, run.first_step.objective,
@@ -92,21 +95,23 @@ def elastic_loop(run: ElasticRun) -> None:
         val_spec = ShardSpec(data.val.num_examples, world, config.train.batch_size, "pad",
                              False)
         remainder = "pad" if config.data.remainder == "auto" else config.data.remainder
-        while state.epoch < config.train.epochs:
+        epochs = config.train.epochs
+        hooks = keras.callbacks.CallbackList(standard_callbacks(RunHooks(
+            collectives=collectives, step=step, rates=run.rates,
+            checkpoints=CheckpointPlan(run.store, run.state),
+            reporting=Reporting(run.run_dir, world.size * config.train.batch_size,
+                                config.train.progress, tensorboard=config.train.tensorboard),
+            evaluate=lambda: run.evaluate(val_spec))),
+            add_history=False, add_progbar=False, model=run.model, epochs=epochs, steps=None,
+            verbose=0)
+        hooks.on_train_begin()
+        while state.epoch < epochs:
             spec = ShardSpec(data.train.num_examples, world, config.train.batch_size,
                              remainder, config.data.shuffle, config.train.seed, 1, state.offset)
-            steps = spec.steps_per_epoch
+            hooks.set_params({"epochs": epochs, "steps": spec.steps_per_epoch, "verbose": 0})
             if world.is_chief:
                 lr = float(run.schedule(int(run.optimizer.iterations.numpy())))
                 _log_segment(run.run_dir, state.epoch, state.offset, world.size, lr)
-            progress = Progress(config.train.epochs, steps, spec.global_batch,
-                                config.train.progress, interactive=False)
-            hooks = keras.callbacks.CallbackList(standard_callbacks(RunHooks(
-                world, collectives, step, lambda: run.evaluate(val_spec), run.rates,
-                run.store, run.state, run.run_dir, progress, None, config.train.tensorboard)),
-                add_history=False, add_progbar=False, model=run.model,
-                epochs=config.train.epochs, steps=steps, verbose=0)
-            hooks.on_train_begin()
             hooks.on_epoch_begin(state.epoch)
             logs: dict = {}
             remaining = spec.remaining
@@ -121,9 +126,9 @@ def elastic_loop(run: ElasticRun) -> None:
             logs = {name: float(value) for name, value in logs.items()}
             logs["world_size"] = float(world.size)
             hooks.on_epoch_end(state.epoch, logs)
-            hooks.on_train_end()            # closes this epoch's TensorBoard writer
             state.epoch += 1
             state.offset = 0
             state.commit()
+        hooks.on_train_end()
 
     train(state)

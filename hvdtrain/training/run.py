@@ -47,16 +47,17 @@ from hvdtrain.plugins import load_callable
 from hvdtrain.plots import plot_curves
 from hvdtrain.training.elastic import ElasticRun, elastic_loop
 from hvdtrain.training.adapted_state import agree_on_adapted_state
-from hvdtrain.training.callbacks import (FirstStepClock, MetricsFiles, PlateauDecay, Progress,
-                                         ResumePoint, RunHooks, standard_callbacks)
+from hvdtrain.training.callbacks import (CheckpointPlan, FirstStepClock, MetricsFiles,
+                                         PlateauDecay, Reporting, ResumePoint, RunHooks,
+                                         standard_callbacks)
 from hvdtrain.training.keras_internals import initial_epoch_of, set_initial_epoch, sublayers
+from hvdtrain.training.liveness import Liveness, liveness_for
 from hvdtrain.training.loops import LOOPS
 from hvdtrain.training.objective import probe
 from hvdtrain.training.own_step import OwnStep
 from hvdtrain.training.resume_check import check_resumable, optimizers_changed
 from hvdtrain.training.step import Evaluation, StepMath, StepOptions, TrainingStep
 from hvdtrain.training.trainable import Trainable, own_step_reason, prepare
-from hvdtrain.training.watchdog import stopped_after, watchdog_for
 from hvdtrain.world import (Collectives, GradientReduction, World, ended_by_another_rank,
                             init_collectives, place_devices)
 from hvdtrain.writes import run_files
@@ -412,20 +413,69 @@ def run_environment(precision: str):
         os.umask(umask)
 
 
+@dataclass
+class Prepared:
+    """What the setup phase hands the later ones: the world and run directory, the data and
+    its shard plan, the model with the step and rates that train it, validation, the user's
+    callbacks, and what every checkpoint of this run records (``state``)."""
+
+    collectives: Collectives
+    run_dir: Path
+    resuming: bool
+    data: DataBundle
+    trainable: Trainable
+    step: TrainingStep
+    spec: ShardSpec
+    steps: int
+    val_spec: ShardSpec | None
+    evaluate: Callable[[ShardSpec], dict[str, float]]
+    plateau: PlateauDecay | None
+    user_callbacks: list[keras.callbacks.Callback]
+    store: CheckpointStore
+    state: dict[str, Any]
+    launched: float
+    first_step: FirstStepClock = dataclasses.field(default_factory=FirstStepClock)
+
+    def validate(self) -> dict[str, float]:
+        """Exact held-out metrics on this world's shards (none without validation data)."""
+        if self.data.val is None:
+            return {}
+        spec, world = self.val_spec, self.collectives.world
+        if spec.world != world:   # an elastic job's world changed: this world's shards
+            spec = ShardSpec(spec.num_examples, world, spec.batch_size, "pad", False)
+        return self.evaluate(spec)
+
+
+@dataclass(frozen=True)
+class StartingPoint:
+    """Where training starts (after a restore) and every rank's weight fingerprint before rank
+    0's weights were broadcast."""
+
+    resume: ResumePoint
+    initial_epoch: int
+    before_broadcast: list[str]
+
+
 class Run:
-    """One training run on this rank. The CLI builds it from a config; ``hvdtrain.fit`` also
-    hands it the user's model factory, data and callbacks."""
+    """One training run on this rank, in four phases: ``_setup`` (world, run directory, data,
+    model and step), ``_restore`` (a checkpoint or a user's backup, then rank 0's weights to
+    every rank), ``_train`` (the loop) and ``_finish`` (exact held-out metrics, the final model
+    and summary). The CLI builds it from a config; ``hvdtrain.fit`` also hands it the user's
+    model factory, data and callbacks. The run owns this rank's ``Liveness`` (signals, stalls)
+    and puts back whatever it changed in the process when it ends."""
 
     def __init__(self, config: Config, model_factory: ModelFactory | None = None,
                  data_factory: DataFactory | None = None,
                  callbacks: Sequence[keras.callbacks.Callback] = (),
                  model_label: str | None = None,
                  validation_freq: int | list[int] | None = None,
-                 process_ends_with_run: bool = False) -> None:
+                 process_ends_with_run: bool = False,
+                 liveness: Liveness | None = None) -> None:
         """``process_ends_with_run`` (the CLI): an error here ends the process, whose exit
         shuts Horovod down after the error's line and code are out (so the launcher reports
         them, not a peer's); otherwise (``hvdtrain.fit``) the run shuts it down itself, so no
-        peer waits and the next run starts afresh."""
+        peer waits and the next run starts afresh. ``liveness``: one the caller installed
+        early (the CLI, before TensorFlow loads); the run uninstalls it when it ends."""
         self.process_ends_with_run = process_ends_with_run
         self.config = config
         self.model_factory = model_factory or (
@@ -434,13 +484,20 @@ class Run:
         self.extra_callbacks = list(callbacks)
         self.model_label = model_label or config.model.model
         self.validation_freq = validation_freq or config.train.validation_freq
+        self.liveness = liveness or liveness_for(config)
 
     def execute(self) -> RunResult:
         """Train on this rank; return the final exact metrics (every rank gets them)."""
-        with run_environment(self.config.train.precision):
+        launched = time.perf_counter()
+        with run_environment(self.config.train.precision), self.liveness.installed():
             collectives = init_collectives()
             try:
-                return self._train(collectives)
+                self.liveness.attach(collectives.world)
+                prepared = self._setup(collectives, launched)
+                start = self._restore(prepared)
+                started = time.perf_counter()
+                history = self._train(prepared, start)
+                return self._finish(prepared, start, history, started)
             except BaseException as error:
                 peer_failed = ended_by_another_rank(error)
                 leave = peer_failed or (raised_here(error) and not self.process_ends_with_run)
@@ -452,6 +509,56 @@ class Run:
                     raise PeerFailed("another rank ended with an error (shown by that rank); "
                                      "this rank stopped with it") from error
                 raise
+
+    # --- setup -------------------------------------------------------------------------------
+
+    def _setup(self, collectives: Collectives, launched: float) -> Prepared:
+        """The world's devices and seeds, the run directory, the data and its shard plan, the
+        model with the step that trains it (probed on one real batch), and the callbacks."""
+        config, world = self.config, collectives.world
+        device = place_devices(world, config.train.threads)
+        if config.train.deterministic:
+            tf.config.experimental.enable_op_determinism()
+        seed_everything(config.train.seed, world.rank)
+        run_dir, resuming = _open_run_dir(config, collectives)
+        if world.is_chief:
+            output.log_to(run_dir)
+        say(world, f"hvdtrain: {world.size} rank(s) on {world.cross_size} node(s); rank 0 on "
+                   f"{world.host}, {device}; run directory {run_dir}")
+        say(world, "resolved config:\n" + config.to_yaml().rstrip())
+
+        data = self.data_factory(config.data, config.train.seed)
+        model = self._model(data)
+        own_step = own_step_reason(model, data)
+        spec, steps, val_spec = _plan(config, data, collectives, own_step)
+        optim = config.optim
+        trainable = prepare(config, model, data, world, steps // optim.accumulation_steps,
+                            own_step)
+        if config.train.elastic and not isinstance(data.train, ArraySplit):
+            raise UserError("--elastic supports in-memory datasets (arrays); a pipeline cannot "
+                            "be re-sharded at an offset into its epoch")
+        say(world, "step: " + ("hvdtrain's exact step (the model uses Keras' train_step)"
+                               if own_step is None else
+                               f"the model's own train_step ({own_step})"))
+        say(world, trainable.description)
+        step = self._step(trainable, data, collectives)
+        evaluate, metric_states = self._evaluation(step, trainable, data, collectives)
+        with data_errors_named(data):
+            self._probe(trainable, next(iter(data.train.dataset(spec, 0, 1))), metric_states)
+        plateau = (PlateauDecay(trainable.schedule, optim.lr_decay_factor, optim.plateau_patience)
+                   if optim.lr_schedule == "plateau" else None)
+        if plateau is not None and (data.val is None or self.validation_freq != 1):
+            raise UserError("--lr-schedule plateau watches val_loss after every epoch; give "
+                            "validation data (every epoch) or choose another schedule")
+        state = {"model": self.model_label, "dataset": config.data.dataset,
+                 "input_shape": data.input_shape, "num_classes": data.num_classes,
+                 "examples": data.train.num_examples,
+                 "optimizer_classes": {name: type(optimizer).__name__
+                                       for name, optimizer in step.optimizers.items()},
+                 "world_size": world.size, "config": config.to_dict()}
+        return Prepared(collectives, run_dir, resuming, data, trainable, step, spec, steps,
+                        val_spec, evaluate, plateau, self._callbacks(),
+                        CheckpointStore(run_dir, config.train.keep_checkpoints), state, launched)
 
     def _callbacks(self) -> list[keras.callbacks.Callback]:
         """The user's callbacks: from ``--callbacks module:fn`` and from the Python API."""
@@ -474,15 +581,6 @@ class Run:
                             "keras.Model")
         check_input_shape(model, self.model_label, data.input_shape)
         return model
-
-    def _float32_copy(self, model: keras.Model, data: DataBundle) -> keras.Model:
-        """The trained model rebuilt under the float32 policy, for saving and inference."""
-        if self.config.train.precision == "float32":
-            return model
-        keras.mixed_precision.set_global_policy("float32")
-        copy = self.model_factory(data.input_shape, data.num_classes)
-        copy.set_weights(model.get_weights())
-        return copy
 
     def _step(self, trainable: Trainable, data: DataBundle,
               collectives: Collectives) -> TrainingStep:
@@ -530,110 +628,94 @@ class Run:
                             f"failed ({type(error).__name__}: {str(error)[:160]}); build it "
                             "(and its sub-models) before training") from error
 
-    def _train(self, collectives: Collectives) -> RunResult:
-        config = self.config
-        launched = time.perf_counter()
-        world = collectives.world
-        device = place_devices(world, config.train.threads)
-        if config.train.deterministic:
-            tf.config.experimental.enable_op_determinism()
-        seed_everything(config.train.seed, world.rank)
-        run_dir, resuming = _open_run_dir(config, collectives)
-        if world.is_chief:
-            output.log_to(run_dir)
-        say(world, f"hvdtrain: {world.size} rank(s) on {world.cross_size} node(s); rank 0 on "
-                   f"{world.host}, {device}; run directory {run_dir}")
-        say(world, "resolved config:\n" + config.to_yaml().rstrip())
+    # --- restore -----------------------------------------------------------------------------
 
-        data = self.data_factory(config.data, config.train.seed)
-        model = self._model(data)
-        own_step = own_step_reason(model, data)
-        spec, steps, val_spec = _plan(config, data, collectives, own_step)
-        optim = config.optim
-        trainable = prepare(config, model, data, world, steps // optim.accumulation_steps,
-                            own_step)
-        if config.train.elastic and not isinstance(data.train, ArraySplit):
-            raise UserError("--elastic supports in-memory datasets (arrays); a pipeline cannot "
-                            "be re-sharded at an offset into its epoch")
-        say(world, "step: " + ("hvdtrain's exact step (the model uses Keras' train_step)"
-                               if own_step is None else
-                               f"the model's own train_step ({own_step})"))
-        say(world, trainable.description)
-        step = self._step(trainable, data, collectives)
-        evaluate, metric_states = self._evaluation(step, trainable, data, collectives)
-        validate = None if data.val is None else (lambda: evaluate(val_spec))
-        with data_errors_named(data):
-            self._probe(trainable, next(iter(data.train.dataset(spec, 0, 1))), metric_states)
-        plateau = (PlateauDecay(trainable.schedule, optim.lr_decay_factor, optim.plateau_patience)
-                   if optim.lr_schedule == "plateau" else None)
-        if plateau is not None and (validate is None or self.validation_freq != 1):
-            raise UserError("--lr-schedule plateau watches val_loss after every epoch; give "
-                            "validation data (every epoch) or choose another schedule")
-        user_callbacks = self._callbacks()
-        backup = next((c for c in user_callbacks
+    def _restore(self, run: Prepared) -> StartingPoint:
+        """Resume from the run directory's newest intact checkpoint, or from a user's
+        ``BackupAndRestore``, then give every rank rank 0's weights and optimizer state."""
+        backup = next((c for c in run.user_callbacks
                        if isinstance(c, keras.callbacks.BackupAndRestore)), None)
-        store = CheckpointStore(run_dir, config.train.keep_checkpoints)
-        state = {"model": self.model_label, "dataset": config.data.dataset,
-                 "input_shape": data.input_shape, "num_classes": data.num_classes,
-                 "examples": data.train.num_examples,
-                 "optimizer_classes": {name: type(optimizer).__name__
-                                       for name, optimizer in step.optimizers.items()},
-                 "world_size": world.size, "config": config.to_dict()}
-        start, before_broadcast = _starting_point(
-            config, state, collectives, run_dir, resuming, store, step, trainable, plateau,
-            backup)
-        initial_epoch = max(start.epoch, config.train.initial_epoch)
+        resume, before_broadcast = _starting_point(
+            self.config, run.state, run.collectives, run.run_dir, run.resuming, run.store,
+            run.step, run.trainable, run.plateau, backup)
+        return StartingPoint(resume, max(resume.epoch, self.config.train.initial_epoch),
+                             before_broadcast)
 
-        epochs = config.train.epochs
+    # --- train -------------------------------------------------------------------------------
+
+    def _train(self, run: Prepared, start: StartingPoint) -> keras.callbacks.History | None:
+        """The epochs from the starting point: Keras ``fit`` or the custom loop (or Horovod's
+        elastic loop), with the run's callbacks in their fixed order."""
+        config, world = self.config, run.collectives.world
+        epochs, initial_epoch = config.train.epochs, start.initial_epoch
         say(world, f"training {self.model_label} on {config.data.dataset}: "
-                   f"{data.train.num_examples or 'pipeline'} examples, {steps} steps/epoch, "
-                   f"global batch {spec.global_batch}, remainder policy '{spec.remainder}'")
-        started = time.perf_counter()
-        first_step = FirstStepClock()
-        history = None
+                   f"{run.data.train.num_examples or 'pipeline'} examples, {run.steps} "
+                   f"steps/epoch, global batch {run.spec.global_batch}, remainder policy "
+                   f"'{run.spec.remainder}'")
         if config.train.elastic:
-            elastic_loop(ElasticRun(config, collectives, data, model, trainable.optimizer,
-                                    trainable.schedule, trainable.rates, step, evaluate,
-                                    store, state, run_dir, initial_epoch))
-            world = collectives.world   # the world the job ended with: validate on its shards
-            val_spec = ShardSpec(data.val.num_examples, world, config.train.batch_size, "pad",
-                                 False)
-            validate = lambda: evaluate(val_spec)  # noqa: E731 - the same closure, new world
-        elif initial_epoch < epochs:
-            watchdog = watchdog_for(world, config.train.stall_timeout)
-            progress = Progress(epochs, steps, spec.global_batch, config.train.progress,
-                                interactive=sys.stdout.isatty() and world.size == 1)
-            callbacks = standard_callbacks(RunHooks(
-                world, collectives, step, validate, trainable.rates, store, state, run_dir,
-                progress, plateau, config.train.tensorboard, first_step, watchdog,
-                user_callbacks, config.train.checkpoint_every_steps, start,
-                self.validation_freq))
-            distributed = (step.distributed() if isinstance(step, OwnStep)
-                           else contextlib.nullcontext())
-            with data_errors_named(data), stopped_after(watchdog), distributed:
-                history = LOOPS[config.train.loop](
-                    step, data.train.dataset(spec, initial_epoch, epochs), epochs,
-                    initial_epoch, steps, callbacks,
-                    start.step if start.epoch == initial_epoch else 0)
-        trained = time.perf_counter() - started
+            trainable = run.trainable
+            elastic_loop(ElasticRun(config, run.collectives, run.data, trainable.model,
+                                    trainable.optimizer, trainable.schedule, trainable.rates,
+                                    run.step, run.evaluate, run.store, run.state, run.run_dir,
+                                    initial_epoch))
+            return None
+        if initial_epoch >= epochs:
+            return None
+        callbacks = standard_callbacks(RunHooks(
+            collectives=run.collectives, step=run.step, rates=run.trainable.rates,
+            checkpoints=CheckpointPlan(run.store, run.state, config.train.checkpoint_every_steps,
+                                       start.resume),
+            reporting=Reporting(run.run_dir, run.spec.global_batch, config.train.progress,
+                                sys.stdout.isatty() and world.size == 1,
+                                config.train.tensorboard, run.first_step),
+            liveness=self.liveness,
+            evaluate=None if run.data.val is None else run.validate,
+            validation_freq=self.validation_freq, plateau=run.plateau,
+            user_callbacks=run.user_callbacks))
+        distributed = (run.step.distributed() if isinstance(run.step, OwnStep)
+                       else contextlib.nullcontext())
+        with data_errors_named(run.data), distributed:
+            return LOOPS[config.train.loop](
+                run.step, run.data.train.dataset(run.spec, initial_epoch, epochs), epochs,
+                initial_epoch, run.steps, callbacks,
+                start.resume.step if start.resume.epoch == initial_epoch else 0)
 
-        metrics = {} if validate is None else validate()
+    # --- finish ------------------------------------------------------------------------------
+
+    def _finish(self, run: Prepared, start: StartingPoint,
+                history: keras.callbacks.History | None, started: float) -> RunResult:
+        """Exact held-out metrics, a check that every rank ended with the same weights, and
+        rank 0's final model, summary and curves."""
+        trained = time.perf_counter() - started
+        collectives = run.collectives
+        world = collectives.world   # elastic: the world the job ended with
+        model = run.trainable.model
+        metrics = run.validate()
         gathered = collectives.allgather_object((weight_fingerprint(model),
                                                  dataclasses.asdict(world)))
         fingerprints = [fingerprint for fingerprint, _ in gathered]
         if world.is_chief:
             summary = RunSummary(metrics, world.size, len(set(fingerprints)) == 1, fingerprints,
-                                 before_broadcast, trained, started - launched,
-                                 first_step.seconds, first_step.unix_time,
-                                 None if data.val is None else data.val.num_examples,
+                                 start.before_broadcast, trained, started - run.launched,
+                                 run.first_step.seconds, run.first_step.unix_time,
+                                 None if run.data.val is None else run.data.val.num_examples,
                                  [facts for _, facts in gathered])
-            _finish(run_dir, self._float32_copy(model, data), summary)
-        return RunResult(run_dir, metrics, fingerprints, model, history)
+            _write_outputs(run.run_dir, self._float32_copy(model, run.data), summary)
+        return RunResult(run.run_dir, metrics, fingerprints, model, history)
+
+    def _float32_copy(self, model: keras.Model, data: DataBundle) -> keras.Model:
+        """The trained model rebuilt under the float32 policy, for saving and inference."""
+        if self.config.train.precision == "float32":
+            return model
+        keras.mixed_precision.set_global_policy("float32")
+        copy = self.model_factory(data.input_shape, data.num_classes)
+        copy.set_weights(model.get_weights())
+        return copy
 
 
-def train(config: Config) -> RunResult:
+def train(config: Config, liveness: Liveness | None = None) -> RunResult:
     """Run the configured training on this rank (the CLI's entry)."""
-    return Run(config, process_ends_with_run=True).execute()
+    return Run(config, process_ends_with_run=True, liveness=liveness).execute()
 
 
 def _save_model(run_dir: Path, model: keras.Model) -> Path:
@@ -659,7 +741,7 @@ def _save_model(run_dir: Path, model: keras.Model) -> Path:
     return run_dir / "model.keras"
 
 
-def _finish(run_dir: Path, model: keras.Model, summary: RunSummary) -> None:
+def _write_outputs(run_dir: Path, model: keras.Model, summary: RunSummary) -> None:
     """Rank 0: save the final model, the summary and the curves, and report."""
     saved = _save_model(run_dir, model)
     fingerprints, metrics = summary.fingerprints, summary.metrics

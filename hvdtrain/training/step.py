@@ -25,7 +25,7 @@ Divergence: the loss is summed across ranks in the gradients' grouped allreduce 
 with fp16 compression or Adasum), so every rank knows the global batch's loss; when it is NaN or
 infinite every rank skips that update and the run stops there.
 
-Stop requests: a rank asked to stop (see ``preemption``) sets ``stop_vote``; the vote rides in
+Stop requests: a rank asked to stop (see ``liveness``) sets ``stop_vote``; the vote rides in
 the same allreduce as the loss, and ``stop_votes`` (the global sum) tells every rank, after the
 same update, that the job stops there. A callback that stops training from a batch hook
 (``model.stop_training``, e.g. Keras' ``TerminateOnNaN``) on one rank casts

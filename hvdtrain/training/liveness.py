@@ -1,0 +1,586 @@
+"""One liveness monitor per rank: is training still moving, was this rank asked to stop, and
+when must the process end at once because waiting can never end?
+
+A run owns one ``Liveness``. It has one clock, one monitor thread and one way out of the
+process (clock and exit are injectable, so tests move time by hand). What feeds it:
+
+* **The training loop** (``LivenessHooks`` in ``callbacks.py``) says when a step begins and
+  ends and when a long legitimate phase (an epoch's end: validation, metrics, checkpoint)
+  begins and ends.
+* **Signals** only record a request: SIGTERM, SIGINT and SIGUSR1 (Slurm's usual ``--signal``)
+  write their number into Python's wakeup pipe, which the monitor thread reads, so a request
+  is seen even while the main thread waits inside a collective or a TensorFlow op. The ranks
+  then agree to stop after one same step (``StepMath.stop_vote`` rides in the step's
+  allreduce; ``Checkpointing`` agrees again after validation), rank 0 checkpoints there and
+  every rank exits with code 75. Requests less than ``SAME_EVENT_S`` apart are one event
+  delivered twice (a terminal's Ctrl-C reaches the launcher, which forwards it, and the rank);
+  a later second request ends the process at once (128 + the signal), without a checkpoint.
+* **The launcher going away** (this process's parent changes) is a request too: the ranks
+  stop, checkpoint and exit instead of training on unseen. Their output, which led to the dead
+  launcher, goes to /dev/null from then on (rank 0's run log keeps it). Open MPI's own exit on
+  losing its daemon is held back meanwhile (``world.hold_open_mpi_abort``).
+
+What ends the process from the monitor thread, with one line each:
+
+* **A stall** (exit 76, ``STALLED_EXIT_CODE``): no step has ended for the limit. A vanished
+  node leaves the survivors inside an allreduce that never returns: MPI sees no error, and
+  Horovod's own stall check runs on the thread that is stuck. The limit (``--stall-timeout``):
+  by default the larger of ``FLOOR_S`` and ``STEP_FACTOR`` times the slowest step so far; a
+  number fixes it; 0 turns it off (it is off on one rank: nothing can hang it). It arms at the
+  first step's end (tracing and the first negotiation take long). A phase gets ``PHASE_FACTOR``
+  times the longest phase so far (``FIRST_PHASE_S`` for the first, which traces validation),
+  at least the step limit; the step after a phase also waits for rank 0's writes and gets
+  twice the limit. The line names the ranks whose heartbeat port does not answer. Open MPI's
+  daemons, which would wait for a lost node for about 15 minutes, are ended with the rank
+  (``end_open_mpi_daemon``).
+* **A stop that cannot be reached** (128 + the signal): once a stop is requested the limit
+  tightens. A step that has run ``PEER_CHECK_FACTOR`` times longer than the slowest (and at
+  least ``PEER_CHECK_MIN_S``) asks the other ranks' heartbeat ports: one that refuses the
+  connection belongs to a rank whose process has ended, so the step can never finish (srun's
+  ``--kill-on-bad-exit`` sends SIGTERM to the survivors of a dead rank, and Slurm kills them
+  KillWait seconds later). A step that has run ``STUCK_FACTOR`` times the slowest (at least
+  ``STUCK_MIN_S``) is stuck whatever the reason. Between steps (validation, the checkpoint
+  agreement, setup) a request that has waited ``BETWEEN_STEPS_PEER_CHECK_S`` asks the same
+  ports.
+
+``install`` routes the signals here and starts the thread; ``uninstall`` stops the thread and
+puts back the handlers that were there before (or ignores the stop signals, for a process that
+only exits after the run: see ``AfterRun``), so a run in a longer-lived process (a notebook, a
+test) leaves no handler behind.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+import os
+import re
+import select
+import signal
+import socket
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping, TextIO
+
+from hvdtrain.errors import STALLED_EXIT_CODE
+from hvdtrain.world import World, hold_open_mpi_abort, keepalive_window_s, launched_by_a_launcher
+
+if TYPE_CHECKING:
+    from hvdtrain.config import Config
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
+# Requests closer together than this are one event delivered twice, not a second request.
+SAME_EVENT_S = 3.0
+# The stall limit without a stop request (see the module doc).
+FLOOR_S = 30.0
+STEP_FACTOR = 20.0
+FIRST_PHASE_S = 120.0
+PHASE_FACTOR = 3.0
+# After a stop request: a step this many times the slowest (at least the floor) is stuck ...
+STUCK_FACTOR = 10
+STUCK_MIN_S = 10.0
+# ... and this many times (at least the floor) is worth asking whether a peer is gone.
+PEER_CHECK_FACTOR = 3
+PEER_CHECK_MIN_S = 2.0
+BETWEEN_STEPS_PEER_CHECK_S = 5.0
+POLL_S = 0.5
+OUTPUT_GRACE_S = 1.5
+PROBE_TIMEOUT_S = 3.0
+# A rank under orted waits for the launcher's keep-alive to end the job when it takes at most
+# this long (launcher_defaults: 46 s); Open MPI's own (480 s) is not waited for.
+KEEPALIVE_WAIT_LIMIT_S = 60.0
+HNP_PROBE_S = 1.0
+
+
+class AfterRun(enum.Enum):
+    """What the stop signals do once the run is over."""
+
+    RESTORE = "restore"   # the handlers from before the run (a notebook, a test, a script)
+    IGNORE = "ignore"     # ignored: the process only exits now (the CLI's console script)
+
+
+def automatic_limit(slowest_step_s: float) -> float:
+    """The default stall limit: generous against jitter yet far below an allocation's time."""
+    return max(FLOOR_S, STEP_FACTOR * slowest_step_s)
+
+
+def ignore_stop_signals() -> None:
+    """Ignore the stop signals from now on (an ignored signal is inherited by every process
+    started later: only for a process that is about to exit)."""
+    for number in STOP_SIGNALS:
+        signal.signal(number, signal.SIG_IGN)
+
+
+def liveness_for(config: Config, process_exits: bool = False) -> Liveness:
+    """The monitor a run of ``config`` gets: stalls limited by ``--stall-timeout``, the stop
+    signals, the launcher when one started this process; ``process_exits``: the process ends
+    with the run (the console script), so the stop signals stay ignored after it. An elastic
+    run's monitor installs no handler (Horovod's elastic loop handles a lost rank)."""
+    if config.train.elastic:
+        return Liveness(0, install_signals=False)
+    return Liveness(config.train.stall_timeout, watch_launcher=launched_by_a_launcher(),
+                    after_run=AfterRun.IGNORE if process_exits else AfterRun.RESTORE)
+
+
+class Liveness:
+    """This rank's liveness monitor (see the module doc)."""
+
+    def __init__(self, stall_timeout: float | None = None, *, install_signals: bool = True,
+                 watch_launcher: bool = False, after_run: AfterRun = AfterRun.RESTORE,
+                 clock: Callable[[], float] = time.monotonic,
+                 exit: Callable[[int], Any] = os._exit, stream: TextIO | None = None,
+                 poll_s: float = POLL_S) -> None:
+        """``stall_timeout``: a fixed stall limit in seconds, None for the automatic one, 0 for
+        none; ``install_signals``: route the stop signals here (not for an elastic run,
+        whose lost ranks Horovod's elastic loop handles); ``watch_launcher``: a launcher
+        started this process (stop when it ends);
+        ``clock``, ``exit``, ``stream``, ``poll_s``: for tests."""
+        self.fixed_limit = stall_timeout
+        self.install_signals = install_signals
+        self.watch_launcher = watch_launcher
+        self.after_run = after_run
+        self.who = "this rank"
+        self._stall_watch = False
+        self._clock, self._exit, self._stream, self._poll_s = clock, exit, stream, poll_s
+        self._lock = threading.Lock()
+        self._closed = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._pipe: tuple[int, int] | None = None
+        self._saved: dict[int, Any] = {}
+        self._saved_wakeup_fd: int | None = None
+        self._launcher: int | None = None
+        self._launcher_lost = False
+        self._heartbeat: Heartbeat | None = None
+        self.peers: list[Peer] = []
+        # Stop requests.
+        self.stop_reason: str | None = None
+        self._stop_code = 0
+        self._stop_at = 0.0
+        # The step and phase clock.
+        self._step_began: float | None = None
+        self._last_step_end: float | None = None
+        self._after_phase = False
+        self._phases = 0
+        self._phase_began = 0.0
+        self._deadline: float | None = None     # the stall deadline; None: not armed
+        self._armed_limit = 0.0
+        self.steps = 0
+        self.slowest_step_s = 0.0
+        self.longest_phase_s = 0.0
+        self.waiting_for = "the first training step"
+
+    # --- installed for the run -----------------------------------------------------------
+
+    def install(self) -> None:
+        """Route the stop signals here (from the main thread only; elsewhere they keep their
+        handlers), watch the launcher if asked, and start the monitor thread. Idempotent."""
+        if self._thread is not None:
+            return
+        self._closed.clear()
+        if self.install_signals and threading.current_thread() is threading.main_thread():
+            read_fd, write_fd = os.pipe()
+            os.set_blocking(read_fd, False)
+            os.set_blocking(write_fd, False)
+            self._pipe = (read_fd, write_fd)
+            for number in STOP_SIGNALS:
+                # The Python-level handler does nothing: the C-level one writes the number into
+                # the wakeup pipe at once, which the monitor thread reads.
+                self._saved[number] = signal.signal(number, lambda *_: None)
+            self._saved_wakeup_fd = signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)
+        if self.watch_launcher:
+            hold_open_mpi_abort()
+            self._launcher = os.getppid()
+        self._thread = threading.Thread(target=self._monitor, name="hvdtrain-liveness",
+                                        daemon=True)
+        self._thread.start()
+
+    def uninstall(self) -> None:
+        """Stop the thread and the heartbeat, and put the signals back (``after_run``)."""
+        self.training_ended()
+        self._closed.set()
+        if self._pipe is not None:
+            os.write(self._pipe[1], b"\0")   # wakes the thread's select (0 is no signal)
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout=5)
+        self._thread = None
+        if self._pipe is not None:
+            signal.set_wakeup_fd(self._saved_wakeup_fd if self._saved_wakeup_fd is not None
+                                 else -1)
+            for number, handler in self._saved.items():
+                restored = signal.SIG_IGN if self.after_run is AfterRun.IGNORE else handler
+                signal.signal(number, restored if restored is not None else signal.SIG_DFL)
+            for fd in self._pipe:
+                os.close(fd)
+            self._pipe, self._saved = None, {}
+
+    @contextlib.contextmanager
+    def installed(self) -> Iterator[Liveness]:
+        """``install`` for the block, ``uninstall`` however it ends."""
+        self.install()
+        try:
+            yield self
+        finally:
+            self.uninstall()
+
+    def attach(self, world: World) -> None:
+        """The world is known: name this rank in its lines and watch for stalls when another
+        rank can hang it (more than one rank, ``--stall-timeout`` not 0)."""
+        self.who = f"rank {world.rank} of {world.size} on {world.host}"
+        self._stall_watch = world.size > 1 and self.fixed_limit != 0
+
+    @property
+    def watches_stalls(self) -> bool:
+        return self._stall_watch
+
+    def connect_peers(self, exchange: Callable[[tuple[str, int]], list[tuple[str, int]]],
+                      world: World) -> None:
+        """Serve this rank's heartbeat port and learn the others' (``exchange``: an allgather
+        of (host, port)), for the stall line and the stop path's probes."""
+        self._heartbeat = Heartbeat()
+        addresses = exchange((world.host, self._heartbeat.port))
+        self.peers = [Peer(rank, host, port) for rank, (host, port) in enumerate(addresses)
+                      if rank != world.rank]
+
+    def launcher_gone(self) -> bool:
+        """True when the launcher that started this process has ended (its parent changed)."""
+        return self._launcher is not None and os.getppid() != self._launcher
+
+    # --- the step and phase clock ------------------------------------------------------------
+
+    def limit(self) -> float:
+        """Seconds without a step after which this rank gives up."""
+        if self.fixed_limit is not None:
+            return self.fixed_limit
+        return automatic_limit(self.slowest_step_s)
+
+    def phase_limit(self) -> float:
+        """Seconds a phase may take."""
+        if self.longest_phase_s == 0.0:
+            return max(self.limit(), FIRST_PHASE_S)
+        return max(self.limit(), PHASE_FACTOR * self.longest_phase_s)
+
+    def _arm(self, now: float, limit: float) -> None:
+        if self._stall_watch:
+            self._deadline, self._armed_limit = now + limit, limit
+
+    def step_begins(self) -> None:
+        self._step_began = self._clock()
+
+    def step_ends(self) -> None:
+        """A step finished: time it (from the previous step's end: not the first, nor the one
+        after a phase, which waited for rank 0's writes) and give the next one the limit."""
+        now = self._clock()
+        with self._lock:
+            if self._last_step_end is not None and not self._after_phase:
+                self.slowest_step_s = max(self.slowest_step_s, now - self._last_step_end)
+            self.steps += 1
+            self._last_step_end, self._after_phase, self._step_began = now, False, None
+            self.waiting_for = f"training step {self.steps + 1} (its gradient allreduce)"
+            if self._phases == 0:
+                self._arm(now, self.limit())
+
+    def phase_begins(self, what: str) -> None:
+        """A long legitimate phase starts (nestable): it gets the phase limit."""
+        now = self._clock()
+        with self._lock:
+            self._phases += 1
+            self.waiting_for = what
+            if self._phases == 1:
+                self._phase_began = now
+                if self._last_step_end is not None:
+                    self._arm(now, self.phase_limit())
+
+    def phase_ends(self) -> None:
+        """The phase is over: the next step may also wait for rank 0's writes."""
+        now = self._clock()
+        with self._lock:
+            self._phases = max(0, self._phases - 1)
+            if self._phases:
+                return
+            self.longest_phase_s = max(self.longest_phase_s, now - self._phase_began)
+            if self._last_step_end is None:
+                return
+            self._after_phase = True
+            self.waiting_for = (f"training step {self.steps + 1} (its gradient allreduce, after "
+                                "rank 0's end-of-epoch writes)")
+            self._arm(now, 2 * self.limit())
+
+    @contextlib.contextmanager
+    def phase(self, what: str) -> Iterator[None]:
+        self.phase_begins(what)
+        try:
+            yield
+        finally:
+            self.phase_ends()
+
+    def training_ended(self) -> None:
+        """No more steps: disarm, stop serving the heartbeat, and stop asking the peers (their
+        ports may close for good reasons now)."""
+        with self._lock:
+            self._deadline = None
+            self._step_began = None
+        self.peers = []
+        if self._heartbeat is not None:
+            self._heartbeat.close()
+            self._heartbeat = None
+
+    # --- stop requests -----------------------------------------------------------------------
+
+    def request(self, reason: str, exit_code: int) -> None:
+        """Record the first request; end the process at once on a second, later one."""
+        with self._lock:
+            now = self._clock()
+            if self.stop_reason is None:
+                self.stop_reason, self._stop_code, self._stop_at = reason, exit_code, now
+                return
+            if now - self._stop_at < SAME_EVENT_S:
+                return
+        self._leave(f"hvdtrain: second stop request ({reason}) after {self.stop_reason}: "
+                    "exiting now, without a checkpoint", exit_code)
+
+    def gone_peers(self) -> list[str]:
+        """``rank R on HOST`` for every other rank whose process has ended (``is_gone``)."""
+        return peers_where(is_gone, list(self.peers))
+
+    def _running_past(self, now: float, factor: float, floor_s: float) -> float | None:
+        """Seconds the current step has run, when past ``factor`` times the slowest step and
+        ``floor_s`` (only once two steps are timed); else None."""
+        began = self._step_began
+        if began is None or self.steps < 2:
+            return None
+        running = now - began
+        return running if running > max(floor_s, factor * self.slowest_step_s) else None
+
+    def _why_stop_is_stuck(self, now: float) -> str | None:
+        """After a stop request: why the stop can never be reached, or None while it may."""
+        if (running := self._running_past(now, STUCK_FACTOR, STUCK_MIN_S)) is not None:
+            return (f"this rank's step has not ended for {running:.0f} s: another rank is gone "
+                    "or stuck")
+        if (running := self._running_past(now, PEER_CHECK_FACTOR, PEER_CHECK_MIN_S)) is not None:
+            if gone := self.gone_peers():
+                return (f"this rank's step has waited {running:.0f} s for {', '.join(gone)}, "
+                        "whose process has ended")
+        waited = now - self._stop_at
+        if self._step_began is None and waited > BETWEEN_STEPS_PEER_CHECK_S:
+            if gone := self.gone_peers():
+                return (f"this rank has waited {waited:.0f} s between steps (validation, "
+                        f"checkpoint or setup) for {', '.join(gone)}, whose process has ended")
+        return None
+
+    # --- the monitor ---------------------------------------------------------------------
+
+    def _monitor(self) -> None:
+        read_fd = self._pipe[0] if self._pipe is not None else None
+        while not self._closed.is_set():
+            if read_fd is not None:
+                select.select([read_fd], [], [], self._poll_s)
+            else:
+                self._closed.wait(self._poll_s)
+            if self._closed.is_set():
+                return
+            self._read_signals(read_fd)
+            self.check()
+
+    def _read_signals(self, read_fd: int | None) -> None:
+        if read_fd is None:
+            return
+        try:
+            numbers = os.read(read_fd, 64)
+        except BlockingIOError:
+            return
+        for number in numbers:
+            if number in STOP_SIGNALS:
+                self.request(signal.Signals(number).name, 128 + number)
+
+    def check(self) -> None:
+        """One look (the thread's, every ``poll_s``): the launcher, the stall deadline, and a
+        requested stop that can never be reached. Ends the process when it must."""
+        if not self._launcher_lost and self.launcher_gone():
+            self._launcher_lost = True
+            # stdout and stderr led to the launcher; writing there could fail mid-checkpoint.
+            quiet = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(quiet, 1)
+            os.dup2(quiet, 2)
+            self.request("its launcher ending", 128 + signal.SIGTERM)
+        now = self._clock()
+        with self._lock:
+            stalled_s = (None if self._deadline is None or now <= self._deadline
+                         else now - (self._last_step_end or now))
+        if stalled_s is not None:
+            self._stalled(stalled_s)
+            return
+        if self.stop_reason is not None:
+            why = self._why_stop_is_stuck(now)
+            if why is not None:
+                self._leave(f"hvdtrain: stop requested ({self.stop_reason}) but {why}; exiting "
+                            "now, without a checkpoint", self._stop_code)
+
+    def _stalled(self, silent_s: float) -> None:
+        silent = unanswered(self.peers)
+        culprit = (f"no answer from {', '.join(silent)}" if silent else
+                   "every other rank still answers" if self.peers else
+                   "another rank, its node or the network stopped answering")
+        self._leave(f"hvdtrain: error: {self.who} stalled: no training step finished for "
+                    f"{silent_s:.0f} s (limit {self._armed_limit:.0f} s, --stall-timeout) while "
+                    f"waiting for {self.waiting_for}; {culprit}; ending this rank "
+                    f"(exit {STALLED_EXIT_CODE})", STALLED_EXIT_CODE, end_daemon=True)
+
+    def _leave(self, line: str, code: int, end_daemon: bool = False) -> None:
+        """The one way out: the line, then (for a real exit after a stall) Open MPI's waiting
+        daemon, then the process."""
+        self._deadline = None
+        if self._stream is not None:
+            self._stream.write(line + "\n")
+            self._stream.flush()
+        else:   # not through sys.stderr, whose lock the blocked main thread may hold
+            os.write(2, (line + "\n").encode())
+        if end_daemon and self._exit is os._exit:
+            end_open_mpi_daemon(os.getppid())
+        self._exit(code)
+
+
+@dataclass(frozen=True)
+class Peer:
+    """Another rank's heartbeat address."""
+
+    rank: int
+    host: str
+    port: int
+
+
+class Heartbeat:
+    """A TCP port that answers every connection at once, from a daemon thread: a rank that
+    stalled tells peers that wait like itself (they answer) from ones whose node vanished or
+    whose process is gone or frozen (no answer)."""
+
+    def __init__(self) -> None:
+        self._socket = socket.create_server(("", 0), backlog=64)
+        self.port = self._socket.getsockname()[1]
+        threading.Thread(target=self._serve, name="hvdtrain-heartbeat", daemon=True).start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                connection, _ = self._socket.accept()
+            except OSError:
+                return
+            with connection:
+                connection.sendall(b"alive\n")
+
+    def close(self) -> None:
+        try:   # wakes the thread's accept (closing alone would leave the port listening)
+            self._socket.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self._socket.close()
+
+
+def answers(peer: Peer, timeout_s: float) -> bool:
+    try:
+        with socket.create_connection((peer.host, peer.port), timeout=timeout_s) as connection:
+            connection.settimeout(timeout_s)
+            return connection.recv(6) == b"alive\n"
+    except OSError:
+        return False
+
+
+def is_gone(peer: Peer) -> bool:
+    """True only when the peer's host answers but nothing listens on its heartbeat port: its
+    process has ended (a silent or slow host is not proof, so it is not gone)."""
+    try:
+        with socket.create_connection((peer.host, peer.port), timeout=PROBE_TIMEOUT_S):
+            return False
+    except ConnectionRefusedError:
+        return True
+    except OSError:
+        return False
+
+
+def peers_where(test: Callable[[Peer], bool], peers: list[Peer]) -> list[str]:
+    """``rank R on HOST`` for every peer that ``test`` (a probe) picks, probed in parallel so
+    that silent hosts cost one probe timeout, not one each."""
+    if not peers:
+        return []
+    with ThreadPoolExecutor(max_workers=min(32, len(peers))) as pool:
+        picked = list(pool.map(test, peers))
+    return [f"rank {peer.rank} on {peer.host}" for peer, yes in zip(peers, picked) if yes]
+
+
+def unanswered(peers: list[Peer], timeout_s: float = PROBE_TIMEOUT_S) -> list[str]:
+    """``rank R on HOST`` for every peer whose heartbeat does not answer."""
+    return peers_where(lambda peer: not answers(peer, timeout_s), peers)
+
+
+def end_open_mpi_daemon(parent: int) -> None:
+    """End the Open MPI process that started this rank, if one did and it would wait for ever.
+
+    Measured with a node cut off: mpirun (which starts the ranks of its own node) and orted
+    (which mpirun starts on every other node over ssh, or srun under Slurm) both wait for the
+    lost node's acknowledgement of the abort, until TCP gives up (about 15 minutes). mpirun
+    answers a first SIGTERM with an "abort already in progress" and keeps waiting, so it gets
+    SIGKILL, and so do the ssh and srun clients it started (they would wait for the lost node
+    as long); its other nodes' orteds then lose their connection to it and end their ranks.
+
+    Under orted the launcher is elsewhere, possibly outside the nodes, where no rank can end
+    it. Ending orted makes mpirun start to end the job, and its messages to the lost node then
+    wait for TCP's retransmissions; so when the launcher's keep-alive (``world.
+    launcher_defaults``) will find the lost node soon and this rank's node still reaches the
+    launcher, the rank leaves the ending to it (orted ends its ranks then) and ends orted only
+    if that has not happened in time. A rank that cannot reach the launcher is on the lost side:
+    its orted's own messages to mpirun are stuck, so it is ended at once. Slurm's and Gloo's
+    launchers are left alone: they end a failed rank's job themselves.
+    """
+    try:
+        name = Path(f"/proc/{parent}/comm").read_text().strip()
+    except OSError:
+        return
+    if name not in ("orted", "mpirun", "orterun"):
+        return
+    time.sleep(OUTPUT_GRACE_S)   # the daemon forwards this rank's line first
+    if name == "orted":
+        window = keepalive_window_s()
+        if window <= KEEPALIVE_WAIT_LIMIT_S and launcher_answers(os.environ):
+            time.sleep(window + OUTPUT_GRACE_S)
+            if os.getppid() != parent:   # orted is gone (and its pid may be another's now)
+                return
+        victims, signal_number = [parent], signal.SIGTERM
+    else:
+        victims = [parent] + children_named(parent, "ssh") + children_named(parent, "srun")
+        signal_number = signal.SIGKILL
+    for pid in victims:
+        try:
+            os.kill(pid, signal_number)
+        except ProcessLookupError:
+            pass
+
+
+def launcher_answers(environ: Mapping[str, str]) -> bool:
+    """True when this rank's mpirun (Open MPI's HNP, whose addresses Open MPI gives every rank
+    in ``OMPI_MCA_orte_hnp_uri``) accepts a connection: this rank's node is still on the
+    network. False when it does not answer, or its address is unknown."""
+    uri = environ.get("OMPI_MCA_orte_hnp_uri", "")
+    for addresses, port in re.findall(r"tcp://([^;\[]+):(\d+)", uri):
+        for address in addresses.split(","):
+            try:
+                with socket.create_connection((address, int(port)), timeout=HNP_PROBE_S):
+                    return True
+            except OSError:
+                continue
+    return False
+
+
+def children_named(parent: int, name: str) -> list[int]:
+    """Pids of ``parent``'s children whose command is ``name`` (from /proc)."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            text = stat.read_text()
+        except OSError:
+            continue
+        command, fields = text[text.index("(") + 1:text.rindex(")")], text.rsplit(")", 1)[1]
+        if command == name and int(fields.split()[1]) == parent:
+            found.append(int(stat.parent.name))
+    return found
