@@ -1,5 +1,6 @@
-"""README.md's four complete programs (a custom train_step, a GAN, preprocessing layers, a
-tf.data time series) run as written on 2 ranks and end with the same weights on both."""
+"""The four complete programs of hvdtrain/README.md, which README.md summarises and links (a
+custom train_step, a GAN, preprocessing layers, a tf.data time series), run as written on 2 ranks
+and end with the same weights on both."""
 
 from __future__ import annotations
 
@@ -8,17 +9,17 @@ import re
 
 import pytest
 
-from conftest import launch
-from readme_pattern_ranks import README, pattern_blocks
+from conftest import REPO, launch
+from readme_pattern_ranks import PATTERNS, pattern_blocks
 
 pytestmark = pytest.mark.distributed
 
 
 def test_the_readme_patterns_run_on_two_ranks_with_identical_weights(tmp_path):
-    blocks = pattern_blocks(README.read_text())
+    blocks = pattern_blocks(PATTERNS.read_text())
     assert len(blocks) == 4
     result = launch("horovodrun", 2, [str(tmp_path)], module="readme_pattern_ranks",
-                    timeout=400, PYTHONPATH=str(README.parent / "tests"))
+                    timeout=400, PYTHONPATH=str(REPO / "tests"))
     output = result.stdout + result.stderr
     assert result.returncode == 0, output[-4000:]
     reports = [json.loads(line) for line in re.findall(r"pattern (\{.*\})", output)]
