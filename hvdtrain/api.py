@@ -9,7 +9,8 @@ compiled loss, metrics and optimizer, Keras' callbacks deciding from exact globa
 same on every rank) and writing from rank 0. On top: hvdtrain's options (every option of
 ``hvdtrain --help``, by its YAML name: ``run_dir=...``, ``optimizer="adam"``,
 ``lr_scaling="none"``), exact global-batch math and metrics, step checkpoints, clean stops on
-signals, the stall watchdog and a run directory.
+signals (``StoppedBySignal``, exit code 75, after a checkpoint), the stall limit and a run
+directory.
 
     import hvdtrain
     result = hvdtrain.fit(model, x_train, y_train, epochs=5, batch_size=64,

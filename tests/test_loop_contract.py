@@ -1,0 +1,78 @@
+"""One callback contract for the training loops (single process, a world of one): Keras ``fit``
+and the custom loop fire the same hooks in the same order with the same ``params``, for a
+whole run and for one resumed mid-epoch."""
+
+from __future__ import annotations
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from hvdtrain.training.loops import LOOPS
+from hvdtrain.training.objective import Objective, probe
+from hvdtrain.training.step import StepMath
+from hvdtrain.world import LocalCollectives
+
+STEPS, EPOCHS = 3, 3
+
+
+class Recorder(keras.callbacks.Callback):
+    """Every hook call, with its epoch or batch number and the params it sees."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[tuple] = []
+
+    def _note(self, name: str, number: int | None = None) -> None:
+        self.calls.append((name, number, self.params.get("epochs"), self.params.get("steps")))
+
+    def on_train_begin(self, logs=None):
+        self._note("train_begin")
+
+    def on_train_end(self, logs=None):
+        self._note("train_end")
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self._note("epoch_begin", epoch)
+
+    def on_epoch_end(self, epoch, logs=None):
+        self._note("epoch_end", epoch)
+
+    def on_train_batch_begin(self, batch, logs=None):
+        self._note("batch_begin", batch)
+
+    def on_train_batch_end(self, batch, logs=None):
+        self._note("batch_end", batch)
+
+
+def _run(loop: str, initial_epoch: int, done_steps: int) -> list[tuple]:
+    keras.utils.set_random_seed(1)
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
+    model.compile(loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    objective = Objective.for_model(model)
+    step = StepMath(model, keras.optimizers.SGD(0.1), LocalCollectives(), objective)
+    rows = 8 * STEPS * (EPOCHS - initial_epoch)
+    x = np.random.default_rng(0).standard_normal((rows, 4)).astype(np.float32)
+    y = (x[:, 0] > 0).astype(np.int32)
+    ones, weights = np.ones((rows,), np.float32), np.full((rows,), 1 / 8, np.float32)
+    dataset = tf.data.Dataset.from_tensor_slices((x, y, ones, weights)).batch(8)
+    probe(model, objective, next(iter(dataset)), [step.train_metrics], "test model")
+    recorder = Recorder()
+    LOOPS[loop](step, dataset, EPOCHS, initial_epoch, STEPS, [recorder], done_steps)
+    return recorder.calls
+
+
+@pytest.mark.parametrize("initial_epoch,done_steps", [(0, 0), (1, 2)])
+def test_fit_and_the_custom_loop_fire_the_same_hooks_with_the_same_params(
+        initial_epoch, done_steps):
+    fit = _run("fit", initial_epoch, done_steps)
+    custom = _run("custom", initial_epoch, done_steps)
+    assert fit == custom
+    assert fit[0][0] == "train_begin" and fit[-1][0] == "train_end"
+    hooks = [call[0] for call in fit]
+    assert hooks.count("train_begin") == 1 == hooks.count("train_end")
+    batches = [c[1] for c in fit if c[0] == "batch_begin"]
+    first_epoch = list(range(done_steps, STEPS))
+    assert batches == first_epoch + list(range(STEPS)) * (EPOCHS - initial_epoch - 1)
+    assert {(c[2], c[3]) for c in fit} == {(EPOCHS, STEPS)}
