@@ -319,13 +319,13 @@ def test_a_models_own_step_sums_the_votes_with_its_logs():
 def test_only_rank_0_restores_the_epoch_state_of_a_resumed_epoch(tmp_path):
     """The epoch's metric sums so far live on rank 0 alone (sums are only ever added)."""
     for rank in (0, 1):
-        world = ScriptedCollectives(rank, 2, [])
-        step = _step(world, _model())
+        collectives = ScriptedCollectives(rank, 2, [])
+        step = _step(collectives, _model())
         x, y = _batch()[:2]
         step.train_metrics.build(y, step.model(x))
         saved = tuple(np.full(v.shape, 2.0 + i).tolist()
                       for i, v in enumerate(step.epoch_state_variables))
-        callback = _checkpointing(world, step, tmp_path, ResumePoint(1, 3, saved))
+        callback = _checkpointing(collectives, step, tmp_path, ResumePoint(1, 3, saved))
         callback.on_epoch_begin(1)
         for variable, value in zip(step.epoch_state_variables, saved):
             np.testing.assert_array_equal(variable.numpy(), value if rank == 0 else
@@ -337,7 +337,6 @@ def _resumable(rank: int, run_dir: Path) -> tuple[Config, dict, CheckpointStore,
     """What ``_starting_point`` receives on ``rank``; its collectives scripted later."""
     collectives = ScriptedCollectives(rank, 2, [])
     config = Config()
-    config.train.resume = "auto"
     model = _model(dropout=True)
     step = _step(collectives, model)
     schedule = make_schedule(config.optim, 2, 4, config.train.epochs, 0.1)
