@@ -240,6 +240,7 @@ def test_labels_outside_the_class_range(capsys, tmp_path):
                "a label lies outside [0, 1] for 2 classes")
 
 
+@pytest.mark.distributed
 def test_more_ranks_than_examples(tmp_path):
     np.savez(tmp_path / "one.npz", x=np.zeros((1, 2)), y=np.zeros(1, int),
              x_val=np.zeros((1, 2)), y_val=np.zeros(1, int))

@@ -22,11 +22,20 @@ EXACT_REGRESSION = ["--model", "workloads:regression_model", "--dataset",
                     "--momentum", "0", "--warmup-epochs", "0", "--seed", "1", "--deterministic"]
 
 
-def test_compiled_regression_two_ranks_equal_one_process_with_twice_the_batch(session_tmp):
+@pytest.fixture(scope="module")
+def regression_one_process(session_tmp):
+    """The regression model trained by one process on the 2-rank run's global batch: the
+    exactness test's reference and the model the predict test serves, trained once for
+    whichever of them runs first."""
+    return train(session_tmp, "reg-1", *EXACT_REGRESSION, "--batch-size", "32",
+                 "--learning-rate", "0.1", np=1, PYTHONPATH=TESTS)
+
+
+def test_compiled_regression_two_ranks_equal_one_process_with_twice_the_batch(
+        session_tmp, regression_one_process):
     two = train(session_tmp, "reg-2", *EXACT_REGRESSION, "--batch-size", "16",
                 "--learning-rate", "0.05", PYTHONPATH=TESTS)
-    one = train(session_tmp, "reg-1", *EXACT_REGRESSION, "--batch-size", "32",
-                "--learning-rate", "0.1", np=1, PYTHONPATH=TESTS)
+    one = regression_one_process
     for a, b in zip(final_weights(two), final_weights(one)):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
     ours, theirs = read_summary(two)["metrics"], read_summary(one)["metrics"]
@@ -83,10 +92,8 @@ def test_two_inputs_two_outputs_train_evaluate_and_name_their_metrics(session_tm
         read_summary(run)["metrics"]["val_digit_accuracy"], abs=1e-6)
 
 
-def test_regression_predict_prints_values(session_tmp, tmp_path):
-    run = session_tmp / "reg-1"
-    if not (run / "model.keras").exists():
-        pytest.skip("needs the regression run of the exactness test")
+def test_regression_predict_prints_values(regression_one_process, tmp_path):
+    run = regression_one_process
     np.savez(tmp_path / "x.npz", x=np.ones((3, 5), np.float32))
     result = launch("none", 1, ["predict", str(run), "--input", str(tmp_path / "x.npz"),
                                 "--output", str(tmp_path / "y.npy")])
