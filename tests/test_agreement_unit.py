@@ -23,11 +23,11 @@ from hvdtrain.data.pipeline import ShardSpec
 from hvdtrain.data.sources import ArraySplit
 from hvdtrain.data.user import PipelineSplit
 from hvdtrain.errors import CheckpointWriteFailed, StoppedBySignal, UserError
-from hvdtrain.training.callbacks import (Checkpointing, Progress, RateControl, ResumePoint,
-                                         RunHooks)
+from hvdtrain.training.callbacks import (CheckpointPlan, Checkpointing, RateControl, Reporting,
+                                         ResumePoint, RunHooks)
+from hvdtrain.training.liveness import Liveness
 from hvdtrain.training.objective import Objective
 from hvdtrain.training.own_step import OwnStep
-from hvdtrain.training.preemption import REQUESTS
 from hvdtrain.training.run import _agreed_steps, _starting_point, chief_decides
 from hvdtrain.training.schedule import make_schedule
 from hvdtrain.training.step import StepMath, StepOptions
@@ -94,16 +94,20 @@ def _step(collectives: ScriptedCollectives, model: keras.Model,
 
 
 def _checkpointing(collectives: ScriptedCollectives, step: StepMath, run_dir: Path,
-                   resume: ResumePoint = ResumePoint()) -> Checkpointing:
-    """The run's checkpoint and stop agreement for 4 steps an epoch (no periodic checkpoint)."""
+                   resume: ResumePoint = ResumePoint(),
+                   stop_reason: str | None = None) -> Checkpointing:
+    """The run's checkpoint and stop agreement for 4 steps an epoch (no periodic checkpoint);
+    ``stop_reason``: this rank's liveness monitor holds that stop request."""
     schedule = make_schedule(OptimConfig(), collectives.size, 4, 2)
-    hooks = RunHooks(world=collectives.world, collectives=collectives, step=step, evaluate=None,
-                     rates=RateControl(schedule, {}), store=CheckpointStore(run_dir, 2),
-                     state={"model": "dense"}, run_dir=run_dir,
-                     progress=Progress(2, 4, 8, show_bar=False, interactive=False),
-                     plateau=None, tensorboard=False, resume=resume)
+    liveness = Liveness()
+    liveness.stop_reason = stop_reason
+    hooks = RunHooks(collectives=collectives, step=step, rates=RateControl(schedule, {}),
+                     checkpoints=CheckpointPlan(CheckpointStore(run_dir, 2), {"model": "dense"},
+                                                resume=resume),
+                     reporting=Reporting(run_dir, 8, show_progress=False), liveness=liveness)
     callback = Checkpointing(hooks, lambda: {"rates": {}})
     callback.set_model(step.model)
+    callback.set_params({"epochs": 2, "steps": 4, "verbose": 0})
     return callback
 
 
@@ -178,11 +182,9 @@ def test_a_stop_requested_on_rank_1_ends_rank_0_after_the_epochs_checkpoint(tmp_
         callback.on_epoch_begin(1)
 
 
-def test_rank_1_sends_its_own_stop_request_and_stops_with_rank_0s_checkpoint(tmp_path,
-                                                                             monkeypatch):
-    monkeypatch.setattr(REQUESTS, "reason", "SIGUSR1")
+def test_rank_1_sends_its_own_stop_request_and_stops_with_rank_0s_checkpoint(tmp_path):
     other = ScriptedCollectives(1, 2, [Gather({0: ("epoch-0001", None, False)})])
-    callback = _checkpointing(other, _step(other, _model()), tmp_path)
+    callback = _checkpointing(other, _step(other, _model()), tmp_path, stop_reason="SIGUSR1")
     callback.on_epoch_begin(0)
     callback.on_epoch_end(0, {"loss": 0.5})
     assert other.values("allgather_object") == [("", "SIGUSR1", False)]
@@ -222,17 +224,16 @@ def test_the_other_ranks_stop_vote_reaches_this_rank_in_the_steps_own_reduction(
 
 
 def test_a_stop_request_on_this_rank_becomes_its_vote_and_stops_every_rank_mid_epoch(
-        tmp_path, monkeypatch):
+        tmp_path):
     """Rank 1 is asked to stop: its vote rides in the next step, the sum stops both ranks
     after that step, rank 0 checkpoints there and rank 1 names itself as the reason."""
-    monkeypatch.setattr(REQUESTS, "reason", "SIGTERM")
     model = _model()
     other = ScriptedCollectives(1, 2, [
         Sum([_peer_votes(stop=0.0)]),
         Sum([lambda sent: sent]),                 # the epoch's metric sums so far
         Gather({0: ("epoch-0000-step-000001", None, False)})])
     step = _step(other, model)
-    callback = _checkpointing(other, step, tmp_path)
+    callback = _checkpointing(other, step, tmp_path, stop_reason="SIGTERM")
     callback.on_epoch_begin(0)
     callback.on_train_batch_begin(0)
     step.train_step(*_batch())
