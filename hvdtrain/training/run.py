@@ -39,7 +39,8 @@ from hvdtrain.checkpoint import (CheckpointStore, assign_rank_state, atomic_writ
 from hvdtrain.config import Config, DataConfig
 from hvdtrain.data.files import LABEL_RANGE_MESSAGE, FileSplit, corrupt_record_message
 from hvdtrain.data.pipeline import ShardSpec
-from hvdtrain.data.sources import ArraySplit, DataBundle, Split, load_source
+from hvdtrain.data.contract import ArraySplit, DataBundle, Split
+from hvdtrain.data.load import load_source
 from hvdtrain.errors import (CheckpointWriteFailed, PeerFailed, StoppedBySignal,
                              TrainingDiverged, UserError)
 from hvdtrain.models import build_model, check_input_shape
