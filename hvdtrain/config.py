@@ -18,6 +18,7 @@ from typing import Any
 
 import yaml
 
+from hvdtrain.builtin_names import DATASETS, MODELS
 from hvdtrain.errors import UserError
 from hvdtrain.plugins import PLUGIN
 
@@ -57,8 +58,7 @@ class DataConfig:
                                     "arrays, a tf.data.Dataset or keras PyDataset, "
                                     "hvdtrain.Arrays or hvdtrain.Pipeline ('python': data "
                                     "handed to hvdtrain.fit)",
-                          choices=("digits", "synthetic", "npz", "tfrecord", "csv", "mnist",
-                                   "fashion_mnist", "cifar10"), plugin=True)
+                          choices=DATASETS, plugin=True)
     data_path: str | None = option(None, "npz: a .npz file with x and y (optionally x_val, "
                                          "y_val); tfrecord, csv: a glob of training files")
     val_data_path: str | None = option(None, "tfrecord, csv: a glob of validation files")
@@ -103,7 +103,7 @@ class ModelConfig:
     model: str = option("mlp", "built-in model or a user's package.module:build_fn "
                                "(which may return a compiled model: its loss and metrics are "
                                "used; 'python': a model handed to hvdtrain.fit)",
-                        choices=("mlp", "cnn", "resnet"), plugin=True)
+                        choices=MODELS, plugin=True)
     hidden_units: list[int] = option([256, 128], "hidden layer widths of the mlp", minimum=1)
     weight_decay: float = option(0.0, "L2 penalty on kernel weights", minimum=0.0)
     resnet_blocks: int = option(3, "residual blocks per stage of the resnet (3: ResNet-20)",

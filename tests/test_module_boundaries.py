@@ -55,3 +55,18 @@ def test_the_data_contract_is_a_leaf():
 def test_builtin_sources_and_user_data_do_not_import_each_other():
     assert not under(imports_in("hvdtrain.data.sources"), "hvdtrain.data.user")
     assert not under(imports_in("hvdtrain.data.user"), "hvdtrain.data.sources")
+
+
+def test_config_loads_neither_tensorflow_nor_the_registries():
+    """``hvdtrain --help`` reads the config: the option choices come from a leaf of names."""
+    [loaded] = loaded_after("hvdtrain.config")
+    assert not under(loaded, "tensorflow", "keras", "hvdtrain.data", "hvdtrain.models")
+
+
+def test_the_builtin_names_are_the_registries_keys():
+    from hvdtrain.builtin_names import DATASETS, MODELS
+    from hvdtrain.data.sources import SOURCES
+    from hvdtrain.models import BUILTIN
+
+    assert tuple(SOURCES) == DATASETS
+    assert tuple(BUILTIN) == MODELS

@@ -121,13 +121,14 @@ def load_files(config: DataConfig, seed: int) -> DataBundle:
     return DataBundle(train, val, num_classes)
 
 
+# The built-in sources by name; hvdtrain.builtin_names.DATASETS holds the same names.
 SOURCES: dict[str, Callable[[DataConfig, int], DataBundle]] = {
     "digits": load_digits,
     "synthetic": load_synthetic,
     "npz": load_npz,
+    "tfrecord": load_files,
+    "csv": load_files,
     "mnist": load_keras_dataset,
     "fashion_mnist": load_keras_dataset,
     "cifar10": load_keras_dataset,
-    "tfrecord": load_files,
-    "csv": load_files,
 }
