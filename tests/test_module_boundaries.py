@@ -9,6 +9,8 @@ from __future__ import annotations
 import ast
 import subprocess
 
+import pytest
+
 from conftest import BIN, REPO, RUN_TIMEOUT, rank_env
 
 
@@ -70,3 +72,16 @@ def test_the_builtin_names_are_the_registries_keys():
 
     assert tuple(SOURCES) == DATASETS
     assert tuple(BUILTIN) == MODELS
+
+
+def test_the_dropin_apis_share_a_leaf_and_only_keras_builds_on_tensorflow():
+    assert not under(imports_in("hvdtrain.dropin"), "hvdtrain.keras", "hvdtrain.tensorflow")
+    assert not under(imports_in("hvdtrain.tensorflow"), "hvdtrain.keras")
+
+
+@pytest.mark.parametrize("first, second", [("hvdtrain.keras", "hvdtrain.tensorflow"),
+                                           ("hvdtrain.tensorflow", "hvdtrain.keras")])
+def test_the_dropin_apis_import_in_either_order(first, second):
+    alone, _ = loaded_after(first, second)
+    if first == "hvdtrain.tensorflow":
+        assert not under(alone, "hvdtrain.keras")
