@@ -302,21 +302,49 @@ def _check_bounds(name: str, value: Any, meta: typing.Mapping[str, Any]) -> None
 
 
 def validate(config: Config) -> Config:
-    """Check every field's type and bounds; raise ConfigError naming the first bad one."""
+    """Check every field's type and bounds, then every rule that depends on the values alone
+    (rules that need the world size, the data or the file system are checked where those are
+    known); raise ConfigError naming the first bad one."""
     for name, (section, f) in field_index().items():
         value = getattr(getattr(config, section), name)
         _check_bounds(name, _coerce(name, value, _field_type(section, name), f.metadata["bare"],
                                     f.metadata["default"]), f.metadata)
-    if config.data.dataset == "npz" and not config.data.data_path:
-        raise ConfigError("--dataset npz needs --data-path FILE.npz")
+    _check_data_paths(config.data)
     every, accumulation = config.train.checkpoint_every_steps, config.optim.accumulation_steps
     if every % accumulation:
         raise ConfigError(f"--checkpoint-every-steps {every} must be a multiple of "
                           f"--accumulation-steps {accumulation}: checkpoints fall between updates")
-    if every and config.train.elastic:
+    if config.train.elastic:
+        _check_elastic(config)
+    return config
+
+
+def _check_data_paths(data: DataConfig) -> None:
+    """The paths a built-in file source needs (whether they exist is the source's to say)."""
+    if data.dataset == "npz" and not data.data_path:
+        raise ConfigError("--dataset npz needs --data-path FILE.npz")
+    if data.dataset in ("tfrecord", "csv"):
+        for flag, pattern in (("--data-path", data.data_path),
+                              ("--val-data-path", data.val_data_path)):
+            if not pattern:
+                raise ConfigError(f"{flag} is not set; give a glob of files, e.g. "
+                                  "'data/train-*'")
+
+
+def _check_elastic(config: Config) -> None:
+    """What --elastic cannot combine with: ranks that join later find the run by its
+    directory, re-shard an epoch at an offset (in-memory data, one micro-step per update),
+    and take only the committed state (no plateau history)."""
+    if config.train.checkpoint_every_steps:
         raise ConfigError("--checkpoint-every-steps does not apply to --elastic, which commits "
                           "its state every --commit-every steps")
-    return config
+    if not config.train.run_dir:
+        raise ConfigError("--elastic needs --run-dir: ranks that join later must find the run")
+    if config.data.dataset in ("tfrecord", "csv") or config.optim.accumulation_steps != 1:
+        raise ConfigError("--elastic supports in-memory datasets without --accumulation-steps")
+    if config.optim.lr_schedule == "plateau":
+        raise ConfigError("--elastic does not support --lr-schedule plateau (its state would "
+                          "not reach joining ranks); use constant, cosine or step")
 
 
 def flatten_options(document: Any, source: str) -> dict[str, Any]:

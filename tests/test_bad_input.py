@@ -101,7 +101,8 @@ def test_data_path_missing_or_empty(capsys, tmp_path):
     fails_with(capsys, ["--dataset", "npz", "--data-path", str(tmp_path / "empty.npz"),
                         "--run-dir", str(tmp_path / "b")], "'x' is empty")
     fails_with(capsys, ["--dataset", "tfrecord", "--data-path", str(tmp_path / "no-*"),
-                        "--run-dir", str(tmp_path / "c")], "no files match --data-path")
+                        "--val-data-path", str(tmp_path / "no-*"), "--run-dir",
+                        str(tmp_path / "c")], "no files match --data-path")
     np.savez(tmp_path / "whole.npz", x=np.zeros((10, 3)), y=np.zeros(10, int))
     (tmp_path / "cut.npz").write_bytes((tmp_path / "whole.npz").read_bytes()[:200])
     fails_with(capsys, ["--dataset", "npz", "--data-path", str(tmp_path / "cut.npz"),

@@ -114,10 +114,10 @@ def _unit_images(images: np.ndarray) -> np.ndarray:
 
 
 def load_files(config: DataConfig, seed: int) -> DataBundle:
-    """tfrecord or csv: training and validation globs."""
+    """tfrecord or csv: training and validation globs (both given: ``config.validate``)."""
     make = tfrecord_split if config.dataset == "tfrecord" else csv_split
-    train, num_classes = make(config, config.data_path, "--data-path")
-    val, _ = make(config, config.val_data_path, "--val-data-path")
+    train, num_classes = make(config, config.data_path or "", "--data-path")
+    val, _ = make(config, config.val_data_path or "", "--val-data-path")
     return DataBundle(train, val, num_classes)
 
 

@@ -171,19 +171,12 @@ DataFactory = Callable[[DataConfig, int], DataBundle]
 
 
 def check_elastic(config: Config, collectives: Collectives) -> None:
-    """Elastic training needs Horovod's elastic launcher, a fixed run directory and in-memory
-    data (the offset into the epoch's permutation is what makes a resized epoch exact)."""
+    """Elastic training needs Horovod's elastic launcher (what --elastic needs of the config
+    alone, ``config.validate`` checks)."""
     if not hasattr(collectives, "elastic_run") or os.environ.get("HOROVOD_ELASTIC") != "1":
         raise UserError("--elastic needs Horovod's elastic launcher: horovodrun --min-np N "
                         "--max-np M --host-discovery-script SCRIPT ... python -m hvdtrain "
                         "--elastic")
-    if not config.train.run_dir:
-        raise UserError("--elastic needs --run-dir: ranks that join later must find the run")
-    if config.data.dataset in ("tfrecord", "csv") or config.optim.accumulation_steps != 1:
-        raise UserError("--elastic supports in-memory datasets without --accumulation-steps")
-    if config.optim.lr_schedule == "plateau":
-        raise UserError("--elastic does not support --lr-schedule plateau (its state would not "
-                        "reach joining ranks); use constant, cosine or step")
 
 
 @contextlib.contextmanager
