@@ -18,6 +18,7 @@ from typing import Any
 
 import yaml
 
+from hvdtrain.builtin_names import DATASETS, MODELS
 from hvdtrain.errors import UserError
 from hvdtrain.plugins import PLUGIN
 
@@ -57,8 +58,7 @@ class DataConfig:
                                     "arrays, a tf.data.Dataset or keras PyDataset, "
                                     "hvdtrain.Arrays or hvdtrain.Pipeline ('python': data "
                                     "handed to hvdtrain.fit)",
-                          choices=("digits", "synthetic", "npz", "tfrecord", "csv", "mnist",
-                                   "fashion_mnist", "cifar10"), plugin=True)
+                          choices=DATASETS, plugin=True)
     data_path: str | None = option(None, "npz: a .npz file with x and y (optionally x_val, "
                                          "y_val); tfrecord, csv: a glob of training files")
     val_data_path: str | None = option(None, "tfrecord, csv: a glob of validation files")
@@ -103,7 +103,7 @@ class ModelConfig:
     model: str = option("mlp", "built-in model or a user's package.module:build_fn "
                                "(which may return a compiled model: its loss and metrics are "
                                "used; 'python': a model handed to hvdtrain.fit)",
-                        choices=("mlp", "cnn", "resnet"), plugin=True)
+                        choices=MODELS, plugin=True)
     hidden_units: list[int] = option([256, 128], "hidden layer widths of the mlp", minimum=1)
     weight_decay: float = option(0.0, "L2 penalty on kernel weights", minimum=0.0)
     resnet_blocks: int = option(3, "residual blocks per stage of the resnet (3: ResNet-20)",
@@ -302,21 +302,49 @@ def _check_bounds(name: str, value: Any, meta: typing.Mapping[str, Any]) -> None
 
 
 def validate(config: Config) -> Config:
-    """Check every field's type and bounds; raise ConfigError naming the first bad one."""
+    """Check every field's type and bounds, then every rule that depends on the values alone
+    (rules that need the world size, the data or the file system are checked where those are
+    known); raise ConfigError naming the first bad one."""
     for name, (section, f) in field_index().items():
         value = getattr(getattr(config, section), name)
         _check_bounds(name, _coerce(name, value, _field_type(section, name), f.metadata["bare"],
                                     f.metadata["default"]), f.metadata)
-    if config.data.dataset == "npz" and not config.data.data_path:
-        raise ConfigError("--dataset npz needs --data-path FILE.npz")
+    _check_data_paths(config.data)
     every, accumulation = config.train.checkpoint_every_steps, config.optim.accumulation_steps
     if every % accumulation:
         raise ConfigError(f"--checkpoint-every-steps {every} must be a multiple of "
                           f"--accumulation-steps {accumulation}: checkpoints fall between updates")
-    if every and config.train.elastic:
+    if config.train.elastic:
+        _check_elastic(config)
+    return config
+
+
+def _check_data_paths(data: DataConfig) -> None:
+    """The paths a built-in file source needs (whether they exist is the source's to say)."""
+    if data.dataset == "npz" and not data.data_path:
+        raise ConfigError("--dataset npz needs --data-path FILE.npz")
+    if data.dataset in ("tfrecord", "csv"):
+        for flag, pattern in (("--data-path", data.data_path),
+                              ("--val-data-path", data.val_data_path)):
+            if not pattern:
+                raise ConfigError(f"{flag} is not set; give a glob of files, e.g. "
+                                  "'data/train-*'")
+
+
+def _check_elastic(config: Config) -> None:
+    """What --elastic cannot combine with: ranks that join later find the run by its
+    directory, re-shard an epoch at an offset (in-memory data, one micro-step per update),
+    and take only the committed state (no plateau history)."""
+    if config.train.checkpoint_every_steps:
         raise ConfigError("--checkpoint-every-steps does not apply to --elastic, which commits "
                           "its state every --commit-every steps")
-    return config
+    if not config.train.run_dir:
+        raise ConfigError("--elastic needs --run-dir: ranks that join later must find the run")
+    if config.data.dataset in ("tfrecord", "csv") or config.optim.accumulation_steps != 1:
+        raise ConfigError("--elastic supports in-memory datasets without --accumulation-steps")
+    if config.optim.lr_schedule == "plateau":
+        raise ConfigError("--elastic does not support --lr-schedule plateau (its state would "
+                          "not reach joining ranks); use constant, cosine or step")
 
 
 def flatten_options(document: Any, source: str) -> dict[str, Any]:

@@ -58,7 +58,9 @@ def _check_output_dir(output: Path | None) -> None:
 def evaluate(args: argparse.Namespace) -> int:
     from hvdtrain.checkpoint import atomic_write_text
     from hvdtrain.data.pipeline import ShardSpec
-    from hvdtrain.data.sources import ArraySplit, load_source, targets_array
+    from hvdtrain.data.arrays import targets_array
+    from hvdtrain.data.contract import ArraySplit
+    from hvdtrain.data.load import load_source
     from hvdtrain.models import check_input_shape
     from hvdtrain.training.objective import Objective, probe
     from hvdtrain.training.step import Evaluation

@@ -17,7 +17,7 @@ import tensorflow as tf
 
 import hvdtrain.keras as hvd
 import hvdtrain.tensorflow as hvd_tf
-from hvdtrain.keras.optimizer import reducing_class
+from hvdtrain.dropin import reducing_class
 
 hvd.init()
 

@@ -17,7 +17,7 @@ import numpy as np
 from hvdtrain.config import DataConfig
 from hvdtrain.data.files import tfrecord_split
 from hvdtrain.data.pipeline import ShardSpec
-from hvdtrain.data.sources import ArraySplit
+from hvdtrain.data.contract import ArraySplit
 from hvdtrain.world import init_collectives
 
 

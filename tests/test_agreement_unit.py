@@ -20,7 +20,7 @@ from fake_collectives import Broadcast, Gather, ScriptedCollectives, Sum, Variab
 from hvdtrain.checkpoint import CheckpointStore, rank_local_variables
 from hvdtrain.config import Config, OptimConfig
 from hvdtrain.data.pipeline import ShardSpec
-from hvdtrain.data.sources import ArraySplit
+from hvdtrain.data.contract import ArraySplit
 from hvdtrain.data.user import PipelineSplit
 from hvdtrain.errors import CheckpointWriteFailed, StoppedBySignal, UserError
 from hvdtrain.training.callbacks import (CheckpointPlan, Checkpointing, RateControl, Reporting,

@@ -19,7 +19,7 @@ from hvdtrain.config import DataConfig, OptimConfig
 from hvdtrain.data.convert import convert
 from hvdtrain.data.files import tfrecord_split
 from hvdtrain.data.keras_files import FASHION_FILES
-from hvdtrain.data.sources import load_source
+from hvdtrain.data.load import load_source
 from hvdtrain.training.callbacks import PlateauDecay
 from hvdtrain.training.schedule import make_schedule
 

@@ -58,6 +58,14 @@ def test_field_names_are_unique_across_sections():
     ({"loop": "fitt"}, "'loop' must be one of fit, custom, got 'fitt'; did you mean 'fit'?"),
     ({"epochs": True}, "'epochs' must be a int, got True"),
     ({"dataset": "npz"}, "--dataset npz needs --data-path FILE.npz"),
+    ({"dataset": "csv", "data_path": "train-*"},
+     "--val-data-path is not set; give a glob of files, e.g. 'data/train-*'"),
+    ({"elastic": True}, "--elastic needs --run-dir: ranks that join later must find the run"),
+    ({"elastic": True, "run_dir": "r", "accumulation_steps": 2},
+     "--elastic supports in-memory datasets without --accumulation-steps"),
+    ({"elastic": True, "run_dir": "r", "lr_schedule": "plateau"},
+     "--elastic does not support --lr-schedule plateau (its state would not reach joining "
+     "ranks); use constant, cosine or step"),
 ])
 def test_bad_values_are_named_in_one_line(overrides, message):
     with pytest.raises(ConfigError) as caught:

@@ -9,8 +9,9 @@ import pytest
 
 from hvdtrain.checkpoint import CheckpointStore
 from hvdtrain.config import DataConfig, ModelConfig, OptimConfig
+from hvdtrain.data.contract import DataError
+from hvdtrain.data.load import load_source
 from hvdtrain.data.pipeline import ShardSpec, array_dataset, epoch_plan
-from hvdtrain.data.sources import DataError, load_source
 from hvdtrain.models import ModelError, build_model
 from hvdtrain.plugins import PluginError
 from hvdtrain.training.schedule import make_schedule, scale_factor

@@ -9,7 +9,7 @@ import pytest
 import tensorflow as tf
 
 from hvdtrain.config import OptimConfig
-from hvdtrain.data.sources import ArraySplit, DataBundle
+from hvdtrain.data.contract import ArraySplit, DataBundle
 from hvdtrain.training.callbacks import RateControl
 from hvdtrain.training.own_step import OwnStep, own_step_methods, owned_optimizers
 from hvdtrain.training.schedule import make_schedule

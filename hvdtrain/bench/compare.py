@@ -52,7 +52,7 @@ def input_pipeline_sweep(batch: int, steps: int = 200) -> list[dict]:
     from hvdtrain.config import DataConfig
     from hvdtrain.data.convert import convert
     from hvdtrain.data.pipeline import ShardSpec
-    from hvdtrain.data.sources import load_source
+    from hvdtrain.data.load import load_source
     from hvdtrain.world import World
 
     rows = []

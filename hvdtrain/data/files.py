@@ -188,10 +188,8 @@ class FileSplit:
         return records.batch(spec.batch_size).map(with_weights).prefetch(tf.data.AUTOTUNE)
 
 
-def expand(pattern: str | None, what: str) -> tuple[str, ...]:
+def expand(pattern: str, what: str) -> tuple[str, ...]:
     """The sorted files matching a glob; a one-line error when there are none."""
-    if not pattern:
-        raise FileDataError(f"{what} is not set; give a glob of files, e.g. 'data/train-*'")
     files = tuple(sorted(p for p in glob.glob(pattern) if Path(p).is_file()))
     if not files:
         raise FileDataError(f"no files match {what} '{pattern}'; check the path")
@@ -270,7 +268,7 @@ def tfrecord_parser(config: DataConfig, shape: tuple[int, ...], encoding: str) -
     return parse
 
 
-def tfrecord_split(config: DataConfig, pattern: str | None,
+def tfrecord_split(config: DataConfig, pattern: str,
                    what: str) -> tuple[FileSplit, int | None]:
     """A TFRecord split and its class count (from the metadata or ``--num-classes``; None for
     float or shaped labels)."""
@@ -339,7 +337,7 @@ def _number(cell: str) -> float:
     return float(cell)
 
 
-def csv_split(config: DataConfig, pattern: str | None,
+def csv_split(config: DataConfig, pattern: str,
               what: str) -> tuple[FileSplit, int | None]:
     """A CSV split: a header row, numeric feature columns and a numeric label column: whole
     numbers are class ids, any other value makes the column a float regression target."""

@@ -35,10 +35,11 @@ import numpy as np
 import tensorflow as tf
 
 from hvdtrain.config import DataConfig
+from hvdtrain.data.arrays import class_count, split_arrays, targets_array
+from hvdtrain.data.contract import (ArraySplit, DataBundle, DataError, checked_bundle,
+                                    first_leaf)
 from hvdtrain.data.datasets import DatasetSplit, class_ids, class_weight_table, padding_batch
 from hvdtrain.data.pipeline import ShardSpec
-from hvdtrain.data.sources import (ArraySplit, DataBundle, DataError, checked_bundle, class_count,
-                                   first_leaf, split_arrays, targets_array)
 from hvdtrain.world import World
 
 

@@ -13,8 +13,8 @@ from typing import Any
 import keras
 import tensorflow as tf
 
+from hvdtrain.dropin import DistributedOptimizer, reducing_class
 from hvdtrain.keras import callbacks, elastic
-from hvdtrain.keras.optimizer import DistributedOptimizer, reducing_class
 from hvdtrain.tensorflow import (Adasum, Average, Compression, Sum, broadcast_global_variables,
                                  ccl_built, cross_rank, cross_size, cuda_built, ddl_built,
                                  gloo_built, gloo_enabled, gradient_reduction, init,

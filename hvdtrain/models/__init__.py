@@ -89,6 +89,7 @@ def resnet(input_shape: tuple[int, ...], num_classes: int, config: ModelConfig) 
 
 
 Builder = Callable[[tuple[int, ...], int, ModelConfig], keras.Model]
+# The built-in models by name; hvdtrain.builtin_names.MODELS holds the same names.
 BUILTIN: dict[str, Builder] = {"mlp": mlp, "cnn": cnn, "resnet": resnet}
 
 

@@ -17,8 +17,8 @@ from typing import Any, Sequence
 
 import tensorflow as tf
 
-from hvdtrain.world import (GradientReduction, HorovodCollectives, horovod_tensorflow,
-                            tf_variables)
+from hvdtrain import dropin
+from hvdtrain.world import GradientReduction, horovod_tensorflow, tf_variables
 
 _hvd = horovod_tensorflow()
 
@@ -66,43 +66,11 @@ allgather_object = _hvd.allgather_object
 broadcast_object = _hvd.broadcast_object
 join = _hvd.join
 
-_OPS = {Average: "average", Sum: "sum", Adasum: "adasum"}
-_session: HorovodCollectives | None = None
-
-
-def init(comm: Any = None, process_sets: Any = None) -> None:
-    """Horovod's ``init`` (same arguments), with hvdtrain's runtime defaults for MPI and
-    Horovod (stall check; on CPU, yielding MPI waits and a short cycle time)."""
-    global _session
-    _session = HorovodCollectives(comm=comm, process_sets=process_sets)
-
-
-def collectives() -> HorovodCollectives:
-    """The collectives behind the drop-in API; ``init()`` must have run."""
-    if _session is None:
-        raise ValueError("Horovod has not been initialized; run hvd.init() first")
-    return _session
-
-
-def gradient_reduction(op: Any = Average, compression: Any = Compression.none,
-                       sparse_as_dense: bool = False,
-                       gradient_predivide_factor: float = 1.0) -> GradientReduction:
-    """Horovod's gradient arguments as the trainer's ``GradientReduction``."""
-    if op not in _OPS:
-        raise ValueError("op must be hvd.Average, hvd.Sum or hvd.Adasum")
-    if compression not in (Compression.none, Compression.fp16):
-        raise ValueError("compression must be hvd.Compression.none or hvd.Compression.fp16")
-    if gradient_predivide_factor != 1.0 and op != Average:
-        raise ValueError("gradient_predivide_factor not supported with op != Average")
-    return GradientReduction(_OPS[op], compression is Compression.fp16,
-                             prescale=1.0 / gradient_predivide_factor,
-                             postscale=gradient_predivide_factor,
-                             sparse_as_dense=sparse_as_dense)
-
-
-def reduce_gradients(gradients: Sequence[Any], reduction: GradientReduction) -> list[Any]:
-    """Combine gradients across ranks (None stays None): the trainer's reduction."""
-    return collectives().reduce_gradients(list(gradients), reduction)
+# The drop-in's session and Horovod's gradient arguments, shared with hvdtrain.keras.
+init = dropin.init
+collectives = dropin.collectives
+gradient_reduction = dropin.gradient_reduction
+reduce_gradients = dropin.reduce_gradients
 
 
 def allreduce(tensor: Any, *args: Any, **kwargs: Any) -> Any:
@@ -162,6 +130,4 @@ def DistributedGradientTape(gradtape: tf.GradientTape, compression: Any = Compre
 def DistributedOptimizer(optimizer: Any, name: str | None = None, **options: Any) -> Any:
     """A Keras 3 optimizer whose updates use gradients combined across ranks; the arguments
     are ``hvdtrain.keras.DistributedOptimizer``'s (Horovod's, by keyword)."""
-    from hvdtrain.keras.optimizer import DistributedOptimizer as keras_distributed_optimizer
-
-    return keras_distributed_optimizer(optimizer, name=name, **options)
+    return dropin.DistributedOptimizer(optimizer, name=name, **options)

@@ -37,8 +37,8 @@ import keras
 import tensorflow as tf
 
 from hvdtrain.config import Config
+from hvdtrain.data.contract import DataBundle
 from hvdtrain.data.pipeline import ShardSpec
-from hvdtrain.data.sources import DataBundle
 from hvdtrain.checkpoint import CheckpointStore
 from hvdtrain.training.callbacks import (CheckpointPlan, RateControl, Reporting, RunHooks,
                                          standard_callbacks)

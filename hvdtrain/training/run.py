@@ -39,7 +39,8 @@ from hvdtrain.checkpoint import (CheckpointStore, assign_rank_state, atomic_writ
 from hvdtrain.config import Config, DataConfig
 from hvdtrain.data.files import LABEL_RANGE_MESSAGE, FileSplit, corrupt_record_message
 from hvdtrain.data.pipeline import ShardSpec
-from hvdtrain.data.sources import ArraySplit, DataBundle, Split, load_source
+from hvdtrain.data.contract import ArraySplit, DataBundle, Split
+from hvdtrain.data.load import load_source
 from hvdtrain.errors import (CheckpointWriteFailed, PeerFailed, StoppedBySignal,
                              TrainingDiverged, UserError)
 from hvdtrain.models import build_model, check_input_shape
@@ -170,20 +171,13 @@ ModelFactory = Callable[[Any, "int | None"], keras.Model]
 DataFactory = Callable[[DataConfig, int], DataBundle]
 
 
-def check_elastic(config: Config, collectives: Collectives) -> None:
-    """Elastic training needs Horovod's elastic launcher, a fixed run directory and in-memory
-    data (the offset into the epoch's permutation is what makes a resized epoch exact)."""
+def check_elastic(collectives: Collectives) -> None:
+    """Elastic training needs Horovod's elastic launcher (what --elastic needs of the config
+    alone, ``config.validate`` checks)."""
     if not hasattr(collectives, "elastic_run") or os.environ.get("HOROVOD_ELASTIC") != "1":
         raise UserError("--elastic needs Horovod's elastic launcher: horovodrun --min-np N "
                         "--max-np M --host-discovery-script SCRIPT ... python -m hvdtrain "
                         "--elastic")
-    if not config.train.run_dir:
-        raise UserError("--elastic needs --run-dir: ranks that join later must find the run")
-    if config.data.dataset in ("tfrecord", "csv") or config.optim.accumulation_steps != 1:
-        raise UserError("--elastic supports in-memory datasets without --accumulation-steps")
-    if config.optim.lr_schedule == "plateau":
-        raise UserError("--elastic does not support --lr-schedule plateau (its state would not "
-                        "reach joining ranks); use constant, cosine or step")
 
 
 @contextlib.contextmanager
@@ -211,7 +205,7 @@ def _open_run_dir(config: Config, collectives: Collectives) -> tuple[Path, bool]
     if not config.train.elastic:
         run_dir, resuming = chief_decides(collectives, lambda: _usable_run_dir(config))
         return Path(run_dir), resuming
-    check_elastic(config, collectives)
+    check_elastic(collectives)
     # No collective before the elastic loop (a joining rank starts here): rank 0 alone
     # checks the run directory.
     if world.is_chief:

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import keras
 
 from hvdtrain.config import DEFAULT_LEARNING_RATE, Config
-from hvdtrain.data.sources import DataBundle
+from hvdtrain.data.contract import DataBundle
 from hvdtrain.errors import UserError
 from hvdtrain.training.callbacks import RateControl
 from hvdtrain.training.keras_internals import compile_arguments
