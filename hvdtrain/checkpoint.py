@@ -9,8 +9,9 @@ leaves out; each rank keeps its own, so every rank draws the masks an uninterrup
 the variables of every optimizer the model owns (``optimizer.npz``: ``v*`` for
 ``model.optimizer``, ``<attribute>.v*`` for others such as a GAN's ``d_optimizer``, including
 step counters and rates, so the learning-rate schedule resumes where it was) and
-``state.json`` (epoch, step, model identity, config, the epoch's running metric state, which
-model variables each optimizer was built for, and the SHA-256 of the other two files).
+``state.json`` (a ``CheckpointState``, ``checkpoint_state.py``: epoch, step, model identity,
+config, the epoch's running metric state, which model variables each optimizer was built for,
+and the SHA-256 of the other two files).
 It is written under a temporary name, flushed to disk, and renamed into place in one atomic
 step, so at any instant the newest complete checkpoint is on disk whole. A write that
 fails (disk full, quota, permission) removes its partial directory and stops the run with one
@@ -28,18 +29,19 @@ from __future__ import annotations
 
 import fcntl
 import hashlib
-import json
 import os
 import re
 import shutil
 import socket
 import zipfile
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable, Union
 
 import keras
 import numpy as np
 
+from hvdtrain.checkpoint_state import CheckpointState
 from hvdtrain.errors import CheckpointWriteFailed, UserError
 from hvdtrain.errors import os_error_reason as _why
 
@@ -186,32 +188,139 @@ def _built_for(optimizer: keras.optimizers.Optimizer) -> list[str]:
     return [v.path for v in optimizer_variables_built_for(optimizer)]
 
 
+def _write_files(directory: Path, model: keras.Model,
+                 optimizers: dict[str, keras.optimizers.Optimizer], state: CheckpointState,
+                 rank_states: list[list[np.ndarray]]) -> None:
+    """A checkpoint's files in ``directory``, flushed to disk: the weights and random-generator
+    states, every built optimizer's variables, and ``state`` with what each optimizer was
+    built for and the files' checksums."""
+    arrays = {f"w{i:04d}": weight for i, weight in enumerate(model.get_weights())}
+    arrays.update({f"rng{rank:04d}_{i:04d}": value
+                   for rank, values in enumerate(rank_states)
+                   for i, value in enumerate(values)})
+    np.savez(directory / WEIGHTS_FILE, **arrays)
+    built = {name: optimizer for name, optimizer in optimizers.items() if optimizer.built}
+    np.savez(directory / OPTIMIZER_FILE, **{
+        f"{_optimizer_prefix(name)}{i:04d}": v.numpy()
+        for name, optimizer in built.items() for i, v in enumerate(optimizer.variables)})
+    files = {name: sha256_of(directory / name) for name in (WEIGHTS_FILE, OPTIMIZER_FILE)}
+    optimizer_state = {name: _built_for(optimizer) for name, optimizer in built.items()}
+    with open(directory / STATE_FILE, "w") as handle:
+        handle.write(replace(state, optimizers=optimizer_state, files=files).to_json())
+    _fsync_tree(directory)
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """One checkpoint directory: its state, whether its files are intact, and restoring it.
+    It prints as its path (messages name the directory)."""
+
+    path: Path
+
+    def __str__(self) -> str:
+        return str(self.path)
+
+    @property
+    def name(self) -> str:
+        return self.path.name
+
+    def read_state(self) -> CheckpointState:
+        try:
+            return CheckpointState.from_json((self.path / STATE_FILE).read_text())
+        except (OSError, ValueError) as error:
+            raise CheckpointError(f"checkpoint {self.path} is unreadable ({error}); delete it "
+                                  "to resume from the one before") from error
+
+    def damage(self) -> str | None:
+        """What is wrong with the checkpoint's files, or None when they match their checksums.
+        Checkpoints written before checksums existed are taken as they are."""
+        try:
+            state = CheckpointState.from_json((self.path / STATE_FILE).read_text())
+        except (OSError, ValueError) as error:
+            return f"{STATE_FILE} is unreadable: {error}"
+        for name, expected in state.files.items():
+            try:
+                actual = sha256_of(self.path / name)
+            except OSError as error:
+                return f"{name}: {_why(error)}"
+            if actual != expected:
+                return f"{name} does not match its SHA-256"
+        return None
+
+    def restore(self, model: keras.Model, optimizers: Optimizers) -> None:
+        """Load the weights and the variables of every optimizer; an optimizer not yet built
+        (a GAN's builds at its first step) is built first for the model variables it was saved
+        with. Random-generator states are each rank's: see ``rank_states``."""
+        path = self.path
+        try:
+            if (path / WEIGHTS_FILE).exists():
+                model.set_weights(_arrays(path / WEIGHTS_FILE, "w"))
+            else:
+                model.load_weights(path / LEGACY_WEIGHTS_FILE)
+            saved_for = self.read_state().optimizers
+            for name, optimizer in _by_name(optimizers).items():
+                if name in saved_for:
+                    self._restore_optimizer(model, name, optimizer, saved_for[name])
+        except (OSError, ValueError, zipfile.BadZipFile) as error:
+            raise CheckpointError(f"checkpoint {path} does not fit this model or is unreadable "
+                                  f"({error}); check --model or start a new --run-dir") from error
+
+    def rank_states(self) -> list[list[np.ndarray]]:
+        """Every rank's saved random-generator state, in rank order (empty for checkpoints of
+        earlier versions)."""
+        weights = self.path / WEIGHTS_FILE
+        if not weights.exists():
+            return []
+        states = []
+        while values := _arrays(weights, f"rng{len(states):04d}_"):
+            states.append(values)
+        return states
+
+    def _restore_optimizer(self, model: keras.Model, name: str,
+                           optimizer: keras.optimizers.Optimizer,
+                           built_for: list[str] | None) -> None:
+        if built_for is not None:
+            build_optimizers(model, {name: optimizer}, {name: built_for})
+        arrays = _arrays(self.path / OPTIMIZER_FILE, _optimizer_prefix(name))
+        variables = optimizer.variables
+        shapes_fit = len(arrays) == len(variables) and all(
+            tuple(a.shape) == tuple(v.shape) for a, v in zip(arrays, variables))
+        if not shapes_fit:
+            raise CheckpointError(f"checkpoint {self.path} holds state of another shape for "
+                                  f"optimizer '{name}'; resume with the same --optimizer and "
+                                  "--model")
+        for variable, array in zip(variables, arrays):
+            variable.assign(array)
+
+
 class CheckpointStore:
-    """The checkpoints of one run directory."""
+    """The checkpoints of one run directory: which are complete, saving a new one atomically
+    (pruned to the newest ``keep``), recovering from a crash mid-write, and setting damaged
+    ones aside."""
 
     def __init__(self, run_dir: Path, keep: int) -> None:
         self.directory = Path(run_dir) / "checkpoints"
         self.keep = keep
 
-    def complete(self) -> list[Path]:
+    def complete(self) -> list[Checkpoint]:
         """Finished checkpoints, oldest first (by epoch, then step within the epoch)."""
         if not self.directory.is_dir():
             return []
         found = [p for p in self.directory.iterdir()
                  if CHECKPOINT_NAME.fullmatch(p.name) and (p / STATE_FILE).is_file()]
-        return sorted(found, key=_order)
+        return [Checkpoint(path) for path in sorted(found, key=_order)]
 
-    def latest(self) -> Path | None:
+    def latest(self) -> Checkpoint | None:
         found = self.complete()
         return found[-1] if found else None
 
-    def save(self, model: keras.Model, optimizers: Optimizers, state: dict[str, Any],
-             rank_states: list[list[np.ndarray]] | None = None) -> Path:
-        """Write checkpoint ``checkpoint_name(state['epoch'], state.get('step', 0))``
-        atomically and prune old ones; a failed write raises CheckpointWriteFailed and leaves
-        the checkpoints on disk as they were. ``rank_states``: every rank's
-        ``rank_local_variables`` values, in rank order (default: this process's)."""
-        final = self.directory / checkpoint_name(state["epoch"], state.get("step", 0))
+    def save(self, model: keras.Model, optimizers: Optimizers, state: CheckpointState,
+             rank_states: list[list[np.ndarray]] | None = None) -> Checkpoint:
+        """Write checkpoint ``checkpoint_name(state.epoch, state.step)`` atomically and prune
+        old ones; a failed write raises CheckpointWriteFailed and leaves the checkpoints on
+        disk as they were. ``rank_states``: every rank's ``rank_local_variables`` values, in
+        rank order (default: this process's)."""
+        final = self.directory / checkpoint_name(state.epoch, state.step)
         partial = self.directory / f".partial-{final.name}-{os.getpid()}"
         try:
             self.directory.mkdir(parents=True, exist_ok=True)
@@ -219,7 +328,7 @@ class CheckpointStore:
             partial.mkdir()
             if rank_states is None:
                 rank_states = [[v.numpy() for v in rank_local_variables(model)]]
-            self._write(partial, model, _by_name(optimizers), state, rank_states)
+            _write_files(partial, model, _by_name(optimizers), state, rank_states)
         except OSError as error:
             shutil.rmtree(partial, ignore_errors=True)
             previous = self.latest()
@@ -231,27 +340,7 @@ class CheckpointStore:
                 "--resume auto") from error
         return self._move_into_place(partial, final)
 
-    @staticmethod
-    def _write(partial: Path, model: keras.Model,
-               optimizers: dict[str, keras.optimizers.Optimizer], state: dict[str, Any],
-               rank_states: list[list[np.ndarray]]) -> None:
-        arrays = {f"w{i:04d}": weight for i, weight in enumerate(model.get_weights())}
-        arrays.update({f"rng{rank:04d}_{i:04d}": value
-                       for rank, values in enumerate(rank_states)
-                       for i, value in enumerate(values)})
-        np.savez(partial / WEIGHTS_FILE, **arrays)
-        built = {name: optimizer for name, optimizer in optimizers.items() if optimizer.built}
-        np.savez(partial / OPTIMIZER_FILE, **{
-            f"{_optimizer_prefix(name)}{i:04d}": v.numpy()
-            for name, optimizer in built.items() for i, v in enumerate(optimizer.variables)})
-        files = {name: sha256_of(partial / name) for name in (WEIGHTS_FILE, OPTIMIZER_FILE)}
-        optimizer_state = {name: _built_for(optimizer) for name, optimizer in built.items()}
-        with open(partial / STATE_FILE, "w") as handle:
-            handle.write(json.dumps({**state, "optimizers": optimizer_state, "files": files},
-                                    indent=2) + "\n")
-        _fsync_tree(partial)
-
-    def _move_into_place(self, partial: Path, final: Path) -> Path:
+    def _move_into_place(self, partial: Path, final: Path) -> Checkpoint:
         if final.exists():  # a re-run of the same epoch: keep the old one until the swap
             stale = self.directory / f".stale-{final.name}-{os.getpid()}"
             os.rename(final, stale)
@@ -261,8 +350,8 @@ class CheckpointStore:
             os.rename(partial, final)
         _fsync_tree(self.directory)
         for old in self.complete()[:-self.keep]:
-            shutil.rmtree(old)
-        return final
+            shutil.rmtree(old.path)
+        return Checkpoint(final)
 
     def _recover_leftovers(self) -> None:
         """After a crash mid-write: drop partial checkpoints; put back a replaced checkpoint
@@ -277,98 +366,30 @@ class CheckpointStore:
             else:
                 shutil.rmtree(stale, ignore_errors=True)
 
-    def newest_intact(self, report: Callable[[str], None]) -> Path | None:
+    def newest_intact(self, report: Callable[[str], None]) -> Checkpoint | None:
         """The newest checkpoint whose files match the checksums in its state. Each damaged
-        newer one is renamed ``.damaged-NAME`` (kept for inspection, never loaded) and
-        reported. Raises CheckpointError, changing nothing, when checkpoints exist but none
-        is intact."""
+        newer one is set aside and reported. Raises CheckpointError, changing nothing, when
+        checkpoints exist but none is intact."""
         found = self.complete()
         damaged = []
-        for path in reversed(found):
-            problem = self.damage(path)
+        for checkpoint in reversed(found):
+            problem = checkpoint.damage()
             if problem is None:
                 for bad, why in damaged:
-                    aside = bad.with_name(f".damaged-{bad.name}")
-                    shutil.rmtree(aside, ignore_errors=True)
-                    os.rename(bad, aside)
+                    aside = self.set_aside(bad)
                     report(f"checkpoint {bad} is damaged ({why}); set aside as {aside.name}, "
-                           f"resuming from {path.name}")
-                return path
-            damaged.append((path, problem))
+                           f"resuming from {checkpoint.name}")
+                return checkpoint
+            damaged.append((checkpoint, problem))
         if found:
             raise CheckpointError(f"no intact checkpoint in {self.directory} (" + "; ".join(
-                f"{path.name}: {why}" for path, why in damaged) + "); start a new --run-dir")
+                f"{bad.name}: {why}" for bad, why in damaged) + "); start a new --run-dir")
         return None
 
-    @classmethod
-    def damage(cls, path: Path) -> str | None:
-        """What is wrong with a checkpoint's files, or None when they match their checksums.
-        Checkpoints written before checksums existed are taken as they are."""
-        try:
-            state = json.loads((path / STATE_FILE).read_text())
-        except (OSError, ValueError) as error:
-            return f"{STATE_FILE} is unreadable: {error}"
-        if not isinstance(state, dict):
-            return f"{STATE_FILE} is unreadable: not a mapping"
-        for name, expected in state.get("files", {}).items():
-            try:
-                actual = sha256_of(path / name)
-            except OSError as error:
-                return f"{name}: {_why(error)}"
-            if actual != expected:
-                return f"{name} does not match its SHA-256"
-        return None
-
-    @staticmethod
-    def read_state(path: Path) -> dict[str, Any]:
-        try:
-            return json.loads((path / STATE_FILE).read_text())
-        except (OSError, ValueError) as error:
-            raise CheckpointError(f"checkpoint {path} is unreadable ({error}); delete it to "
-                                  "resume from the one before") from error
-
-    @classmethod
-    def restore(cls, path: Path, model: keras.Model, optimizers: Optimizers) -> None:
-        """Load the weights and the variables of every optimizer; an optimizer not yet built
-        (a GAN's builds at its first step) is built first for the model variables it was saved
-        with. Random-generator states are each rank's: see ``rank_states``."""
-        try:
-            if (path / WEIGHTS_FILE).exists():
-                model.set_weights(_arrays(path / WEIGHTS_FILE, "w"))
-            else:
-                model.load_weights(path / LEGACY_WEIGHTS_FILE)
-            saved_for = cls.read_state(path).get("optimizers", {"optimizer": None})
-            for name, optimizer in _by_name(optimizers).items():
-                if name in saved_for:
-                    cls._restore_optimizer(path, model, name, optimizer, saved_for[name])
-        except (OSError, ValueError, zipfile.BadZipFile) as error:
-            raise CheckpointError(f"checkpoint {path} does not fit this model or is unreadable "
-                                  f"({error}); check --model or start a new --run-dir") from error
-
-    @staticmethod
-    def rank_states(path: Path) -> list[list[np.ndarray]]:
-        """Every rank's saved random-generator state, in rank order (empty for checkpoints of
-        earlier versions)."""
-        if not (path / WEIGHTS_FILE).exists():
-            return []
-        states = []
-        while values := _arrays(path / WEIGHTS_FILE, f"rng{len(states):04d}_"):
-            states.append(values)
-        return states
-
-    @staticmethod
-    def _restore_optimizer(path: Path, model: keras.Model, name: str,
-                           optimizer: keras.optimizers.Optimizer,
-                           built_for: list[str] | None) -> None:
-        if built_for is not None:
-            build_optimizers(model, {name: optimizer}, {name: built_for})
-        arrays = _arrays(path / OPTIMIZER_FILE, _optimizer_prefix(name))
-        variables = optimizer.variables
-        shapes_fit = len(arrays) == len(variables) and all(
-            tuple(a.shape) == tuple(v.shape) for a, v in zip(arrays, variables))
-        if not shapes_fit:
-            raise CheckpointError(f"checkpoint {path} holds state of another shape for "
-                                  f"optimizer '{name}'; resume with the same --optimizer and "
-                                  "--model")
-        for variable, array in zip(variables, arrays):
-            variable.assign(array)
+    def set_aside(self, checkpoint: Checkpoint) -> Path:
+        """Rename a damaged checkpoint ``.damaged-NAME`` (replacing an earlier one of that
+        name): kept for inspection, never listed or loaded again."""
+        aside = self.directory / f".damaged-{checkpoint.name}"
+        shutil.rmtree(aside, ignore_errors=True)
+        os.rename(checkpoint.path, aside)
+        return aside

@@ -9,6 +9,7 @@ Where rank 0's run can script rank 1's, it does: what rank 0 sent is what rank 1
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import keras
@@ -17,7 +18,8 @@ import pytest
 import tensorflow as tf
 
 from fake_collectives import Broadcast, Gather, ScriptedCollectives, Sum, Variables
-from hvdtrain.checkpoint import CheckpointStore, rank_local_variables
+from hvdtrain.checkpoint import Checkpoint, CheckpointStore, rank_local_variables
+from hvdtrain.checkpoint_state import CheckpointState
 from hvdtrain.config import Config, OptimConfig
 from hvdtrain.data.pipeline import ShardSpec
 from hvdtrain.data.contract import ArraySplit
@@ -102,8 +104,8 @@ def _checkpointing(collectives: ScriptedCollectives, step: StepMath, run_dir: Pa
     liveness = Liveness()
     liveness.stop_reason = stop_reason
     hooks = RunHooks(collectives=collectives, step=step, rates=RateControl(schedule, {}),
-                     checkpoints=CheckpointPlan(CheckpointStore(run_dir, 2), {"model": "dense"},
-                                                resume=resume),
+                     checkpoints=CheckpointPlan(CheckpointStore(run_dir, 2),
+                                                CheckpointState(model="dense"), resume=resume),
                      reporting=Reporting(run_dir, 8, show_progress=False), liveness=liveness)
     callback = Checkpointing(hooks, lambda: {"rates": {}})
     callback.set_model(step.model)
@@ -138,7 +140,7 @@ def test_rank_0_saves_every_ranks_generator_state_and_gives_every_rank_the_check
     callback.on_epoch_end(0, {"loss": 0.5})
     written = CheckpointStore(tmp_path, 2).latest()
     assert written.name == "epoch-0001"
-    saved = CheckpointStore.rank_states(written)
+    saved = written.rank_states()
     for rank, expected in enumerate((mine, theirs)):
         for value, want in zip(saved[rank], expected):
             np.testing.assert_array_equal(value, want)
@@ -260,9 +262,9 @@ def test_rank_0_checkpoints_the_summed_epoch_state_where_rank_1_asked_to_stop(tm
     assert mine
     with pytest.raises(StoppedBySignal, match="stopped by SIGTERM on rank 1 at epoch 1, step 1"):
         callback.on_train_batch_end(0)
-    state = CheckpointStore.read_state(tmp_path / "checkpoints" / "epoch-0000-step-000001")
-    assert (state["epoch"], state["step"]) == (0, 1)
-    for saved, local in zip(state["epoch_state"], mine):
+    state = Checkpoint(tmp_path / "checkpoints" / "epoch-0000-step-000001").read_state()
+    assert (state.epoch, state.step) == (0, 1)
+    for saved, local in zip(state.epoch_state, mine):
         np.testing.assert_allclose(saved, local + 1, rtol=1e-6)
 
 
@@ -333,8 +335,8 @@ def test_only_rank_0_restores_the_epoch_state_of_a_resumed_epoch(tmp_path):
                                           np.zeros_like(value))
 
 
-def _resumable(rank: int, run_dir: Path) -> tuple[Config, dict, CheckpointStore, StepMath,
-                                                  Trainable, ScriptedCollectives]:
+def _resumable(rank: int, run_dir: Path) -> tuple[Config, CheckpointState, CheckpointStore,
+                                                  StepMath, Trainable, ScriptedCollectives]:
     """What ``_starting_point`` receives on ``rank``; its collectives scripted later."""
     collectives = ScriptedCollectives(rank, 2, [])
     config = Config()
@@ -344,9 +346,9 @@ def _resumable(rank: int, run_dir: Path) -> tuple[Config, dict, CheckpointStore,
     trainable = Trainable(model, None, model.optimizer, schedule,
                           RateControl(schedule, {"optimizer": (model.optimizer, 0.1)}),
                           step.objective, "sgd")
-    run = {"model": "dense", "dataset": "digits", "input_shape": [3], "num_classes": None,
-           "examples": 16, "optimizer_classes": {"optimizer": "SGD"}, "world_size": 2,
-           "config": config.to_dict()}
+    run = CheckpointState(model="dense", dataset="digits", input_shape=[3], num_classes=None,
+                          examples=16, optimizer_classes={"optimizer": "SGD"}, world_size=2,
+                          config=config.to_dict())
     return config, run, CheckpointStore(run_dir, 2), step, trainable, collectives
 
 
@@ -363,9 +365,8 @@ def test_a_resumed_run_starts_every_rank_at_rank_0s_point_with_its_own_generator
                   for rank in range(2)]
     trained = [w + 1 for w in model.get_weights()]
     model.set_weights(trained)
-    store.save(model, step.optimizers,
-               {**run, "epoch": 2, "step": 3, "epoch_state": [[1.0, 2.0]],
-                "rates": {"optimizer": 0.5}, "metrics": {"loss": 0.25}}, generators)
+    store.save(model, step.optimizers, replace(run, epoch=2, step=3, epoch_state=([1.0, 2.0],),
+                                               rates={"optimizer": 0.5}), generators)
     model.set_weights([w * 0 for w in trained])           # restore must bring them back
 
     chief.script = [Broadcast(), Gather({1: "fingerprint-1"}), Variables()]

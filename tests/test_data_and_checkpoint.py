@@ -2,18 +2,23 @@
 
 from __future__ import annotations
 
+import json
 import os
+from dataclasses import replace
+from pathlib import Path
 
 import numpy as np
 import pytest
 
-from hvdtrain.checkpoint import CheckpointStore
+from hvdtrain.checkpoint import Checkpoint, CheckpointError, CheckpointStore
+from hvdtrain.checkpoint_state import NOT_RECORDED, CheckpointState
 from hvdtrain.config import DataConfig, ModelConfig, OptimConfig
 from hvdtrain.data.contract import DataError
 from hvdtrain.data.load import load_source
 from hvdtrain.data.pipeline import ShardSpec, array_dataset, epoch_plan
 from hvdtrain.models import ModelError, build_model
 from hvdtrain.plugins import PluginError
+from hvdtrain.training.resume_check import MixedRuns, check_resumable, optimizers_changed
 from hvdtrain.training.schedule import make_schedule, scale_factor
 from hvdtrain.world import World
 
@@ -141,14 +146,14 @@ def _tiny_model_and_optimizer():
 def test_checkpoint_survives_a_crash_during_the_next_write(tmp_path):
     model, optimizer = _tiny_model_and_optimizer()
     store = CheckpointStore(tmp_path, keep=2)
-    store.save(model, optimizer, {"epoch": 1, "model": "mlp"})
+    store.save(model, optimizer, CheckpointState(epoch=1, model="mlp"))
     # A crash mid-write leaves only a partial directory behind: the newest checkpoint stays.
     (tmp_path / "checkpoints" / ".partial-epoch-0002-999").mkdir()
     assert store.latest().name == "epoch-0001"
     before = [w.copy() for w in model.get_weights()]
     model.set_weights([w + 1 for w in before])
     optimizer.iterations.assign(7)
-    store.restore(store.latest(), model, optimizer)
+    store.latest().restore(model, optimizer)
     assert all(np.array_equal(a, b) for a, b in zip(model.get_weights(), before))
     assert int(optimizer.iterations.numpy()) == 0
 
@@ -157,9 +162,9 @@ def test_checkpoints_are_pruned_to_the_newest(tmp_path):
     model, optimizer = _tiny_model_and_optimizer()
     store = CheckpointStore(tmp_path, keep=2)
     for epoch in (1, 2, 3):
-        store.save(model, optimizer, {"epoch": epoch})
+        store.save(model, optimizer, CheckpointState(epoch=epoch))
     assert [p.name for p in store.complete()] == ["epoch-0002", "epoch-0003"]
-    assert store.read_state(store.latest())["epoch"] == 3
+    assert store.latest().read_state().epoch == 3
 
 
 def test_a_crash_between_the_renames_of_a_swap_loses_nothing(tmp_path):
@@ -167,12 +172,160 @@ def test_a_crash_between_the_renames_of_a_swap_loses_nothing(tmp_path):
     the aside copy, which the next save puts back."""
     model, optimizer = _tiny_model_and_optimizer()
     store = CheckpointStore(tmp_path, keep=1)
-    first = store.save(model, optimizer, {"epoch": 1})
-    os.rename(first, first.parent / ".stale-epoch-0001-4242")       # the crash point
+    first = store.save(model, optimizer, CheckpointState(epoch=1))
+    os.rename(first.path, first.path.parent / ".stale-epoch-0001-4242")     # the crash point
     assert store.latest() is None
-    store.save(model, optimizer, {"epoch": 2})
+    store.save(model, optimizer, CheckpointState(epoch=2))
     assert [p.name for p in store.complete()] == ["epoch-0002"]       # keep=1 after recovery
     assert not list((tmp_path / "checkpoints").glob(".stale-*"))
+
+
+# What a run records about itself, as the checkpoint's JSON holds it.
+RUN_FACTS = {"model": "mlp", "dataset": "digits", "input_shape": [8, 8, 1], "num_classes": 10,
+             "examples": 1437, "optimizer_classes": {"optimizer": "SGD"}, "world_size": 2,
+             "config": {"model": {"hidden_units": [16]}, "optim": {"learning_rate": None},
+                        "train": {"epochs": 3}}}
+# The same facts as a run builds them (tuples), before JSON.
+RUN = CheckpointState(**{**RUN_FACTS, "input_shape": (8, 8, 1), "config": {
+    "model": {"hidden_units": (16,)}, "optim": {"learning_rate": None},
+    "train": {"epochs": 3}}})
+STORE_ADDS = {"optimizers": {"optimizer": ["sequential/dense/kernel"]},
+              "files": {"weights.npz": "00ff", "optimizer.npz": "ff00"}}
+
+
+@pytest.mark.parametrize("live, position", [
+    ({"rates": {"optimizer": 1.0}}, {"epoch": 2, "metrics": {"loss": 0.5, "val_loss": 0.6}}),
+    ({"rates": {"optimizer": 0.5}, "plateau": {"best": 0.4, "wait": 1, "scale": 0.5}},
+     {"epoch": 1, "step": 20, "epoch_state": ([3.0, 40.0], 7.0)}),
+], ids=["epoch-end", "within-an-epoch"])
+def test_checkpoint_state_writes_the_json_it_always_wrote_and_reads_it_back(live, position):
+    """The keys, their order and values are those of the dict the writers assembled before the
+    state was typed: the run's facts, the live state, the position, then what the store adds."""
+    assembled = {**RUN_FACTS, **live, **position, **STORE_ADDS}
+    state = replace(RUN, **live, **position, **STORE_ADDS)
+    assert state.to_json() == json.dumps(assembled, indent=2) + "\n"
+    assert CheckpointState.from_json(state.to_json()) == replace(
+        RUN.as_saved(), **live, **position, **STORE_ADDS)
+    assert CheckpointState.from_json(state.to_json()).to_json() == state.to_json()
+
+
+def test_a_state_written_without_the_optional_fields_reads_with_the_defaults():
+    """Older checkpoints hold no example count or optimizer classes (before resume checks), no
+    optimizers' variables (before several optimizers), no checksums; an epoch's end holds no
+    step, a run without plateau decay no plateau state. What is not recorded is not compared."""
+    older = {key: RUN_FACTS[key] for key in ("model", "dataset", "input_shape", "num_classes",
+                                             "world_size", "config")}
+    state = CheckpointState.from_json(json.dumps({**older, "epoch": 2, "a_later_key": 1}))
+    assert (state.epoch, state.step, state.epoch_state, state.metrics) == (2, 0, (), {})
+    assert (state.rates, state.plateau, state.files) == ({}, None, {})
+    assert state.optimizers == {"optimizer": None}     # the model's optimizer, as it builds
+    assert state.examples is NOT_RECORDED and state.optimizer_classes is NOT_RECORDED
+    current = replace(RUN, examples=10, optimizer_classes={"optimizer": "Adam"})
+    assert check_resumable(state, current, Path("old"), accept_changes=False) == []
+    assert not optimizers_changed(state, current)
+    bare = CheckpointState.from_json('{"epoch": 3}')
+    assert bare.model is None and bare.dataset is NOT_RECORDED and bare.config == {}
+    assert "dataset" not in json.loads(bare.to_json())      # still not recorded when written
+
+
+@pytest.mark.parametrize("text, why", [
+    ("{not json", "Expecting property name"), ("[1, 2]", "not a mapping"),
+    ('{"model": "mlp"}', "it holds no epoch"), ('{"epoch": null}', "not a number"),
+    ('{"epoch": "three"}', "invalid literal")])
+def test_text_that_is_no_checkpoint_state_is_refused(text, why):
+    with pytest.raises(ValueError, match=why):
+        CheckpointState.from_json(text)
+
+
+SAVED = CheckpointState.from_json(json.dumps({**RUN_FACTS, "epoch": 1}))
+
+
+@pytest.mark.parametrize("changes, message", [
+    ({"model": "cnn"}, "model 'mlp', not 'cnn'; resume with the same --model"),
+    ({"input_shape": (4, 4, 1)}, "example shape [8, 8, 1], not [4, 4, 1]; resume with the same "
+                                 "model, or start a new --run-dir"),
+    ({"num_classes": 3}, "class count 10, not 3; resume with the same model, or start a new "
+                         "--run-dir"),
+    ({"config": {**RUN.config, "model": {"hidden_units": (32,)}}},
+     "--hidden-units [16], not [32]: another model; start a new --run-dir"),
+], ids=["model", "input-shape", "classes", "model-option"])
+def test_a_resume_with_another_model_is_refused_even_with_accept_changes(changes, message):
+    for accept_changes in (False, True):
+        with pytest.raises(MixedRuns) as refused:
+            check_resumable(SAVED, replace(RUN, **changes), Path("ckpt"), accept_changes)
+        assert str(refused.value) == "ckpt was trained with " + message
+
+
+@pytest.mark.parametrize("changes, change", [
+    ({"dataset": "synthetic"}, "--dataset 'digits' -> 'synthetic'"),
+    ({"examples": 100}, "training examples 1437 -> 100"),
+    ({"optimizer_classes": {"optimizer": "Adam"}},
+     "optimizer {'optimizer': 'SGD'} -> {'optimizer': 'Adam'}"),
+    ({"config": {**RUN.config, "optim": {"learning_rate": 0.01}}},
+     "--learning-rate None -> 0.01"),
+    ({"config": {**RUN.config, "train": {"epochs": 9}}, "world_size": 4}, None),
+], ids=["dataset", "examples", "optimizer", "setting", "operational"])
+def test_other_data_optimizers_or_settings_need_accept_changes(changes, change):
+    current = replace(RUN, **changes)
+    assert optimizers_changed(SAVED, current) == ("optimizer_classes" in changes)
+    if change is None:    # changes freely
+        assert check_resumable(SAVED, current, Path("ckpt"), accept_changes=False) == []
+        return
+    with pytest.raises(MixedRuns) as refused:
+        check_resumable(SAVED, current, Path("ckpt"), accept_changes=False)
+    assert str(refused.value) == (f"ckpt was trained with other data or settings ({change}); "
+                                  "pass --accept-changes to continue with the new ones, or "
+                                  "start a new --run-dir")
+    assert check_resumable(SAVED, current, Path("ckpt"), accept_changes=True) == [change]
+
+
+def test_a_checkpoint_holds_its_state_its_checksums_and_every_rank_s_generators(tmp_path):
+    model, optimizer = _tiny_model_and_optimizer()
+    store = CheckpointStore(tmp_path, keep=3)
+    ranks = [[np.array([1, 2], np.int64)], [np.array([3, 4], np.int64)]]
+    checkpoint = store.save(model, optimizer, replace(RUN, epoch=1, step=5,
+                                                      epoch_state=(7.0,)), ranks)
+    assert checkpoint == Checkpoint(tmp_path / "checkpoints" / "epoch-0001-step-000005")
+    assert str(checkpoint) == str(checkpoint.path) and store.complete() == [checkpoint]
+    state = checkpoint.read_state()
+    assert (checkpoint.path / "state.json").read_text() == state.to_json()
+    assert state == replace(RUN.as_saved(), epoch=1, step=5, epoch_state=(7.0,),
+                            optimizers={"optimizer": [v.path for v in
+                                                      model.trainable_variables]},
+                            files=state.files)
+    assert sorted(state.files) == ["optimizer.npz", "weights.npz"]
+    assert [[a.tolist() for a in arrays] for arrays in checkpoint.rank_states()] == [
+        [[1, 2]], [[3, 4]]]
+    assert checkpoint.damage() is None
+
+    (checkpoint.path / "optimizer.npz").write_bytes(b"other bytes")
+    assert checkpoint.damage() == "optimizer.npz does not match its SHA-256"
+    (checkpoint.path / "optimizer.npz").unlink()
+    assert checkpoint.damage().startswith("optimizer.npz: ")
+    (checkpoint.path / "state.json").write_text("[]")
+    assert checkpoint.damage() == "state.json is unreadable: not a mapping"
+    with pytest.raises(CheckpointError, match="is unreadable .*; delete it to resume from the "
+                                              "one before"):
+        checkpoint.read_state()
+    with pytest.raises(CheckpointError, match=r"no intact checkpoint in .* \(epoch-0001-step-"
+                                              r"000005: state.json is unreadable: not a "
+                                              r"mapping\); start a new --run-dir"):
+        store.newest_intact(print)
+    assert store.complete() == [checkpoint]              # nothing set aside
+
+
+def test_a_checkpoint_without_the_optimizers_record_restores_the_model_optimizer(tmp_path):
+    """Checkpoints of earlier versions name no optimizer: their state is the model's."""
+    model, optimizer = _tiny_model_and_optimizer()
+    optimizer.iterations.assign(5)
+    checkpoint = CheckpointStore(tmp_path, keep=1).save(model, optimizer,
+                                                        CheckpointState(epoch=1))
+    older = json.loads((checkpoint.path / "state.json").read_text())
+    del older["optimizers"], older["files"]
+    (checkpoint.path / "state.json").write_text(json.dumps(older))
+    optimizer.iterations.assign(0)
+    checkpoint.restore(model, optimizer)
+    assert int(optimizer.iterations.numpy()) == 5
 
 
 def test_files_and_npz_carry_float_and_shaped_targets(tmp_path):

@@ -107,7 +107,7 @@ def test_a_kill_during_a_checkpoint_write_keeps_the_previous_one(tmp_path):
         pytest.fail("never managed to kill rank 0 while it was writing a checkpoint")
     store = CheckpointStore(run_dir, 3)
     latest = store.latest()
-    state = store.read_state(latest)
+    state = latest.read_state()
     assert not latest.name.startswith(".")
     # The previous checkpoint loads: weights and optimizer state restore without error.
     from hvdtrain.config import ModelConfig, OptimConfig
@@ -117,13 +117,13 @@ def test_a_kill_during_a_checkpoint_write_keeps_the_previous_one(tmp_path):
     model = build_model(ModelConfig(hidden_units=[2048, 2048]), (8, 8, 1), 10)
     optimizer = make_optimizer(OptimConfig(), make_schedule(OptimConfig(), 2, 3, 40))
     optimizer.build(model.trainable_variables)
-    store.restore(latest, model, optimizer)
+    latest.restore(model, optimizer)
     assert int(optimizer.iterations.numpy()) > 0
     # And --resume continues from it to the end, every epoch once.
-    resumed = train(tmp_path, "mid-write", *args[:1], str(state["epoch"] + 2), *args[2:],
+    resumed = train(tmp_path, "mid-write", *args[:1], str(state.epoch + 2), *args[2:],
                     "--resume")
     epochs = [row["epoch"] for row in read_metrics(resumed)]
-    assert epochs == list(range(1, state["epoch"] + 3))
+    assert epochs == list(range(1, state.epoch + 3))
     assert not list((run_dir / "checkpoints").glob(".partial-*"))
 
 
@@ -157,7 +157,7 @@ def test_nan_loss_stops_every_rank_and_keeps_the_last_good_checkpoint(tmp_path):
     loss stops being finite during epoch 3."""
     run_dir = train(tmp_path, "diverge", "--epochs", "2", "--hidden-units", "32")
     checkpoint = CheckpointStore(run_dir, 1).latest()
-    before = {p.name: p.read_bytes() for p in checkpoint.iterdir()}
+    before = {p.name: p.read_bytes() for p in checkpoint.path.iterdir()}
     job = start(LAUNCHERS["horovodrun"], run_dir, "--epochs", "4", "--hidden-units", "32",
                 "--learning-rate", "1e12", "--resume", "--accept-changes")
     output, _ = job.communicate(timeout=240)
@@ -170,7 +170,7 @@ def test_nan_loss_stops_every_rank_and_keeps_the_last_good_checkpoint(tmp_path):
     assert f"the last good checkpoint {checkpoint} is kept" in errors[0]
     assert "Traceback" not in output
     assert CheckpointStore(run_dir, 1).latest() == checkpoint
-    assert {p.name: p.read_bytes() for p in checkpoint.iterdir()} == before
+    assert {p.name: p.read_bytes() for p in checkpoint.path.iterdir()} == before
     assert [row["epoch"] for row in read_metrics(run_dir)] == [1, 2]
 
 

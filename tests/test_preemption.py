@@ -22,7 +22,8 @@ import pytest
 from conftest import (REPO, SLOW_CYCLE_MS, assert_same_weights, final_weights, launch,
                       processes_mentioning, rank_env, rank_pid, read_metrics, run, train,
                       wait_for)
-from hvdtrain.checkpoint import CheckpointStore
+from hvdtrain.checkpoint import Checkpoint, CheckpointStore
+from hvdtrain.checkpoint_state import CheckpointState
 from hvdtrain.cli import build_parser, main
 from hvdtrain.config import build_config, config_from_args
 
@@ -116,10 +117,10 @@ def test_a_damaged_newest_checkpoint_is_set_aside_for_the_previous(tmp_path):
     optimizer = keras.optimizers.SGD()
     optimizer.build(model.trainable_variables)
     store = CheckpointStore(tmp_path, 5)
-    older = store.save(model, optimizer, {"epoch": 1})
-    newer = store.save(model, optimizer, {"epoch": 1, "step": 20})
+    older = store.save(model, optimizer, CheckpointState(epoch=1))
+    newer = store.save(model, optimizer, CheckpointState(epoch=1, step=20))
     assert [p.name for p in store.complete()] == ["epoch-0001", "epoch-0001-step-000020"]
-    flip_a_byte(newer / "weights.npz")
+    flip_a_byte(newer.path / "weights.npz")
     lines: list[str] = []
     assert store.newest_intact(lines.append) == older
     assert len(lines) == 1 and "epoch-0001-step-000020 is damaged (weights.npz does not " \
@@ -141,11 +142,11 @@ def start_wrapper(wrapper: str, run_dir: Path, *args: str, slow: bool = True,
                             start_new_session=True)
 
 
-def newest_checkpoint(run_dir: Path) -> Path | None:
+def newest_checkpoint(run_dir: Path) -> Checkpoint | None:
     return CheckpointStore(run_dir, 1).latest()
 
 
-def step_checkpoint_after(run_dir: Path, name: str = "") -> Path | None:
+def step_checkpoint_after(run_dir: Path, name: str = "") -> Checkpoint | None:
     """The newest checkpoint if it is a mid-epoch one newer than ``name``."""
     newest = newest_checkpoint(run_dir)
     if newest is not None and "-step-" in newest.name and newest.name > name:
@@ -326,7 +327,7 @@ def test_ranks_whose_mpirun_is_killed_stop_with_their_exit_code_and_log_the_line
         r"hvdtrain: error: stopped by its launcher ending on rank \d.* checkpoint (\S+) written; "
         r"continue with the same command and --resume auto", lines[0]), lines
     written = re.search(r"checkpoint (\S+) written", lines[0]).group(1)
-    assert CheckpointStore.damage(run_dir / "checkpoints" / written) is None
+    assert Checkpoint(run_dir / "checkpoints" / written).damage() is None
     assert_nothing_left(run_dir)
 
 
@@ -370,9 +371,9 @@ def test_a_full_disk_during_a_checkpoint_stops_with_one_line_and_keeps_the_previ
         assert "Traceback" not in output
         store = CheckpointStore(run_dir, 3)
         assert [p.name for p in store.complete()] == ["epoch-0001"]
-        assert store.damage(store.latest()) is None
+        assert store.latest().damage() is None
         assert not list(store.directory.glob(".partial-*"))
-        state = json.loads((store.latest() / "state.json").read_text())
+        state = json.loads((store.latest().path / "state.json").read_text())
         assert state["epoch"] == 1 and set(state["files"]) == {"weights.npz",
                                                                "optimizer.npz"}
         import keras
@@ -384,7 +385,7 @@ def test_a_full_disk_during_a_checkpoint_stops_with_one_line_and_keeps_the_previ
         model = build_model(ModelConfig(hidden_units=[256, 128]), (8, 8, 1), 10)
         optimizer = make_optimizer(OptimConfig(), make_schedule(OptimConfig(), 2, 23, 2))
         optimizer.build(model.trainable_variables)
-        store.restore(store.latest(), model, optimizer)
+        store.latest().restore(model, optimizer)
         assert int(optimizer.iterations.numpy()) == 23
         assert isinstance(model, keras.Model)
     finally:
@@ -445,7 +446,7 @@ def test_a_full_disk_at_a_metrics_write_stops_with_one_line_and_resume_auto_cont
         output = result.stdout + result.stderr
         assert result.returncode == 74, output[-3000:]
         one_write_error(output, "the metrics files", run_dir, "epoch-0001")
-        assert CheckpointStore.damage(run_dir / "checkpoints" / "epoch-0001") is None
+        assert Checkpoint(run_dir / "checkpoints" / "epoch-0001").damage() is None
         assert_nothing_left(run_dir)
         assert main(args) == 0, capsys.readouterr().err    # one process: the same plan
     assert [row["epoch"] for row in read_metrics(run_dir)] == [1, 2]

@@ -14,7 +14,7 @@ import json
 import math
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -23,6 +23,7 @@ import numpy as np
 import tensorflow as tf
 
 from hvdtrain.checkpoint import CheckpointStore, atomic_write_text, rank_local_variables
+from hvdtrain.checkpoint_state import CheckpointState
 from hvdtrain.errors import CheckpointWriteFailed, StoppedBySignal, TrainingDiverged
 from hvdtrain.startup import process_age_seconds
 from hvdtrain.training.keras_internals import sublayers
@@ -407,7 +408,8 @@ class Checkpointing(keras.callbacks.Callback):
         sums = self.collectives.allreduce_sum([tf.convert_to_tensor(v)
                                                for v in self.step.epoch_state_variables])
         name, reasons, _ = self._save({"epoch": self.epoch, "step": done,
-                                       "epoch_state": [np.asarray(s).tolist() for s in sums]})
+                                       "epoch_state": tuple(np.asarray(s).tolist()
+                                                            for s in sums)})
         if stop:
             raise StoppedBySignal(f"stopped by {reasons} at epoch {self.epoch + 1}, step "
                                   f"{done} of {steps}; checkpoint {name} written; "
@@ -431,8 +433,8 @@ class Checkpointing(keras.callbacks.Callback):
         outcome = ""
         if self.collectives.world.is_chief:
             try:
-                outcome = self.plan.store.save(model, self.step.optimizers, {
-                    **self.plan.state, **self.live_state(), **position}, rank_states).name
+                outcome = self.plan.store.save(model, self.step.optimizers, replace(
+                    self.plan.state, **self.live_state(), **position), rank_states).name
             except CheckpointWriteFailed as error:
                 outcome = f"error: {error}"
         wants_stop = bool(model.stop_training or self.step.callback_stop_vote.numpy())
@@ -541,7 +543,7 @@ class CheckpointPlan:
     checkpoint records besides its position, and where a resumed run starts."""
 
     store: CheckpointStore
-    state: dict[str, Any]
+    state: CheckpointState
     every_steps: int = 0
     resume: ResumePoint = ResumePoint()
 

@@ -40,6 +40,7 @@ from hvdtrain.config import Config
 from hvdtrain.data.contract import DataBundle
 from hvdtrain.data.pipeline import ShardSpec
 from hvdtrain.checkpoint import CheckpointStore
+from hvdtrain.checkpoint_state import CheckpointState
 from hvdtrain.training.callbacks import (CheckpointPlan, RateControl, Reporting, RunHooks,
                                          standard_callbacks)
 from hvdtrain.training.schedule import WarmupScaledRate, world_scale
@@ -62,7 +63,7 @@ class ElasticRun:
     first_step: StepMath   # the objective and built metric state every world's step keeps
     evaluate: Callable[[ShardSpec], dict[str, float]]
     store: CheckpointStore
-    state: dict[str, Any]
+    state: CheckpointState   # what the run trains; each checkpoint adds where it stands
     run_dir: Path
     initial_epoch: int
 

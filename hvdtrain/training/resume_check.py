@@ -15,17 +15,17 @@ resumes it must match.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
+from hvdtrain.checkpoint_state import NOT_RECORDED, CheckpointState
 from hvdtrain.errors import UserError
 
-# What defines the model beside its name: the weights of another would not fit (state keys,
+# What defines the model beside its name: the weights of another would not fit (state fields,
 # and options).
 MODEL = {"input_shape": "example shape", "num_classes": "class count"}
 MODEL_OPTIONS = ("hidden_units", "weight_decay", "resnet_blocks", "precision")
-# What the model is trained on and with (state keys); changeable on request.
+# What the model is trained on and with (state fields); changeable on request.
 RUN = {"dataset": "--dataset", "examples": "training examples",
        "optimizer_classes": "optimizer"}
 # Config options that neither define nor change what a step computes (the model, the dataset
@@ -45,31 +45,38 @@ def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
-def _options(state: dict[str, Any]) -> dict[str, Any]:
-    return {name: value for section in state.get("config", {}).values()
+def _options(state: CheckpointState) -> dict[str, Any]:
+    return {name: value for section in state.config.values()
             for name, value in section.items()}
 
 
-def check_resumable(saved: dict[str, Any], current: dict[str, Any], path: Path,
+def _differs(saved: CheckpointState, current: CheckpointState, name: str) -> bool:
+    """Whether the checkpoint recorded field ``name`` (older ones lack some) with another
+    value."""
+    value = getattr(saved, name)
+    return value is not NOT_RECORDED and value != getattr(current, name)
+
+
+def check_resumable(saved: CheckpointState, current: CheckpointState, path: Path,
                     accept_changes: bool) -> list[str]:
     """Refuse (one line) a resume that would mix runs; return the changes accepted with
     ``--accept-changes`` (as ``what old -> new``)."""
-    current = json.loads(json.dumps(current))     # as the checkpoint holds it: lists
+    current = current.as_saved()     # as the checkpoint holds it: lists
     before, now = _options(saved), _options(current)
-    if saved.get("model") != current["model"]:
-        raise MixedRuns(f"{path} was trained with model {saved.get('model')!r}, not "
-                        f"{current['model']!r}; resume with the same --model")
-    for key, what in MODEL.items():
-        if key in saved and saved[key] != current[key]:
-            raise MixedRuns(f"{path} was trained with {what} {saved[key]!r}, not "
-                            f"{current[key]!r}; resume with the same model, or start a new "
-                            "--run-dir")
+    if saved.model != current.model:
+        raise MixedRuns(f"{path} was trained with model {saved.model!r}, not "
+                        f"{current.model!r}; resume with the same --model")
+    for name, what in MODEL.items():
+        if _differs(saved, current, name):
+            raise MixedRuns(f"{path} was trained with {what} {getattr(saved, name)!r}, not "
+                            f"{getattr(current, name)!r}; resume with the same model, or start "
+                            "a new --run-dir")
     for name in MODEL_OPTIONS:
         if name in before and before[name] != now.get(name):
             raise MixedRuns(f"{path} was trained with {_flag(name)} {before[name]!r}, not "
                             f"{now.get(name)!r}: another model; start a new --run-dir")
-    changed = [f"{what} {saved[key]!r} -> {current[key]!r}" for key, what in RUN.items()
-               if key in saved and saved[key] != current[key]]
+    changed = [f"{what} {getattr(saved, name)!r} -> {getattr(current, name)!r}"
+               for name, what in RUN.items() if _differs(saved, current, name)]
     changed += [f"{_flag(name)} {before[name]!r} -> {now[name]!r}" for name in now
                 if name in before and before[name] != now[name]
                 and name not in MODEL_OPTIONS and name not in OPERATIONAL]
@@ -80,7 +87,6 @@ def check_resumable(saved: dict[str, Any], current: dict[str, Any], path: Path,
     return changed
 
 
-def optimizers_changed(saved: dict[str, Any], current: dict[str, Any]) -> bool:
+def optimizers_changed(saved: CheckpointState, current: CheckpointState) -> bool:
     """Whether the optimizers' classes differ (their saved state then does not apply)."""
-    return ("optimizer_classes" in saved
-            and saved["optimizer_classes"] != current["optimizer_classes"])
+    return _differs(saved, current, "optimizer_classes")

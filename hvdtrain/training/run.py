@@ -36,6 +36,7 @@ import tensorflow as tf
 from hvdtrain import output
 from hvdtrain.checkpoint import (CheckpointStore, assign_rank_state, atomic_write_text,
                                  build_optimizers, lock_run_dir)
+from hvdtrain.checkpoint_state import CheckpointState
 from hvdtrain.config import Config, DataConfig
 from hvdtrain.data.files import LABEL_RANGE_MESSAGE, FileSplit, corrupt_record_message
 from hvdtrain.data.pipeline import ShardSpec
@@ -125,27 +126,36 @@ def weight_fingerprint(model: keras.Model) -> str:
     return digest.hexdigest()[:16]
 
 
-def _restore(run: dict[str, Any], accept_changes: bool, store: CheckpointStore,
+@dataclass(frozen=True)
+class Restored:
+    """What rank 0 restored, for every rank: the checkpoint's name, its state (no optimizer
+    state or rate factors when the optimizers changed) and every rank's random-generator
+    state, for each rank to take its own."""
+
+    name: str
+    state: CheckpointState
+    rank_states: list[list[np.ndarray]]
+
+    @property
+    def resume(self) -> ResumePoint:
+        return ResumePoint(self.state.epoch, self.state.step, self.state.epoch_state)
+
+
+def _restore(run: CheckpointState, accept_changes: bool, store: CheckpointStore,
              model: keras.Model,
-             optimizers: dict[str, keras.optimizers.Optimizer]) -> dict[str, Any]:
+             optimizers: dict[str, keras.optimizers.Optimizer]) -> Restored:
     """Rank 0: check that the newest intact checkpoint was trained with what this ``run``
-    trains (``resume_check``), load it into the model and its optimizers; return its state (and
-    every rank's random-generator state, for the ranks to take their own)."""
+    trains (``resume_check``), load it into the model and its optimizers."""
     latest = store.newest_intact(lambda line: print(f"hvdtrain: {line}", flush=True))
-    state = store.read_state(latest)
-    changed = check_resumable(state, run, latest, accept_changes)
+    state = latest.read_state()
+    changed = check_resumable(state, run, latest.path, accept_changes)
     if changed:
-        print(f"hvdtrain: continuing {latest} with changed data or settings "
+        print(f"hvdtrain: continuing {latest.path} with changed data or settings "
               f"({'; '.join(changed)}), as --accept-changes asks", flush=True)
     if optimizers_changed(state, run):   # only the weights carry over
-        optimizers, state["optimizers"], state["rates"] = {}, {}, {}
-    store.restore(latest, model, optimizers)
-    return {"epoch": int(state["epoch"]), "plateau": state.get("plateau"),
-            "rates": state.get("rates", {}), "built_for": state.get("optimizers", {}),
-            "metrics": state.get("metrics", {}), "name": latest.name,
-            "rank_states": store.rank_states(latest),
-            "resume": ResumePoint(int(state["epoch"]), int(state.get("step", 0)),
-                                  tuple(state.get("epoch_state", ())))}
+        optimizers, state = {}, dataclasses.replace(state, optimizers={}, rates={})
+    latest.restore(model, optimizers)
+    return Restored(latest.name, state, latest.rank_states())
 
 
 def seed_everything(seed: int, rank: int) -> None:
@@ -284,29 +294,30 @@ def _agreed_steps(split: Split, spec: ShardSpec, collectives: Collectives) -> in
     return min(counts) if spec.remainder == "drop" else max(counts)
 
 
-def _resumed(restored: dict[str, Any], world: World, run_dir: Path, store: CheckpointStore,
+def _resumed(restored: Restored, world: World, run_dir: Path, store: CheckpointStore,
              step: TrainingStep, trainable: Trainable,
              plateau: PlateauDecay | None) -> ResumePoint:
     """Every rank, after rank 0 restored a checkpoint: the same optimizers built, this rank's
     own random-generator state back, the rate factors and plateau state loaded; rank 0 makes
     the metrics files end at the checkpoint's epoch."""
-    build_optimizers(trainable.model, step.optimizers, restored["built_for"])
-    if restored["rank_states"][world.rank:world.rank + 1]:
-        assign_rank_state(trainable.model, restored["rank_states"][world.rank])
-    if plateau is not None and restored["plateau"]:
-        plateau.load(restored["plateau"])
-    trainable.rates.load(restored["rates"])
-    start = restored["resume"]
+    saved = restored.state
+    build_optimizers(trainable.model, step.optimizers, saved.optimizers)
+    if restored.rank_states[world.rank:world.rank + 1]:
+        assign_rank_state(trainable.model, restored.rank_states[world.rank])
+    if plateau is not None and saved.plateau:
+        plateau.load(saved.plateau)
+    trainable.rates.load(saved.rates)
+    start = restored.resume
     if world.is_chief:
         with run_files(run_dir, "the metrics files"):
-            MetricsFiles(run_dir).resume_at(start.epoch, restored["metrics"])
+            MetricsFiles(run_dir).resume_at(start.epoch, saved.metrics)
     where = f", step {start.step}" if start.step else ""
     say(world, f"resuming after epoch {start.epoch}{where} from "
-               f"{store.directory / restored['name']}")
+               f"{store.directory / restored.name}")
     return start
 
 
-def _starting_point(config: Config, run: dict[str, Any], collectives: Collectives,
+def _starting_point(config: Config, run: CheckpointState, collectives: Collectives,
                     run_dir: Path, resuming: bool, store: CheckpointStore, step: TrainingStep,
                     trainable: Trainable, plateau: PlateauDecay | None,
                     backup: keras.callbacks.BackupAndRestore | None
@@ -317,7 +328,7 @@ def _starting_point(config: Config, run: dict[str, Any], collectives: Collective
     Returns where to start and each rank's weight fingerprint before the broadcast."""
     world, model, optimizers = collectives.world, trainable.model, step.optimizers
 
-    def restore() -> dict[str, Any]:
+    def restore() -> Restored:
         return _restore(run, config.train.accept_changes, store, model, optimizers)
 
     start = ResumePoint()
@@ -325,9 +336,9 @@ def _starting_point(config: Config, run: dict[str, Any], collectives: Collective
         # Rank 0 restores; the elastic state carries weights and epoch to the others.
         if world.is_chief:
             restored = restore()
-            start = ResumePoint(restored["epoch"])
+            start = ResumePoint(restored.state.epoch)
             with run_files(run_dir, "the metrics files"):
-                MetricsFiles(run_dir).resume_at(start.epoch, restored["metrics"])
+                MetricsFiles(run_dir).resume_at(start.epoch, restored.state.metrics)
     elif resuming:
         start = _resumed(chief_decides(collectives, restore), world, run_dir, store, step,
                          trainable, plateau)
@@ -426,7 +437,7 @@ class Prepared:
     plateau: PlateauDecay | None
     user_callbacks: list[keras.callbacks.Callback]
     store: CheckpointStore
-    state: dict[str, Any]
+    state: CheckpointState
     launched: float
     first_step: FirstStepClock = dataclasses.field(default_factory=FirstStepClock)
 
@@ -544,12 +555,12 @@ class Run:
         if plateau is not None and (data.val is None or self.validation_freq != 1):
             raise UserError("--lr-schedule plateau watches val_loss after every epoch; give "
                             "validation data (every epoch) or choose another schedule")
-        state = {"model": self.model_label, "dataset": config.data.dataset,
-                 "input_shape": data.input_shape, "num_classes": data.num_classes,
-                 "examples": data.train.num_examples,
-                 "optimizer_classes": {name: type(optimizer).__name__
-                                       for name, optimizer in step.optimizers.items()},
-                 "world_size": world.size, "config": config.to_dict()}
+        state = CheckpointState(
+            model=self.model_label, dataset=config.data.dataset, input_shape=data.input_shape,
+            num_classes=data.num_classes, examples=data.train.num_examples,
+            optimizer_classes={name: type(optimizer).__name__
+                               for name, optimizer in step.optimizers.items()},
+            world_size=world.size, config=config.to_dict())
         return Prepared(collectives, run_dir, resuming, data, trainable, step, spec, steps,
                         val_spec, evaluate, plateau, self._callbacks(),
                         CheckpointStore(run_dir, config.train.keep_checkpoints), state, launched)
