@@ -300,12 +300,16 @@ def test_doctor_says_how_to_fix_a_broken_horovod(horovod, message):
 
 def test_resume_never_mixes_runs(capsys, tmp_path):
     """A checkpoint records what it trained: another dataset, optimizer or setting is refused
-    with one line naming the difference, unless --accept-changes; another model always."""
+    with one line naming the difference, unless --accept-changes; another model or input shape
+    always (another --model: test_resume_with_another_model_or_an_unreadable_checkpoint)."""
     run = train(tmp_path, "mixed", "--epochs", "1", "--hidden-units", "16", np=1)
     same = ["--run-dir", str(run), "--resume", "--hidden-units", "16", "--no-progress"]
     before = snapshot(run)
     fails_with(capsys, [*same, "--dataset", "synthetic", "--synthetic-shape", "8", "8", "1"],
                "was trained with other data or settings (--dataset 'digits' -> 'synthetic';")
+    fails_with(capsys, [*same, "--dataset", "synthetic", "--synthetic-shape", "4", "4", "1"],
+               "was trained with example shape [8, 8, 1], not [4, 4, 1]; resume with the same "
+               "model, or start a new --run-dir")
     fails_with(capsys, [*same, "--optimizer", "adam"],
                "was trained with other data or settings (optimizer {'optimizer': 'SGD'} -> "
                "{'optimizer': 'Adam'}); pass --accept-changes to continue with the new ones, "
