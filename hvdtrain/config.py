@@ -180,6 +180,11 @@ class TrainConfig:
     deterministic: bool = option(False, "enable TensorFlow op determinism (slower)")
     threads: int | None = option(None, "CPU threads per rank (default: cores / local ranks)",
                                  minimum=1)
+    backend: str = option("auto", "the collectives: horovod, tensorflow (TensorFlow's own "
+                                  "collective ops, no Horovod; launch with mpirun or srun) or "
+                                  "auto (Horovod where it is installed and loads; the "
+                                  "environment's HVDTRAIN_BACKEND when set)",
+                          choices=("auto", "horovod", "tensorflow"))
     elastic: bool = option(False, "elastic training: ranks may leave and join (launch with "
                                   "horovodrun --min-np/--max-np/--host-discovery-script)")
     commit_every: int = option(10, "elastic: steps between state commits (the most work a "
@@ -316,7 +321,19 @@ def validate(config: Config) -> Config:
                           f"--accumulation-steps {accumulation}: checkpoints fall between updates")
     if config.train.elastic:
         _check_elastic(config)
+    if config.train.backend == "tensorflow":
+        _check_tensorflow_backend(config)
     return config
+
+
+def _check_tensorflow_backend(config: Config) -> None:
+    """What TensorFlow's collectives cannot do: Horovod's elastic resizing and Adasum."""
+    if config.train.elastic:
+        raise ConfigError("--elastic needs the Horovod backend (TensorFlow's collectives cannot "
+                          "resize a job); use --backend horovod")
+    if config.optim.reduction == "adasum":
+        raise ConfigError("--reduction adasum needs the Horovod backend; use --backend horovod "
+                          "or --reduction mean")
 
 
 def _check_data_paths(data: DataConfig) -> None:

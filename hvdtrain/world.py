@@ -73,6 +73,8 @@ class Collectives(Protocol):
     """The collective operations a data-parallel run needs, for any backend."""
 
     world: World
+    backend: str      # "horovod", "tensorflow" or "none" (a world of one)
+    chosen: str       # why this backend: "as asked", or what auto found
 
     def allreduce_sum(self, tensors: Sequence[Any]) -> list[Any]:
         """Sum each tensor across ranks (grouped into one fused ring-allreduce; graph-safe)."""
@@ -98,8 +100,11 @@ class Collectives(Protocol):
 class LocalCollectives:
     """A world of one: every collective is the identity."""
 
+    backend = "none"
+
     def __init__(self) -> None:
         self.world = World()
+        self.chosen = "one process"
 
     def allreduce_sum(self, tensors: Sequence[Any]) -> list[Any]:
         return list(tensors)
@@ -129,6 +134,9 @@ class LocalCollectives:
 
 class HorovodCollectives:
     """Collectives over Horovod (MPI or Gloo controller; CPU, MPI or NCCL tensor ops)."""
+
+    backend = "horovod"
+    chosen = "as asked"
 
     def __init__(self, **init_arguments: Any) -> None:
         """Start Horovod (``init_arguments`` are Horovod's ``init`` arguments: comm,
@@ -241,11 +249,19 @@ def elastic_retry(function: Callable[..., Any]) -> Callable[..., Any]:
     return horovod_tensorflow().elastic.run(attempt)
 
 
+# What a collective's error says on this rank when another rank has left the job: Horovod's
+# (the other rank shut it down), TensorFlow's (its collectives aborted by the other rank's
+# report, or its connection gone).
+PEER_GONE_MARKERS = ("Horovod has been shut down", "Collective ops is aborted by",
+                     "Socket closed", "Connection reset by peer", "stopped sending heartbeats",
+                     "failed to connect to all addresses")
+
+
 def ended_by_another_rank(error: BaseException) -> bool:
     """True for the error a collective raises on this rank when another rank has left the job
-    (it failed, reported why, and shut Horovod down as its process ended): this rank has
-    nothing to add to that report."""
-    return "Horovod has been shut down" in str(error)
+    (it failed, reported why, and shut its collectives down as its process ended): this rank
+    has nothing to add to that report."""
+    return any(marker in str(error) for marker in PEER_GONE_MARKERS)
 
 
 def leave_horovod() -> None:
@@ -405,13 +421,46 @@ def _gpus_visible() -> bool:
     return bool(tf.config.list_physical_devices("GPU"))
 
 
-def launched_by_a_launcher(environ: dict[str, str] | None = None) -> bool:
-    """True when horovodrun, mpirun or srun started this process as one of several ranks."""
+def launched_by_a_launcher(environ: Mapping[str, str] | None = None) -> bool:
+    """True when horovodrun, mpirun or srun started this process as one of several ranks
+    (``HVDTRAIN_BACKEND=local`` says no whatever the launcher, a named backend says yes)."""
     env = os.environ if environ is None else environ
     forced = env.get("HVDTRAIN_BACKEND", "").lower()
-    if forced in ("horovod", "local"):
-        return forced == "horovod"
+    if forced in ("horovod", "tensorflow", "local"):
+        return forced != "local"
     return any(name in env for name in LAUNCHER_VARIABLES)
+
+
+BACKENDS = ("auto", "horovod", "tensorflow")
+
+
+def horovod_usable() -> str | None:
+    """None when Horovod's TensorFlow extension loads and was built with a controller (MPI or
+    Gloo); otherwise why not, in a few words."""
+    info = horovod_build_info()
+    if "error" in info:
+        return info["error"]
+    if not any(info["controllers"].values()):
+        return "Horovod was built without MPI and Gloo"
+    return None
+
+
+def chosen_backend(requested: str, environ: Mapping[str, str] | None = None
+                   ) -> tuple[str, str]:
+    """(backend, why) for a launched job: ``requested`` (the config's ``backend``), else
+    ``HVDTRAIN_BACKEND``, else auto: Horovod where it is installed and loads, TensorFlow's
+    collectives otherwise."""
+    env = os.environ if environ is None else environ
+    if requested == "auto":
+        requested = env.get("HVDTRAIN_BACKEND", "auto").lower()
+        if requested not in BACKENDS:
+            requested = "auto"
+    if requested != "auto":
+        return requested, "as asked"
+    problem = horovod_usable()
+    if problem is None:
+        return "horovod", "auto: Horovod is installed and loads"
+    return "tensorflow", f"auto: Horovod is not usable here ({problem[:120]})"
 
 
 def cpu_threads_per_rank(local_size: int, affinity: int, cores: int) -> int:
@@ -451,11 +500,26 @@ def place_devices(world: World, threads: int | None = None) -> str:
         return f"{placed[0]}, as placed by an earlier run in this process"
 
 
-def init_collectives(environ: dict[str, str] | None = None) -> Collectives:
-    """Horovod when a launcher started us, a world of one otherwise."""
-    if launched_by_a_launcher(environ):
-        return HorovodCollectives()
-    return LocalCollectives()
+def init_collectives(backend: str = "auto", prepare: Callable[[World], Any] = lambda world: None,
+                     environ: Mapping[str, str] | None = None) -> Collectives:
+    """The backend's collectives when a launcher started us (``chosen_backend``), a world of one
+    otherwise; ``prepare(world)`` (device placement) runs once the rank facts are known and
+    before TensorFlow's runtime starts."""
+    collectives: Any
+    if not launched_by_a_launcher(environ):
+        collectives = LocalCollectives()
+        prepare(collectives.world)
+        return collectives
+    name, why = chosen_backend(backend, environ)
+    if name == "tensorflow":
+        from hvdtrain.tf_collectives import tensorflow_collectives
+
+        collectives = tensorflow_collectives(prepare)
+    else:
+        collectives = HorovodCollectives()
+        prepare(collectives.world)
+    collectives.chosen = why
+    return collectives
 
 
 def horovod_build_info() -> dict[str, Any]:

@@ -174,11 +174,23 @@ def raised_here(error: BaseException) -> bool:
     agreement of every rank (a stop, a divergence, a failed checkpoint write)."""
     if isinstance(error, (StoppedBySignal, TrainingDiverged, CheckpointWriteFailed)):
         return False
-    return "Horovod" not in str(error) and not isinstance(error, tf.errors.UnavailableError)
+    return ("Horovod" not in str(error) and not ended_by_another_rank(error)
+            and not isinstance(error, (tf.errors.UnavailableError, tf.errors.AbortedError)))
 
 
 ModelFactory = Callable[[Any, "int | None"], keras.Model]
 DataFactory = Callable[[DataConfig, int], DataBundle]
+
+
+def _check_backend(config: Config, collectives: Collectives) -> None:
+    """What the backend auto chose cannot do (a backend asked for by name is checked with the
+    config)."""
+    if collectives.backend != "tensorflow":
+        return
+    if config.train.elastic or config.optim.reduction == "adasum":
+        what = "--elastic" if config.train.elastic else "--reduction adasum"
+        raise UserError(f"{what} needs the Horovod backend, and {collectives.chosen}; install "
+                        "Horovod (launch/setup.sh) or drop the option")
 
 
 def check_elastic(collectives: Collectives) -> None:
@@ -495,10 +507,12 @@ class Run:
         """Train on this rank; return the final exact metrics (every rank gets them)."""
         launched = time.perf_counter()
         with run_environment(self.config.train.precision), self.liveness.installed():
-            collectives = init_collectives()
+            placed: list[str] = []
+            collectives = init_collectives(self.config.train.backend, lambda world: placed.append(
+                place_devices(world, self.config.train.threads)))
             try:
                 self.liveness.attach(collectives.world)
-                prepared = self._setup(collectives, launched)
+                prepared = self._setup(collectives, placed[0], launched)
                 start = self._restore(prepared)
                 started = time.perf_counter()
                 history = self._train(prepared, start)
@@ -517,11 +531,12 @@ class Run:
 
     # --- setup -------------------------------------------------------------------------------
 
-    def _setup(self, collectives: Collectives, launched: float) -> Prepared:
-        """The world's devices and seeds, the run directory, the data and its shard plan, the
-        model with the step that trains it (probed on one real batch), and the callbacks."""
+    def _setup(self, collectives: Collectives, device: str, launched: float) -> Prepared:
+        """Seeds, the run directory, the data and its shard plan, the model with the step that
+        trains it (probed on one real batch), and the callbacks (``device``: where this rank
+        was placed)."""
         config, world = self.config, collectives.world
-        device = place_devices(world, config.train.threads)
+        _check_backend(config, collectives)
         if config.train.deterministic:
             tf.config.experimental.enable_op_determinism()
         seed_everything(config.train.seed, world.rank)
@@ -530,6 +545,7 @@ class Run:
             output.log_to(run_dir)
         say(world, f"hvdtrain: {world.size} rank(s) on {world.cross_size} node(s); rank 0 on "
                    f"{world.host}, {device}; run directory {run_dir}")
+        say(world, f"backend: {collectives.backend} ({collectives.chosen})")
         say(world, "resolved config:\n" + config.to_yaml().rstrip())
 
         data = self.data_factory(config.data, config.train.seed)

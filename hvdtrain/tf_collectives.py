@@ -1,0 +1,362 @@
+"""The TensorFlow backend: hvdtrain's ``Collectives`` over TensorFlow's own collective ops, the
+ones under ``MultiWorkerMirroredStrategy`` (ring all-reduce over gRPC on CPUs, NCCL on GPUs),
+with no Horovod anywhere on the path.
+
+Why: Horovod is frozen (its last release builds against current TensorFlow only with a source
+fix), while TensorFlow's collectives are maintained with TensorFlow itself. Keras 3's
+``model.fit`` does not run under ``MultiWorkerMirroredStrategy``; hvdtrain's step and loops do
+not need a strategy, only the collectives, which this module drives directly.
+
+How a job starts (every rank, before TensorFlow's runtime exists):
+
+1. The ranks come from the launcher as today (``mpirun``, ``srun --mpi=pmix``, ``horovodrun``
+   with MPI, the wrappers). One MPI exchange (mpi4py; no MPI collective in training) gives
+   every rank the others' host names and gRPC ports: rank, size, local and cross ranks follow.
+2. The device placement hvdtrain needs (one GPU per local rank, or CPU thread pools) is made,
+   then TensorFlow's eager context becomes a cluster of ``size`` tasks (``/job:worker``) with
+   its collective executor and the coordination service (which carries a failed rank's error
+   to the others at once: ``shutdown``). This must happen before any tensor or variable
+   exists in the process: a model built before it cannot take part (one line says so).
+
+Keys: every collective carries a group key (all ranks: one group for CPU tensors, one for
+GPU tensors) and an instance key, which must name the same operation on every rank. Keys are
+drawn from one counter per group when an operation *runs* (inside a ``tf.function`` as a
+call-time capture), so a rank that retraces a function does not shift any key; as with
+Horovod, every rank must issue the same collectives in the same order.
+
+Private TensorFlow API used here (and only here): ``context.context()``'s collective and
+coordination configuration, ``collective_ops``' V2 ops and ``FuncGraph.
+capture_call_time_value``; ``tests/test_tf_collectives.py`` runs them on real ranks.
+
+What it does not do (refused with one line that names the Horovod backend): elastic
+resizing, Adasum. fp16 on the wire is a cast around the sum.
+"""
+
+from __future__ import annotations
+
+import pickle
+import socket
+import threading
+from typing import Any, Callable, Sequence
+
+from hvdtrain.errors import UserError
+from hvdtrain.world import GradientReduction, World, tf_variables
+
+JOB = "worker"
+# gRPC ports are chosen free and bound a moment later by TensorFlow's server.
+CPU_GROUP, GPU_GROUP = 1, 2
+# A rank whose process has ended is found by the coordination service's heartbeats within this
+# time even when no collective waits on it (a SIGKILLed peer fails a pending collective at once).
+HEARTBEAT_TIMEOUT_MS = 30_000
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind(("", 0))
+        return probe.getsockname()[1]
+
+
+def _reachable_host() -> str:
+    host = socket.gethostname()
+    try:
+        socket.getaddrinfo(host, None)
+    except OSError:
+        return "127.0.0.1"
+    return host
+
+
+def world_from(rank: int, hosts: Sequence[str]) -> World:
+    """Rank facts from every rank's host name (in rank order): local ranks share a host; nodes
+    are numbered in the order their first rank appears."""
+    host = hosts[rank]
+    nodes = list(dict.fromkeys(hosts))
+    return World(rank, len(hosts), hosts[:rank].count(host), hosts.count(host),
+                 nodes.index(host), len(nodes), host)
+
+
+def _exchange(address: str) -> tuple[int, list[str]]:
+    """This rank's number and every rank's ``host:port``, in rank order (one MPI allgather)."""
+    try:
+        from mpi4py import MPI
+    except ImportError as error:
+        raise UserError("--backend tensorflow needs mpi4py to find the other ranks; run "
+                        "launch/setup.sh (or pip install mpi4py)") from error
+    comm = MPI.COMM_WORLD
+    return comm.Get_rank(), list(comm.allgather(address))
+
+
+class TensorFlowCollectives:
+    """Collectives over TensorFlow's collective ops (see the module doc); one per process."""
+
+    backend = "tensorflow"
+    chosen = "as asked"
+
+    def __init__(self, prepare: Callable[[World], Any] = lambda world: None,
+                 timeout_s: float = 0.0) -> None:
+        """Find the other ranks, call ``prepare(world)`` (device placement: before the
+        runtime starts) and start the cluster. ``timeout_s``: a limit on every collective
+        (0: none; the run's liveness monitor bounds a stall)."""
+        host = _reachable_host()
+        rank, addresses = _exchange(f"{host}:{_free_port()}")
+        self.world = world_from(rank, [address.rsplit(":", 1)[0] for address in addresses])
+        prepare(self.world)
+        import tensorflow as tf
+
+        self._tf = tf
+        self._start_cluster(addresses)
+        self.timeout_s = timeout_s
+        self._lock = threading.Lock()
+        self._next_keys = {CPU_GROUP: 1, GPU_GROUP: 1}
+        self._cpu = f"/job:{JOB}/replica:0/task:{rank}/device:CPU:0"
+        gpus = tf.config.get_visible_devices("GPU")
+        self._gpu = f"/job:{JOB}/replica:0/task:{rank}/device:GPU:0" if gpus else None
+        from tensorflow.python.framework import ops
+        from tensorflow.python.ops import resource_variable_ops
+
+        # Every collective of a group takes its group's token, so inside a tf.function they
+        # run in program order (NCCL requires it; harmless for the ring).
+        with ops.init_scope():
+            self._tokens = {}
+            for group, device in ((CPU_GROUP, self._cpu), (GPU_GROUP, self._gpu)):
+                if device is not None:
+                    with tf.device(device):
+                        self._tokens[group] = resource_variable_ops.ResourceVariable(0.0)
+
+    def _start_cluster(self, addresses: list[str]) -> None:
+        from tensorflow.compiler.xla.tsl.protobuf import coordination_config_pb2
+        from tensorflow.core.protobuf import tensorflow_server_pb2
+        from tensorflow.python.eager import context
+
+        tf, rank = self._tf, self.world.rank
+        leader = f"/job:{JOB}/replica:0/task:0"
+        ctx = context.context()
+        try:
+            ctx.configure_collective_ops(collective_leader=leader,
+                                         device_filters=(f"/job:{JOB}/task:{rank}",))
+        except (RuntimeError, ValueError) as error:
+            raise UserError("--backend tensorflow must start before any TensorFlow tensor or "
+                            "model exists in the process: call hvdtrain.init() first, or pass "
+                            "hvdtrain.fit a function that builds the model") from error
+        ctx.configure_coordination_service(
+            service_type="standalone", service_leader=leader,
+            heartbeat_timeout_in_ms=HEARTBEAT_TIMEOUT_MS,
+            coordinated_jobs=[coordination_config_pb2.CoordinatedJob(
+                name=JOB, num_tasks=len(addresses))])
+        config = ctx.config
+        config.experimental.collective_group_leader = leader
+        del config.device_filters[:]
+        config.device_filters.append(f"/job:{JOB}/task:{rank}")
+        server = tensorflow_server_pb2.ServerDef(
+            cluster=tf.train.ClusterSpec({JOB: addresses}).as_cluster_def(),
+            default_session_config=config, job_name=JOB, task_index=rank, protocol="grpc",
+            port=int(addresses[rank].rsplit(":", 1)[1]))
+        ctx.enable_collective_ops(server)
+        ctx.ensure_initialized()
+
+    # --- keys and the raw operations --------------------------------------------------------
+
+    def _instance_key(self, group: int) -> Any:
+        """The group's next instance key, drawn when the operation runs (see the module doc)."""
+        from tensorflow.python.eager import context
+        from tensorflow.python.framework import ops
+
+        tf = self._tf
+        graph = ops.get_default_graph()
+        while getattr(graph, "is_control_flow_graph", False):
+            graph = graph.outer_graph
+        if not context.executing_eagerly() and graph.building_function:
+            with graph.as_default():
+                return graph.capture_call_time_value(lambda: self._instance_key(group),
+                                                     tf.TensorSpec([], tf.int32))
+        with self._lock:
+            key = self._next_keys[group]
+            self._next_keys[group] = key + 1
+        with tf.device("CPU:0"):
+            return tf.constant(key, tf.int32)
+
+    def _group_of(self, tensor: Any) -> tuple[int, str, str]:
+        """(group, device, communication hint) for a tensor: NCCL for one on a GPU."""
+        if self._gpu is not None and "GPU" in (getattr(tensor, "device", "") or "").upper():
+            return GPU_GROUP, self._gpu, "nccl"
+        return CPU_GROUP, self._cpu, "ring"
+
+    def _all_reduce(self, flat: Any) -> Any:
+        from tensorflow.python.ops import collective_ops
+
+        group, device, hint = self._group_of(flat)
+        with self._tf.device(device):
+            return collective_ops.all_reduce_v2(
+                flat, self.world.size, group, self._instance_key(group), merge_op="Add",
+                final_op="Id", communication_hint=hint, timeout=self.timeout_s,
+                ordering_token=self._tokens[group].handle)
+
+    def _all_gather(self, tensor: Any) -> Any:
+        from tensorflow.python.ops import collective_ops
+
+        group, device, hint = self._group_of(tensor)
+        with self._tf.device(device):
+            return collective_ops.all_gather_v2(
+                tensor, self.world.size, group, self._instance_key(group),
+                communication_hint=hint, timeout=self.timeout_s,
+                ordering_token=self._tokens[group].handle)
+
+    def _broadcast(self, tensor: Any, shape: Any, dtype: Any, root_rank: int) -> Any:
+        from tensorflow.python.ops import collective_ops
+
+        group, device, hint = self._group_of(tensor)
+        with self._tf.device(device):
+            if self.world.rank == root_rank:
+                return collective_ops.broadcast_send_v2(
+                    tensor, self.world.size, group, self._instance_key(group),
+                    communication_hint=hint, timeout=self.timeout_s)
+            return collective_ops.broadcast_recv_v2(
+                shape, dtype, self.world.size, group, self._instance_key(group),
+                communication_hint=hint, timeout=self.timeout_s)
+
+    # --- the Collectives protocol ----------------------------------------------------------
+
+    def allreduce_sum(self, tensors: Sequence[Any]) -> list[Any]:
+        """Sum each tensor across ranks: one all-reduce per dtype of the flattened tensors
+        (graph-safe)."""
+        tf = self._tf
+        tensors = [tf.convert_to_tensor(t) for t in tensors]
+        reduced: list[Any] = [None] * len(tensors)
+        by_dtype: dict[Any, list[int]] = {}
+        for index, tensor in enumerate(tensors):
+            by_dtype.setdefault(tensor.dtype, []).append(index)
+        for indices in by_dtype.values():
+            flats = [tf.reshape(tensors[i], [-1]) for i in indices]
+            total = self._all_reduce(flats[0] if len(flats) == 1 else tf.concat(flats, 0))
+            parts = (tf.split(total, [tf.size(tensors[i]) for i in indices])
+                     if len(indices) > 1 else [total])
+            for index, part in zip(indices, parts):
+                reduced[index] = tf.reshape(part, tf.shape(tensors[index]))
+        return reduced
+
+    def reduce_gradients(self, tensors: Sequence[Any],
+                         reduction: GradientReduction = GradientReduction()) -> list[Any]:
+        """Dense gradients summed in one all-reduce per dtype (fp16 on the wire: cast around
+        the sum), averaged over the world for "average", pre- and post-scaled; a sparse one's
+        rows gathered from every rank (as Horovod gives them); None stays None."""
+        tf = self._tf
+        if reduction.op == "adasum":
+            raise UserError("Adasum needs the Horovod backend; use --backend horovod or "
+                            "--reduction mean")
+        reduced = list(tensors)
+        dense = []
+        for index, tensor in enumerate(tensors):
+            if isinstance(tensor, tf.IndexedSlices) and reduction.sparse_as_dense:
+                reduced[index] = tensor = tf.convert_to_tensor(tensor)
+            if isinstance(tensor, tf.IndexedSlices):
+                reduced[index] = self._gathered_rows(tensor, reduction)
+            elif tensor is not None:
+                dense.append(index)
+        scale = reduction.postscale / (self.world.size if reduction.op == "average" else 1)
+        wire = [reduced[i] * reduction.prescale if reduction.prescale != 1.0 else reduced[i]
+                for i in dense]
+        if reduction.fp16:
+            wire = [tf.cast(t, tf.float16) if t.dtype in (tf.float32, tf.float64) else t
+                    for t in wire]
+        for index, total in zip(dense, self.allreduce_sum(wire)):
+            total = tf.cast(total, reduced[index].dtype)
+            reduced[index] = total * scale if scale != 1.0 else total
+        return reduced
+
+    def _gathered_rows(self, slices: Any, reduction: GradientReduction) -> Any:
+        """Every rank's rows of a sparse gradient, in rank order (ranks may hold different
+        numbers of rows: gathered padded to the most, then trimmed)."""
+        tf = self._tf
+        rows = tf.shape(slices.indices, out_type=tf.int64)[0]
+        counts = self._all_gather(tf.reshape(rows, [1]))
+        most = tf.reduce_max(counts)
+        pad = most - rows
+        values = tf.pad(slices.values, tf.concat([[[0, pad]], tf.zeros(
+            [tf.rank(slices.values) - 1, 2], tf.int64)], 0))
+        indices = tf.pad(tf.cast(slices.indices, tf.int64), [[0, pad]])
+        every_values = tf.reshape(self._all_gather(values),
+                                  tf.concat([[self.world.size, most],
+                                             tf.shape(slices.values, out_type=tf.int64)[1:]], 0))
+        every_indices = tf.reshape(self._all_gather(indices), [self.world.size, most])
+        keep = tf.sequence_mask(counts, most)
+        scale = reduction.prescale * reduction.postscale / (
+            self.world.size if reduction.op == "average" else 1)
+        gathered = tf.boolean_mask(every_values, keep)
+        return tf.IndexedSlices(gathered * scale if scale != 1.0 else gathered,
+                                tf.cast(tf.boolean_mask(every_indices, keep),
+                                        slices.indices.dtype), slices.dense_shape)
+
+    def broadcast_variables(self, variables: Sequence[Any], root_rank: int = 0) -> None:
+        """Overwrite every rank's variables with the root rank's: one broadcast per dtype of the
+        flattened values (eager or in a tf.function)."""
+        tf = self._tf
+        by_dtype: dict[Any, list[Any]] = {}
+        for variable in tf_variables(variables):
+            by_dtype.setdefault(variable.dtype.base_dtype, []).append(variable)
+        for dtype, group in by_dtype.items():
+            sizes = [int(variable.shape.num_elements()) for variable in group]
+            flat = tf.concat([tf.reshape(variable, [-1]) for variable in group], 0)
+            received = self._broadcast(flat, [sum(sizes)], dtype, root_rank)
+            # The root assigns too: in a tf.function an unused broadcast send is pruned, and
+            # the receivers would wait for ever.
+            for variable, part in zip(group, tf.split(received, sizes)):
+                variable.assign(tf.reshape(part, variable.shape))
+
+    @staticmethod
+    def _as_words(data: bytes, words: int) -> Any:
+        """Bytes as int32 words (collectives carry no uint8), zero-padded."""
+        import numpy as np
+
+        buffer = np.zeros(words * 4, np.uint8)
+        buffer[:len(data)] = np.frombuffer(data, np.uint8)
+        return buffer.view(np.int32)
+
+    def allgather_object(self, obj: Any) -> list[Any]:
+        """Every rank's picklable object, in rank order (lengths first, then the payloads padded
+        to the longest)."""
+        tf = self._tf
+        data = pickle.dumps(obj)
+        lengths = self._all_gather(tf.constant([len(data)], tf.int64)).numpy()
+        words = (int(lengths.max()) + 3) // 4
+        gathered = self._all_gather(tf.constant(self._as_words(data, words))).numpy()
+        raw = gathered.reshape(self.world.size, words).view("uint8")
+        return [pickle.loads(raw[rank, :lengths[rank]].tobytes())
+                for rank in range(self.world.size)]
+
+    def broadcast_object(self, obj: Any, root_rank: int = 0) -> Any:
+        tf = self._tf
+        data = pickle.dumps(obj) if self.world.rank == root_rank else b""
+        length = int(self._broadcast(tf.constant([len(data)], tf.int64), [1], tf.int64,
+                                     root_rank).numpy()[0])
+        words = (length + 3) // 4
+        received = self._broadcast(tf.constant(self._as_words(data, words)), [words], tf.int32,
+                                   root_rank)
+        if self.world.rank == root_rank:
+            return obj
+        return pickle.loads(received.numpy().view("uint8")[:length].tobytes())
+
+    def shutdown(self) -> None:
+        """Tell every rank's collectives that this rank failed: their pending and next
+        collectives end at once with an error (through the coordination service)."""
+        from tensorflow.python.eager import context
+
+        try:
+            context.context().report_error_to_cluster(
+                self._tf.errors.ABORTED, f"hvdtrain: rank {self.world.rank} ended with an error")
+        except Exception:  # noqa: BLE001 - the cluster may be gone already; nothing to tell
+            pass
+
+
+_SESSION: TensorFlowCollectives | None = None
+
+
+def tensorflow_collectives(prepare: Callable[[World], Any] = lambda world: None
+                           ) -> TensorFlowCollectives:
+    """This process's TensorFlow-backend collectives: a cluster starts once per process, so a
+    second run in it (a notebook, a test) reuses it (``prepare`` then finds the devices
+    placed)."""
+    global _SESSION
+    if _SESSION is None:
+        _SESSION = TensorFlowCollectives(prepare)
+    else:
+        prepare(_SESSION.world)
+    return _SESSION
