@@ -1,4 +1,5 @@
-"""Shared helpers: launching real ranks with a timeout, and reading what a run left behind."""
+"""Shared helpers: launching real ranks with a timeout, running the command line in this
+process, and reading what a run left behind."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from hvdtrain.cli import main
 from netcluster import SLURM_BASICS
 
 REPO = Path(__file__).resolve().parents[1]
@@ -73,6 +75,18 @@ def train(tmp: Path, name: str, *args: str, np: int = 2, launcher: str = "horovo
     run_dir.with_suffix(".log").write_text(result.stdout + result.stderr)
     assert result.returncode == 0, f"training failed:\n{result.stdout}\n{result.stderr}"
     return run_dir
+
+
+def fails_with(capsys, argv: list[str], message: str) -> str:
+    """Run the CLI in-process; it must exit 2 with exactly one stderr line containing
+    ``message``."""
+    code = main(argv)
+    err = capsys.readouterr().err
+    lines = err.strip().splitlines()
+    assert code == 2, err
+    assert len(lines) == 1 and lines[0].startswith("hvdtrain: error: "), err
+    assert message in lines[0], lines[0]
+    return lines[0]
 
 
 # --- processes of a running job ------------------------------------------------------------
