@@ -201,6 +201,14 @@ def exact_runs(session_tmp):
     return runs
 
 
+@pytest.fixture(scope="session")
+def resnet_run(session_tmp):
+    """A 3-epoch ResNet on 2 ranks, trained once for the model and the run-output tests."""
+    return train(session_tmp, "resnet", "--model", "resnet", "--resnet-blocks", "1",
+                 "--dataset", "synthetic", "--synthetic-shape", "16", "16", "3",
+                 "--synthetic-examples", "320", "--epochs", "3", "--batch-size", "32")
+
+
 # --- a real single-node Slurm cluster ----------------------------------------------------------
 
 IS_ROOT_WITH_APT = os.geteuid() == 0 and shutil.which("apt-get") is not None

@@ -3,7 +3,7 @@
 
 Each row of the README's "Mistakes and their messages" table has a test here, or beside its
 subject: a bad option value or YAML file in test_config.py, a bad npz file in
-test_data_and_checkpoint.py."""
+test_data_sources.py."""
 
 from __future__ import annotations
 
