@@ -1,4 +1,5 @@
-"""Shared helpers: launching real ranks with a timeout, and reading what a run left behind."""
+"""Shared helpers: launching real ranks with a timeout, running the command line in this
+process, and reading what a run left behind."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from hvdtrain.cli import main
 from netcluster import SLURM_BASICS
 
 REPO = Path(__file__).resolve().parents[1]
@@ -73,6 +75,18 @@ def train(tmp: Path, name: str, *args: str, np: int = 2, launcher: str = "horovo
     run_dir.with_suffix(".log").write_text(result.stdout + result.stderr)
     assert result.returncode == 0, f"training failed:\n{result.stdout}\n{result.stderr}"
     return run_dir
+
+
+def fails_with(capsys, argv: list[str], message: str) -> str:
+    """Run the CLI in-process; it must exit 2 with exactly one stderr line containing
+    ``message``."""
+    code = main(argv)
+    err = capsys.readouterr().err
+    lines = err.strip().splitlines()
+    assert code == 2, err
+    assert len(lines) == 1 and lines[0].startswith("hvdtrain: error: "), err
+    assert message in lines[0], lines[0]
+    return lines[0]
 
 
 # --- processes of a running job ------------------------------------------------------------
@@ -185,6 +199,14 @@ def exact_runs(session_tmp):
         runs[loop, 1] = train(session_tmp, f"exact-{loop}-1", *EXACT, "--loop", loop,
                               "--batch-size", "32", "--learning-rate", "0.1", np=1)
     return runs
+
+
+@pytest.fixture(scope="session")
+def resnet_run(session_tmp):
+    """A 3-epoch ResNet on 2 ranks, trained once for the model and the run-output tests."""
+    return train(session_tmp, "resnet", "--model", "resnet", "--resnet-blocks", "1",
+                 "--dataset", "synthetic", "--synthetic-shape", "16", "16", "3",
+                 "--synthetic-examples", "320", "--epochs", "3", "--batch-size", "32")
 
 
 # --- a real single-node Slurm cluster ----------------------------------------------------------

@@ -3,7 +3,7 @@
 
 Each row of the README's "Mistakes and their messages" table has a test here, or beside its
 subject: a bad option value or YAML file in test_config.py, a bad npz file in
-test_data_and_checkpoint.py."""
+test_data_sources.py."""
 
 from __future__ import annotations
 
@@ -15,21 +15,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import launch, train
+from conftest import fails_with, launch, train
 from hvdtrain.cli import main
 from hvdtrain.install.doctor import problems_in
-
-
-def fails_with(capsys, argv: list[str], message: str) -> str:
-    """Run the CLI in-process; it must exit 2 with exactly one stderr line containing
-    ``message``."""
-    code = main(argv)
-    err = capsys.readouterr().err
-    lines = err.strip().splitlines()
-    assert code == 2, err
-    assert len(lines) == 1 and lines[0].startswith("hvdtrain: error: "), err
-    assert message in lines[0], lines[0]
-    return lines[0]
 
 
 def snapshot(directory: Path) -> dict[str, bytes]:

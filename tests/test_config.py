@@ -99,3 +99,17 @@ def test_resolved_config_round_trips_through_yaml(tmp_path):
     path = tmp_path / "config.yaml"
     path.write_text(config.to_yaml())
     assert parse("--config", str(path)) == config
+
+
+def test_resume_takes_auto_and_keeps_the_bare_flag():
+    parser = build_parser()
+
+    def resume(*argv: str) -> str:
+        return config_from_args(parser.parse_args(["train", *argv])).train.resume
+
+    assert resume() == "never"
+    assert resume("--resume") == "required"
+    assert resume("--resume", "auto") == "auto"
+    assert resume("--resume", "--epochs", "3") == "required"
+    for yaml_value, mode in ((True, "required"), (False, "never"), ("auto", "auto")):
+        assert build_config({"resume": yaml_value}).train.resume == mode

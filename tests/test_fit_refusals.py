@@ -12,8 +12,8 @@ import pytest
 import tensorflow as tf
 
 import hvdtrain
+from conftest import fails_with
 from hvdtrain.errors import UserError
-from test_bad_input import fails_with
 
 GAN = ["--model", "user_programs:gan_model", "--dataset", "user_programs:digit_images",
        "--epochs", "1", "--no-progress"]

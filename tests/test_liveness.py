@@ -1,5 +1,5 @@
 """The per-rank liveness monitor, single process with a hand-moved clock and a recorded exit
-(the multi-node and preemption tests prove it ends real jobs): the stall limit, phases, stop
+(the multi-node and stop tests prove it ends real jobs): the stall limit, phases, stop
 requests and their tightened limit, and a run leaving no signal handler behind."""
 
 from __future__ import annotations

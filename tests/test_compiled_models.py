@@ -1,6 +1,7 @@
-"""A user's own workload with real ranks: compiled models (regression, logits, binary with AUC
-and Precision, two inputs and two outputs), the user's arrays and tf.data pipeline, user
-optimizers and callbacks, and the Python API under horovodrun."""
+"""A user's compiled Keras models with real ranks (regression, logits, binary with AUC and
+Precision, two inputs and two outputs), with the user's arrays and tf.data pipeline, optimizers
+and callbacks, through the command line and the Python API under horovodrun; an uncompiled
+logits model is refused with one line."""
 
 from __future__ import annotations
 

@@ -1,7 +1,11 @@
-"""Preemption-safe jobs, for real: a stop signal to the launcher (horovodrun.sh, mpirun.sh, srun)
-mid-epoch, a SIGKILL after a step checkpoint, a Slurm time limit that requeues the job, a full
-disk during a checkpoint, a damaged newest checkpoint and a locked run directory. Every resumed
-run must end with an uninterrupted run's weights and metrics rows."""
+"""Stopping a job cleanly and continuing it, for real: a stop signal to the launcher
+(horovodrun.sh, mpirun.sh, srun) mid-epoch stops every rank at one step with a checkpoint, one
+line and exit 75; a launcher lost mid-run; ``hvdtrain.fit`` stopped under mpirun.sh; a Slurm
+time limit that requeues the job; a locked run directory; a second stop request, and one stuck
+behind an ended rank (one process). Every resumed run ends with an uninterrupted run's weights
+and metrics rows, also for models with dropout without ``--deterministic`` (checkpoints carry
+every rank's random-generator state) and for a GAN with its own ``train_step`` through the
+command line (both optimizers and every rank's noise generator)."""
 
 from __future__ import annotations
 
@@ -17,37 +21,21 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from conftest import (REPO, SLOW_CYCLE_MS, assert_same_weights, final_weights, launch,
-                      processes_mentioning, rank_env, rank_pid, read_metrics, run, train,
-                      wait_for)
+                      processes_mentioning, rank_env, rank_pid, read_metrics, read_summary, run,
+                      train, wait_for)
 from hvdtrain.checkpoint import Checkpoint, CheckpointStore
-from hvdtrain.checkpoint_state import CheckpointState
-from hvdtrain.cli import build_parser, main
-from hvdtrain.config import build_config, config_from_args
+from jobs import assert_nothing_left, flip_a_byte
 
 # Short deterministic epochs (45 steps of 2 x 16 digits): long enough to stop mid-run, a step
 # checkpoint every 5 steps.
 ARGS = ["--epochs", "8", "--deterministic", "--hidden-units", "64", "--seed", "5",
         "--batch-size", "16", "--checkpoint-every-steps", "5", "--no-tensorboard"]
 STOPPED = 75
-GONE_WITHIN_S = 60
 WRAPPERS = {"horovodrun.sh": "fit", "mpirun.sh": "custom"}
-
-
-def test_resume_takes_auto_and_keeps_the_bare_flag():
-    parser = build_parser()
-
-    def resume(*argv: str) -> str:
-        return config_from_args(parser.parse_args(["train", *argv])).train.resume
-
-    assert resume() == "never"
-    assert resume("--resume") == "required"
-    assert resume("--resume", "auto") == "auto"
-    assert resume("--resume", "--epochs", "3") == "required"
-    for yaml_value, mode in ((True, "required"), (False, "never"), ("auto", "auto")):
-        assert build_config({"resume": yaml_value}).train.resume == mode
 
 
 def test_a_second_stop_request_ends_the_process_at_once():
@@ -99,34 +87,6 @@ def test_a_stop_request_stuck_behind_an_ended_rank_leaves_within_seconds():
     assert re.fullmatch(r"hvdtrain: stop requested \(SIGTERM\) but this rank's step has waited "
                         r"\d+ s for rank 2 on 127\.0\.0\.1, whose process has ended; exiting "
                         r"now, without a checkpoint\n", result.stderr), result.stderr
-
-
-def flip_a_byte(path: Path) -> None:
-    data = bytearray(path.read_bytes())
-    data[len(data) // 2] ^= 0xFF
-    path.write_bytes(bytes(data))
-
-
-def test_a_damaged_newest_checkpoint_is_set_aside_for_the_previous(tmp_path):
-    import keras
-
-    from hvdtrain.config import ModelConfig
-    from hvdtrain.models import build_model
-
-    model = build_model(ModelConfig(hidden_units=[8]), (4,), 3)
-    optimizer = keras.optimizers.SGD()
-    optimizer.build(model.trainable_variables)
-    store = CheckpointStore(tmp_path, 5)
-    older = store.save(model, optimizer, CheckpointState(epoch=1))
-    newer = store.save(model, optimizer, CheckpointState(epoch=1, step=20))
-    assert [p.name for p in store.complete()] == ["epoch-0001", "epoch-0001-step-000020"]
-    flip_a_byte(newer.path / "weights.npz")
-    lines: list[str] = []
-    assert store.newest_intact(lines.append) == older
-    assert len(lines) == 1 and "epoch-0001-step-000020 is damaged (weights.npz does not " \
-                               "match its SHA-256)" in lines[0], lines
-    assert store.complete() == [older] and (tmp_path / "checkpoints" /
-                                            ".damaged-epoch-0001-step-000020").is_dir()
 
 
 def start_wrapper(wrapper: str, run_dir: Path, *args: str, slow: bool = True,
@@ -197,10 +157,6 @@ def stop_after_a_step_checkpoint(run_dir: Path, *args: str, **env: str) -> tuple
     finally:
         code, output = finish(job, 120)
     return code, output
-
-
-def assert_nothing_left(run_dir: Path) -> None:
-    wait_for(lambda: not processes_mentioning(str(run_dir)), GONE_WITHIN_S)
 
 
 def assert_same_run(straight: Path, resumed: Path) -> None:
@@ -338,142 +294,6 @@ def launcher_pid(run_dir: Path) -> int | None:
 
 
 @pytest.mark.distributed
-def test_a_full_disk_during_a_checkpoint_stops_with_one_line_and_keeps_the_previous(tmp_path):
-    """The run directory on a 4 MiB tmpfs, filled up after epoch 1: the epoch 2 checkpoint
-    cannot be written. Both ranks stop with the same line and exit 74; epoch 1's checkpoint is
-    whole and loads."""
-    mount = tmp_path / "small-disk"
-    mount.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(mount)],
-                      capture_output=True, timeout=30).returncode != 0:
-        pytest.skip("cannot mount a tmpfs here (needs root)")
-    try:
-        args = ["--hidden-units", "256", "128", "--no-tensorboard"]
-        run_dir = train(mount, "run", "--epochs", "1", *args)
-        (run_dir / "model.keras").unlink()
-        filler = mount / "filler"
-        with open(filler, "wb") as handle:   # fill the disk, then free 100 KiB
-            try:
-                while True:
-                    handle.write(b"\0" * 65536)
-                    handle.flush()
-            except OSError:
-                pass
-        os.truncate(filler, filler.stat().st_size - 100 * 1024)
-        result = launch("horovodrun", 2, ["--run-dir", str(run_dir), "--no-progress",
-                                          "--epochs", "2", "--resume", *args], cwd=tmp_path)
-        output = result.stdout + result.stderr
-        assert result.returncode == 74, output[-3000:]
-        errors = re.findall(r"hvdtrain: error: (could not write checkpoint epoch-0002 .*?"
-                            r"--resume auto)", output)
-        assert len(errors) == 2 and errors[0] == errors[1], output[-3000:]
-        assert "No space left on device (ENOSPC); the previous checkpoint " in errors[0]
-        assert "Traceback" not in output
-        store = CheckpointStore(run_dir, 3)
-        assert [p.name for p in store.complete()] == ["epoch-0001"]
-        assert store.latest().damage() is None
-        assert not list(store.directory.glob(".partial-*"))
-        state = json.loads((store.latest().path / "state.json").read_text())
-        assert state["epoch"] == 1 and set(state["files"]) == {"weights.npz",
-                                                               "optimizer.npz"}
-        import keras
-
-        from hvdtrain.config import ModelConfig, OptimConfig
-        from hvdtrain.models import build_model
-        from hvdtrain.training.schedule import make_optimizer, make_schedule
-
-        model = build_model(ModelConfig(hidden_units=[256, 128]), (8, 8, 1), 10)
-        optimizer = make_optimizer(OptimConfig(), make_schedule(OptimConfig(), 2, 23, 2))
-        optimizer.build(model.trainable_variables)
-        store.latest().restore(model, optimizer)
-        assert int(optimizer.iterations.numpy()) == 23
-        assert isinstance(model, keras.Model)
-    finally:
-        subprocess.run(["umount", "-l", str(mount)], timeout=30)
-
-
-@contextlib.contextmanager
-def small_disk(path: Path, size: str):
-    """A tmpfs of ``size`` at ``path`` (root only), unmounted afterwards."""
-    path.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
-                      capture_output=True, timeout=30).returncode != 0:
-        pytest.skip("cannot mount a tmpfs here (needs root)")
-    try:
-        yield path
-    finally:
-        subprocess.run(["umount", "-l", str(path)], timeout=30)
-
-
-def fill(disk: Path, leave_bytes: int) -> Path:
-    """Fill ``disk`` up, then free ``leave_bytes``; returns the filler file."""
-    filler = disk / "filler"
-    with open(filler, "wb", buffering=0) as handle:
-        try:
-            while True:
-                handle.write(b"\0" * 4096)
-        except OSError:
-            pass
-    os.truncate(filler, max(0, filler.stat().st_size - leave_bytes))
-    return filler
-
-
-def one_write_error(output: str, what: str, run_dir: Path, checkpoint: str) -> None:
-    """Exactly one error line, the failed write's, naming the whole checkpoint; no traceback."""
-    assert re.findall(r"hvdtrain: error: .*", output) == [
-        f"hvdtrain: error: could not write {what} in {run_dir}: No space left on device "
-        f"(ENOSPC); the last checkpoint {run_dir}/checkpoints/{checkpoint} is whole; free "
-        "space or fix the quota or permissions, then continue with --resume auto"], output[-3000:]
-    assert "Traceback" not in output
-
-
-@pytest.mark.distributed
-def test_a_full_disk_at_a_metrics_write_stops_with_one_line_and_resume_auto_continues(
-        tmp_path, capsys):
-    """metrics.jsonl on a full disk (a link to a full tmpfs; the checkpoints have room): epoch
-    1's checkpoint is written, its metrics row is not. Rank 0 stops with one line and exit 74;
-    rank 1, left waiting, leaves without a line; --resume auto continues (the row comes back
-    from the checkpoint) and finishes."""
-    run_dir = tmp_path / "run"
-    run_dir.mkdir()
-    args = ["--run-dir", str(run_dir), "--no-progress", "--epochs", "2", "--hidden-units", "16",
-            "--resume", "auto"]
-    with small_disk(tmp_path / "full", "64k") as disk:
-        (disk / "metrics.jsonl").touch()
-        fill(disk, 0)
-        (run_dir / "metrics.jsonl").symlink_to(disk / "metrics.jsonl")
-        result = launch("horovodrun", 2, args, cwd=tmp_path)
-        output = result.stdout + result.stderr
-        assert result.returncode == 74, output[-3000:]
-        one_write_error(output, "the metrics files", run_dir, "epoch-0001")
-        assert Checkpoint(run_dir / "checkpoints" / "epoch-0001").damage() is None
-        assert_nothing_left(run_dir)
-        assert main(args) == 0, capsys.readouterr().err    # one process: the same plan
-    assert [row["epoch"] for row in read_metrics(run_dir)] == [1, 2]
-
-
-def test_a_full_disk_at_the_final_save_stops_with_one_line_and_resume_auto_finishes(
-        tmp_path, capsys):
-    """A finished epoch's checkpoint on disk, then too little room for the final model: exit 74,
-    one line, no partial model left; with room again, --resume auto saves it."""
-    with small_disk(tmp_path / "disk", "4m") as disk:
-        run_dir = disk / "run"
-        args = ["--run-dir", str(run_dir), "--no-progress", "--epochs", "1", "--hidden-units",
-                "256", "128", "--resume", "auto"]
-        assert main(args) == 0, capsys.readouterr().err
-        (run_dir / "model.keras").unlink()
-        capsys.readouterr()
-        filler = fill(disk, 20 * 1024)
-        assert main(args) == 74
-        one_write_error(capsys.readouterr().err, "the final model", run_dir, "epoch-0001")
-        assert not (run_dir / "model.keras").exists()
-        assert not list(run_dir.glob(".model.partial*"))
-        filler.unlink()
-        assert main(args) == 0, capsys.readouterr().err
-        assert (run_dir / "model.keras").exists()
-
-
-@pytest.mark.distributed
 @pytest.mark.slow
 def test_slurm_stop_and_time_limit_requeue_finish_like_an_uninterrupted_run(slurm, straight_runs):
     """SIGTERM to the job step mid-epoch: the job ends with exit 75 and a mid-epoch checkpoint,
@@ -528,3 +348,56 @@ def release_a_requeued_job(slurm, job: str, pending_since: dict[str, float]) -> 
     if time.time() - since > 10:
         run(["scontrol", "update", f"JobId={job}", "StartTime=now"], 30, env=slurm.env)
         pending_since.clear()
+
+
+DROPOUT_ARGS = ["--epochs", "2", "--batch-size", "16", "--checkpoint-every-steps", "7",
+                "--no-tensorboard", "--seed", "9"]
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("model", ["cnn", "user_programs:dropout_mlp"])
+def test_stop_and_resume_with_dropout_equals_an_uninterrupted_run(tmp_path, model):
+    args = [*DROPOUT_ARGS, "--model", model]
+    paths = {"PYTHONPATH": str(REPO / "tests")}
+    straight = train(tmp_path, "straight", *args, **paths)
+    run_dir = tmp_path / "stopped"
+    code, output = stop_after_a_step_checkpoint(run_dir, *args, "--resume", "auto", **paths)
+    assert code == 75, output[-3000:]
+    resumed = train(tmp_path, "stopped", *args, "--resume", "auto", **paths)
+    assert "resuming after epoch" in resumed.with_suffix(".log").read_text()
+    assert_same_run(straight, resumed)
+
+
+TESTS = str(REPO / "tests")
+GAN_ARGS = ["--model", "user_programs:gan_model", "--dataset", "user_programs:digit_images",
+            "--epochs", "2", "--batch-size", "16", "--checkpoint-every-steps", "5",
+            "--deterministic", "--no-tensorboard"]
+
+
+def final_state(run_dir) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """(weights, optimizer variables) of the run's last checkpoint (the GAN is saved as
+    weights only: Keras cannot serialise a subclass without get_config)."""
+    last = run_dir / "checkpoints" / "epoch-0002"
+    with np.load(last / "weights.npz") as weights, np.load(last / "optimizer.npz") as slots:
+        return ([weights[k] for k in sorted(weights.files)],
+                [slots[k] for k in sorted(slots.files)])
+
+
+@pytest.mark.distributed
+def test_gan_through_the_cli_stops_and_resumes_to_the_uninterrupted_result(tmp_path):
+    straight = train(tmp_path, "straight", *GAN_ARGS, PYTHONPATH=TESTS)
+    log = straight.with_suffix(".log").read_text()
+    assert "step: the model's own train_step (it defines train_step)" in log
+    assert read_summary(straight)["weights_identical"]
+    assert (straight / "model.weights.h5").exists()
+
+    run_dir = tmp_path / "stopped"
+    code, output = stop_after_a_step_checkpoint(run_dir, *GAN_ARGS, "--resume", "auto",
+                                                PYTHONPATH=TESTS)
+    assert code == 75, output[-3000:]
+    assert re.search(r"stopped by SIG\w+ on rank [01].* at epoch \d, step \d+", output)
+    resumed = train(tmp_path, "stopped", *GAN_ARGS, "--resume", "auto", PYTHONPATH=TESTS)
+    assert "resuming after epoch" in resumed.with_suffix(".log").read_text()
+    (ours_w, ours_o), (theirs_w, theirs_o) = final_state(resumed), final_state(straight)
+    for left, right in zip(ours_w + ours_o, theirs_w + theirs_o):
+        np.testing.assert_allclose(left, right, rtol=1e-6, atol=1e-7)

@@ -1,0 +1,71 @@
+"""The data plan in one process (``data/pipeline.py``): which example ids each rank trains at
+each step under a ``ShardSpec``: a partial global batch padded with zero-weight rows or dropped,
+a shuffle seeded per epoch, the same global batches as one process with the larger batch, an
+epoch resumed on another world size, and the dataset that gathers the planned ids' features."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from hvdtrain.data.pipeline import ShardSpec, array_dataset, epoch_plan
+from hvdtrain.world import World
+
+
+def plans(n: int, size: int, batch: int, remainder: str = "pad", epoch: int = 0):
+    specs = [ShardSpec(n, World(rank, size), batch, remainder, True, 5) for rank in range(size)]
+    return specs, [tuple(t.numpy() for t in epoch_plan(spec, epoch)) for spec in specs]
+
+
+@pytest.mark.parametrize("n, size, batch", [(100, 2, 8), (101, 2, 8), (37, 3, 4), (5, 2, 4)])
+def test_pad_policy_partitions_every_epoch(n, size, batch):
+    specs, shards = plans(n, size, batch)
+    ids = np.concatenate([s[0].ravel() for s in shards])
+    assert sorted(ids[ids >= 0].tolist()) == list(range(n))       # each example exactly once
+    assert len({s[0].shape for s in shards}) == 1                  # same step count per rank
+    weights = sum(s[1].sum(axis=1) for s in shards)                # per-step weights sum to 1
+    np.testing.assert_allclose(weights, np.ones(specs[0].steps_per_epoch), rtol=1e-6)
+
+
+def test_drop_policy_skips_only_the_partial_global_batch():
+    specs, shards = plans(101, 2, 8, "drop")
+    ids = np.concatenate([s[0].ravel() for s in shards])
+    assert specs[0].steps_per_epoch == 6 and len(set(ids.tolist())) == 96 and ids.min() >= 0
+
+
+def test_shuffle_is_seeded_and_changes_each_epoch():
+    first = plans(64, 2, 8, epoch=0)[1][0][0]
+    again = plans(64, 2, 8, epoch=0)[1][0][0]
+    second = plans(64, 2, 8, epoch=1)[1][0][0]
+    assert np.array_equal(first, again) and not np.array_equal(first, second)
+
+
+def test_global_batches_match_one_process_with_the_larger_batch():
+    """Rank blocks of each global batch, side by side, are the single process's batch."""
+    _, two = plans(50, 2, 4)
+    _, one = plans(50, 1, 8)
+    side_by_side = np.concatenate([two[0][0], two[1][0]], axis=1)
+    assert np.array_equal(side_by_side, one[0][0])
+
+
+def test_an_epoch_resumed_with_another_world_size_is_still_a_partition():
+    """Elastic training: 3 global batches on 2 ranks, then the rest of the epoch on 3 ranks
+    from the offset: together every example exactly once."""
+    first = [epoch_plan(ShardSpec(101, World(r, 2), 5, "pad", True, 9), 4)[0].numpy()[:3]
+             for r in range(2)]
+    rest = [epoch_plan(ShardSpec(101, World(r, 3), 5, "pad", True, 9, offset=30), 4)[0].numpy()
+            for r in range(3)]
+    ids = np.concatenate([a.ravel() for a in first + rest])
+    assert sorted(ids[ids >= 0].tolist()) == list(range(101))
+
+
+def test_dataset_gathers_features_for_the_planned_ids():
+    x = np.arange(10, dtype=np.float32)[:, None] * 10
+    y = np.arange(10)
+    spec = ShardSpec(10, World(1, 2), 3, "pad", True, 1)
+    ids, _ = epoch_plan(spec, 0)
+    for (features, labels, _, weights), row in zip(array_dataset(x, y, spec), ids.numpy()):
+        real = row >= 0
+        assert np.array_equal(labels.numpy()[real], row[real])
+        assert np.array_equal(features.numpy()[real, 0], row[real] * 10)
+        assert np.all(weights.numpy()[~real] == 0)

@@ -1,0 +1,101 @@
+"""The training options and what they change: gradient accumulation equals a larger batch,
+fp16 compression and Adasum change the reduction, mixed precision trains and saves float32 (2
+ranks each); the learning-rate schedules: warmup to the scaled rate, cosine, step, square-root
+scaling, and plateau decay across a restore (one process)."""
+
+from __future__ import annotations
+
+import keras
+import numpy as np
+import pytest
+
+from conftest import (EXACT, assert_same_weights, final_weights, read_metrics, read_summary,
+                      train)
+from hvdtrain.config import DataConfig, OptimConfig
+from hvdtrain.data.load import load_source
+from hvdtrain.training.callbacks import PlateauDecay
+from hvdtrain.training.schedule import make_schedule, scale_factor
+
+
+@pytest.mark.distributed
+def test_accumulation_equals_a_k_times_larger_batch(session_tmp):
+    accumulated = train(session_tmp, "accumulated", *EXACT, "--batch-size", "16",
+                        "--accumulation-steps", "2", "--learning-rate", "0.05")
+    large = train(session_tmp, "large-batch", *EXACT, "--batch-size", "64",
+                  "--learning-rate", "0.1", np=1)
+    assert_same_weights(final_weights(accumulated), final_weights(large), atol=2e-5)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("flag, value", [("--compression", "fp16"), ("--reduction", "adasum")])
+def test_compression_and_adasum_train_and_change_the_reduction(session_tmp, exact_runs, flag,
+                                                               value):
+    run = train(session_tmp, f"reduction-{value}", *EXACT, "--batch-size", "16",
+                "--learning-rate", "0.05", flag, value)
+    summary = read_summary(run)
+    exact = read_summary(exact_runs["fit", 2])
+    assert summary["weights_identical"]
+    assert summary["fingerprints"][0] != exact["fingerprints"][0]   # the option took effect
+    if value == "fp16":   # fp16 rounding only: close to the exact reduction
+        assert_same_weights(final_weights(run), final_weights(exact_runs["fit", 2]), atol=5e-3)
+        assert summary["metrics"]["val_accuracy"] == pytest.approx(
+            exact["metrics"]["val_accuracy"], abs=0.02)
+    else:                 # Adasum keeps the single-rank rate (no linear scaling) and learns
+        assert read_metrics(run)[0]["lr"] == pytest.approx(0.05)
+        losses = [row["loss"] for row in read_metrics(run)]
+        assert losses[-1] < losses[0] and summary["metrics"]["val_accuracy"] > 0.6
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("precision, loop", [("mixed_float16", "fit"),
+                                             ("mixed_float16", "custom"),
+                                             ("mixed_bfloat16", "fit")])
+def test_mixed_precision_trains_and_saves_float32(session_tmp, precision, loop):
+    run = train(session_tmp, f"{precision}-{loop}", "--precision", precision, "--loop", loop,
+                "--epochs", "4", "--hidden-units", "64")
+    summary = read_summary(run)
+    assert summary["weights_identical"] and summary["metrics"]["val_accuracy"] > 0.85
+    model = keras.saving.load_model(run / "model.keras", safe_mode=True)
+    assert model.dtype_policy.name == "float32"
+    assert all(w.dtype == np.float32 for w in model.get_weights())
+    x = load_source(DataConfig(), 42).val.x
+    assert model.predict(x[:8], verbose=0).dtype == np.float32
+
+
+def test_schedule_warms_up_to_the_scaled_rate():
+    schedule = make_schedule(OptimConfig(learning_rate=0.1, warmup_epochs=2), 4, 10, epochs=5)
+    assert float(schedule(0)) == pytest.approx(0.1)
+    assert float(schedule(10)) == pytest.approx(0.25)     # half way to 0.4
+    assert float(schedule(20)) == pytest.approx(0.4)
+    assert float(schedule(500)) == pytest.approx(0.4)
+    assert scale_factor("sqrt", 4) == 2.0 and scale_factor("none", 4) == 1.0
+
+
+def test_cosine_and_step_schedules_after_warmup():
+    cosine = make_schedule(OptimConfig(learning_rate=0.1, warmup_epochs=1, lr_schedule="cosine"),
+                           2, 10, epochs=5)
+    assert float(cosine(5)) == pytest.approx(0.15)          # warming up: 0.1 -> 0.2
+    assert float(cosine(10)) == pytest.approx(0.2)          # warmup done: the scaled rate
+    assert float(cosine(30)) == pytest.approx(0.1)          # half way through the cosine
+    assert float(cosine(50)) == pytest.approx(0.0, abs=1e-7)
+    step = make_schedule(OptimConfig(learning_rate=0.1, warmup_epochs=0, lr_schedule="step",
+                                     lr_decay_epochs=2, lr_decay_factor=0.5), 4, 10, epochs=9)
+    assert [float(step(s)) for s in (0, 19, 20, 45)] == pytest.approx([0.4, 0.4, 0.2, 0.1])
+    sqrt = make_schedule(OptimConfig(learning_rate=0.1, warmup_epochs=0, lr_scaling="sqrt"),
+                         4, 10, epochs=1)
+    assert float(sqrt(0)) == pytest.approx(0.2)
+
+
+def test_plateau_decay_waits_for_patience_and_survives_a_restore():
+    schedule = make_schedule(OptimConfig(learning_rate=0.1, warmup_epochs=0,
+                                         lr_schedule="plateau"), 1, 10, epochs=10)
+    plateau = PlateauDecay(schedule, factor=0.5, patience=2)
+    for epoch, val_loss in enumerate([1.0, 0.9, 0.95, 0.92, 0.91, 0.8]):
+        plateau.on_epoch_end(epoch, {"val_loss": val_loss})
+    assert float(schedule(0)) == pytest.approx(0.05)        # one decay, after two stalls
+    saved = plateau.state()
+    fresh = PlateauDecay(make_schedule(OptimConfig(learning_rate=0.1, warmup_epochs=0,
+                                                   lr_schedule="plateau"), 1, 10, epochs=10),
+                         0.5, 2)
+    fresh.load(saved)
+    assert fresh.state() == saved and float(fresh.schedule(0)) == pytest.approx(0.05)
