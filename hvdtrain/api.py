@@ -54,6 +54,19 @@ def _model_factory(model: Any, precision: str) -> Callable[[Any, Any], Any] | No
                       f"name, not {type(model).__name__}")
 
 
+def init(backend: str = "auto", threads: int | None = None) -> Any:
+    """Join the job's collectives now, before the script builds a model or any tensor: the
+    TensorFlow backend (``backend="tensorflow"``, or auto without Horovod) turns TensorFlow's
+    runtime into a cluster, which must happen before anything else uses it. Returns this
+    rank's ``World`` (rank, size, local rank...). ``hvdtrain.fit`` calls it itself, so a script
+    that builds its model inside a function passed to ``fit`` need not."""
+    from hvdtrain.config import build_config
+    from hvdtrain.world import init_collectives, place_devices
+
+    chosen = build_config({"backend": backend}).train.backend   # checked like the option
+    return init_collectives(chosen, lambda world: place_devices(world, threads)).world
+
+
 def fit(model: Any, x: Any = "digits", y: Any = None, *, batch_size: int | None = None,
         epochs: int | None = None, verbose: int | str = "auto",
         callbacks: Sequence[Any] = (), validation_split: float | None = None,

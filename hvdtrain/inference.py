@@ -67,9 +67,8 @@ def evaluate(args: argparse.Namespace) -> int:
     from hvdtrain.world import init_collectives, place_devices
 
     _check_output_dir(args.output)
-    collectives = init_collectives()
+    collectives = init_collectives(prepare=place_devices)
     world = collectives.world
-    place_devices(world)
     config, model = load_run(args.run_dir)
     if args.data_path:
         arrays = _arrays_from(args.data_path)

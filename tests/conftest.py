@@ -185,20 +185,41 @@ def assert_same_weights(a: list, b: list, atol: float) -> None:
         np.testing.assert_allclose(left, right, atol=atol, rtol=0)
 
 
+# The collectives a 2-rank test can run on (--backend): the features both have are tested on
+# both, parametrised.
+BACKENDS = ("horovod", "tensorflow")
+
+
 @pytest.fixture(scope="session")
-def exact_runs(session_tmp):
-    """2 ranks x batch 16 at rate 0.05 (linear scaling: 0.1) against 1 rank x 32 at 0.1.
+def exact_run(session_tmp):
+    """The exactness runs, each trained once when a test first asks for it: 2 ranks x batch 16
+    at rate 0.05 (linear scaling: 0.1) on a backend, against 1 rank x 32 at 0.1.
 
     1,438 training examples do not divide into global batches of 32: the last one is short,
     and the equivalence covers it.
     """
-    runs = {}
-    for loop in ("fit", "custom"):
-        runs[loop, 2] = train(session_tmp, f"exact-{loop}-2", *EXACT, "--loop", loop,
-                              "--batch-size", "16", "--learning-rate", "0.05")
-        runs[loop, 1] = train(session_tmp, f"exact-{loop}-1", *EXACT, "--loop", loop,
-                              "--batch-size", "32", "--learning-rate", "0.1", np=1)
-    return runs
+    made: dict[tuple, Path] = {}
+
+    def run(loop: str, ranks: int, backend: str = "horovod") -> Path:
+        key = (loop, ranks, backend if ranks > 1 else "none")
+        if key not in made:
+            if ranks == 1:
+                made[key] = train(session_tmp, f"exact-{loop}-1", *EXACT, "--loop", loop,
+                                  "--batch-size", "32", "--learning-rate", "0.1", np=1)
+            else:
+                made[key] = train(session_tmp, f"exact-{loop}-2-{backend}", *EXACT, "--loop",
+                                  loop, "--batch-size", "16", "--learning-rate", "0.05",
+                                  "--backend", backend)
+        return made[key]
+
+    return run
+
+
+@pytest.fixture(scope="session")
+def exact_runs(exact_run):
+    """The Horovod backend's exactness runs by (loop, ranks)."""
+    return {(loop, ranks): exact_run(loop, ranks) for loop in ("fit", "custom")
+            for ranks in (2, 1)}
 
 
 @pytest.fixture(scope="session")

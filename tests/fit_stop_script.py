@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import signal
 import sys
+import time
 
 import keras
 
@@ -21,14 +22,19 @@ from workloads import regression_data
 
 def main() -> int:
     run_dir = sys.argv[1]
+    hvdtrain.init()   # before the model: the TensorFlow backend starts TensorFlow's runtime
     before = [signal.getsignal(number) for number in (signal.SIGTERM, signal.SIGINT)]
     model = keras.Sequential([keras.Input((5,)), keras.layers.Dense(8, activation="relu"),
                               keras.layers.Dense(1)])
     model.compile(loss="mse")
+    # Slow steps (a user's callback; timing, not the math), so the job is still running when
+    # the signal comes, whatever the backend and the machine.
+    slow = keras.callbacks.LambdaCallback(on_train_batch_end=lambda batch, logs: time.sleep(0.05))
     code = 0
     try:
         hvdtrain.fit(model, regression_data(), epochs=40, batch_size=16, run_dir=run_dir,
-                     checkpoint_every_steps=4, optimizer="adam", progress=False)
+                     checkpoint_every_steps=4, optimizer="adam", progress=False,
+                     callbacks=[slow])
     except StoppedBySignal as stop:
         print(f"fit stopped: {stop}", flush=True)
         code = stop.exit_code

@@ -23,12 +23,16 @@ def test_compare_harness_writes_every_field(tmp_path):
         stdin=subprocess.DEVNULL)
     assert result.returncode == 0, result.stdout + result.stderr
     report = json.loads((out / "compare.json").read_text())
-    assert set(report["examples_per_second"]) == {"hvdtrain-custom", "hvdtrain-fit", "minimal",
+    assert set(report["examples_per_second"]) == {"hvdtrain-custom", "hvdtrain-fit",
+                                                  "hvdtrain-tensorflow", "minimal",
                                                   "multiworker", "single"}
     assert all(v > 0 for v in report["examples_per_second"].values())
     assert set(report["ratios"]) == {"custom_step_vs_minimal", "fit_step_vs_minimal",
                                      "custom_throughput_vs_multiworker",
-                                     "fit_throughput_vs_multiworker", "scaling_efficiency"}
+                                     "fit_throughput_vs_multiworker",
+                                     "tensorflow_backend_throughput_vs_multiworker",
+                                     "tensorflow_backend_throughput_vs_horovod_backend",
+                                     "scaling_efficiency"}
     assert [row["bytes"] for row in report["allreduce"]] == [
         4 << 10, 64 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20]
     for row in report["allreduce"]:
@@ -80,7 +84,7 @@ def test_scaling_rows_share_and_bus_bandwidth_from_the_compute_floor():
     from hvdtrain.bench.scaling import parse_hosts, summarize, variant_names
 
     assert parse_hosts("node1:2,node2:2,node3") == ["node1", "node1", "node2", "node2", "node3"]
-    assert variant_names([0, 8]) == ["single", "hvdtrain", "hvdtrain-fp16",
+    assert variant_names([0, 8]) == ["single", "hvdtrain", "hvdtrain-tensorflow", "hvdtrain-fp16",
                                      "hvdtrain-hierarchical", "hvdtrain-fusion-0MiB",
                                      "hvdtrain-fusion-8MiB", "minimal", "multiworker"]
 

@@ -13,7 +13,8 @@ import keras
 import numpy as np
 import pytest
 
-from conftest import BIN, REPO, final_weights, launch, read_metrics, read_summary, train
+from conftest import (BACKENDS, BIN, REPO, final_weights, launch, read_metrics, read_summary,
+                      train)
 
 pytestmark = pytest.mark.distributed
 TESTS = str(REPO / "tests")
@@ -32,10 +33,11 @@ def regression_one_process(session_tmp):
                  "--learning-rate", "0.1", np=1, PYTHONPATH=TESTS)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_compiled_regression_two_ranks_equal_one_process_with_twice_the_batch(
-        session_tmp, regression_one_process):
-    two = train(session_tmp, "reg-2", *EXACT_REGRESSION, "--batch-size", "16",
-                "--learning-rate", "0.05", PYTHONPATH=TESTS)
+        session_tmp, regression_one_process, backend):
+    two = train(session_tmp, f"reg-2-{backend}", *EXACT_REGRESSION, "--batch-size", "16",
+                "--learning-rate", "0.05", "--backend", backend, PYTHONPATH=TESTS)
     one = regression_one_process
     for a, b in zip(final_weights(two), final_weights(one)):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)

@@ -22,7 +22,7 @@ import pytest
 import yaml
 
 import netcluster
-from conftest import (BIN, EXACT, REPO, SLOW_CYCLE_MS, assert_same_weights, final_weights,
+from conftest import (BACKENDS, BIN, EXACT, REPO, SLOW_CYCLE_MS, assert_same_weights, final_weights,
                       processes_mentioning, rank_env, read_metrics, read_summary, train)
 from hvdtrain.errors import STALLED_EXIT_CODE
 from hvdtrain.world import launcher_defaults
@@ -113,14 +113,17 @@ def test_doctor_from_outside_the_nodes_with_the_wrappers_ssh_option(cluster, tmp
     assert "verdict: PASS (4 rank(s) checked" in result.stdout
 
 
-def test_mpirun_wrapper_with_a_hostfile_is_exact_across_nodes(cluster, tmp_path):
-    """2 nodes x 2 ranks x batch 8 make the updates 1 process x batch 32 makes."""
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_mpirun_wrapper_with_a_hostfile_is_exact_across_nodes(cluster, tmp_path, backend):
+    """2 nodes x 2 ranks x batch 8 make the updates 1 process x batch 32 makes, on either
+    backend."""
     run_dir = tmp_path / "run"
     result = on_node1(cluster, [str(REPO / "launch" / "mpirun.sh"), "-np", "4",
                                 "--hostfile", str(cluster.hostfile(2)),
                                 "--iface", netcluster.NODE_INTERFACE, "--",
                                 "--run-dir", str(run_dir), "--no-progress", *EXACT,
-                                "--batch-size", "8", "--learning-rate", "0.025"], tmp_path)
+                                "--batch-size", "8", "--learning-rate", "0.025",
+                                "--backend", backend], tmp_path)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert_two_nodes_two_ranks_each(run_dir)
     one = train(tmp_path, "one-process", *EXACT, "--batch-size", "32", "--learning-rate",
@@ -191,9 +194,11 @@ def test_slurm_multi_node_batch_script(cluster, tmp_path, launcher):
 FAILURE_BOUND_S = 60
 
 
-def test_a_node_cut_off_mid_epoch_ends_the_job_and_resume_continues(cluster, tmp_path):
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_node_cut_off_mid_epoch_ends_the_job_and_resume_continues(cluster, tmp_path, backend):
     run_dir = tmp_path / "run"
-    args = ["--epochs", "400", "--no-progress", "--stall-timeout", "10", "--seed", "4"]
+    args = ["--epochs", "400", "--no-progress", "--stall-timeout", "10", "--seed", "4",
+            "--backend", backend]
     command = [str(REPO / "launch" / "mpirun.sh"), "-np", "4", "-H", HOSTS,
                "--iface", netcluster.NODE_INTERFACE, "--", "--run-dir", str(run_dir), *args]
     job = subprocess.Popen(cluster.on("node1", command), env=rank_env(), cwd=tmp_path,

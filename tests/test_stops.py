@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import (REPO, SLOW_CYCLE_MS, assert_same_weights, final_weights, launch,
+from conftest import (BACKENDS, REPO, SLOW_CYCLE_MS, assert_same_weights, final_weights, launch,
                       processes_mentioning, rank_env, rank_pid, read_metrics, read_summary, run,
                       train, wait_for)
 from hvdtrain.checkpoint import Checkpoint, CheckpointStore
@@ -237,15 +237,17 @@ def test_sigterm_to_the_launcher_stops_at_a_step_and_resume_auto_matches(
 
 
 @pytest.mark.distributed
-def test_hvdtrain_fit_under_mpirun_stops_cleanly_on_sigterm(tmp_path):
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_hvdtrain_fit_under_mpirun_stops_cleanly_on_sigterm(tmp_path, backend):
     """The Python API gets the CLI's stop: SIGTERM to launch/mpirun.sh mid-run stops both
     ranks at one step with a checkpoint, ``fit`` raises StoppedBySignal (the script exits 75),
-    and the run leaves the process's signal handlers as it found them."""
+    and the run leaves the process's signal handlers as it found them; on either backend."""
     run_dir = tmp_path / "run"
     job = subprocess.Popen(
         [str(REPO / "launch" / "mpirun.sh"), "-np", "2", "--command",
          f"{sys.executable} {REPO / 'tests' / 'fit_stop_script.py'} {run_dir}"],
-        env=rank_env(HOROVOD_CYCLE_TIME=SLOW_CYCLE_MS, PYTHONPATH=str(REPO / "tests")),
+        env=rank_env(HOROVOD_CYCLE_TIME=SLOW_CYCLE_MS, PYTHONPATH=str(REPO / "tests"),
+                     HVDTRAIN_BACKEND=backend),
         cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         stdin=subprocess.DEVNULL, start_new_session=True)
     try:
@@ -355,13 +357,21 @@ DROPOUT_ARGS = ["--epochs", "2", "--batch-size", "16", "--checkpoint-every-steps
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("model", ["cnn", "user_programs:dropout_mlp"])
-def test_stop_and_resume_with_dropout_equals_an_uninterrupted_run(tmp_path, model):
-    args = [*DROPOUT_ARGS, "--model", model]
+@pytest.mark.parametrize("model,backend", [("cnn", "horovod"),
+                                           ("user_programs:dropout_mlp", "horovod"),
+                                           ("user_programs:dropout_mlp", "tensorflow")])
+def test_stop_and_resume_with_dropout_equals_an_uninterrupted_run(tmp_path, model, backend):
+    """SIGTERM through launch/mpirun.sh after a step checkpoint, then --resume auto: the same
+    weights and rows as an uninterrupted run (dropout masks included), on either backend. The
+    TensorFlow backend's interrupted run slows its steps with a callback of the user's kind
+    (HOROVOD_CYCLE_TIME does not reach it)."""
+    args = [*DROPOUT_ARGS, "--model", model, "--backend", backend]
     paths = {"PYTHONPATH": str(REPO / "tests")}
     straight = train(tmp_path, "straight", *args, **paths)
     run_dir = tmp_path / "stopped"
-    code, output = stop_after_a_step_checkpoint(run_dir, *args, "--resume", "auto", **paths)
+    slow = ["--callbacks", "workloads:slow_steps"] if backend == "tensorflow" else []
+    code, output = stop_after_a_step_checkpoint(run_dir, *args, *slow, "--resume", "auto",
+                                                **paths)
     assert code == 75, output[-3000:]
     resumed = train(tmp_path, "stopped", *args, "--resume", "auto", **paths)
     assert "resuming after epoch" in resumed.with_suffix(".log").read_text()

@@ -10,7 +10,7 @@ import keras
 import numpy as np
 import pytest
 
-from conftest import (assert_partition, assert_same_weights, final_weights, launch,
+from conftest import (BACKENDS, assert_partition, assert_same_weights, final_weights, launch,
                       probe_shards, read_metrics, read_summary, train)
 from hvdtrain.config import ModelConfig
 from hvdtrain.models import build_model
@@ -18,16 +18,27 @@ from hvdtrain.models import build_model
 pytestmark = pytest.mark.distributed
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("loop", ["fit", "custom"])
-def test_two_ranks_compute_what_one_process_with_twice_the_batch_does(exact_runs, loop):
-    two, one = final_weights(exact_runs[loop, 2]), final_weights(exact_runs[loop, 1])
+def test_two_ranks_compute_what_one_process_with_twice_the_batch_does(exact_run, loop, backend):
+    two, one = final_weights(exact_run(loop, 2, backend)), final_weights(exact_run(loop, 1))
     assert_same_weights(two, one, atol=2e-5)
     # The tolerance is far below how far training moved the weights from their start.
     keras.utils.set_random_seed(1)
     start = build_model(ModelConfig(hidden_units=[32], weight_decay=0.001), (8, 8, 1),
                         10).get_weights()
     assert max(np.abs(a - b).max() for a, b in zip(one, start)) > 0.05
-    assert read_summary(exact_runs[loop, 2])["weights_identical"]
+    assert read_summary(exact_run(loop, 2, backend))["weights_identical"]
+    log = exact_run(loop, 2, backend).with_suffix(".log").read_text()
+    assert f"backend: {backend} (as asked)" in log
+
+
+@pytest.mark.parametrize("loop", ["fit", "custom"])
+def test_both_backends_end_with_the_same_weights(exact_run, loop):
+    """The same deterministic run on Horovod's collectives and on TensorFlow's: the sums are
+    taken in the same order (two ranks), so the weights agree bit for bit or within 1e-6."""
+    assert_same_weights(final_weights(exact_run(loop, 2, "horovod")),
+                        final_weights(exact_run(loop, 2, "tensorflow")), atol=1e-6)
 
 
 def test_fit_and_custom_loop_give_the_same_result(exact_runs):

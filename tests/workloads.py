@@ -133,3 +133,13 @@ def early_stop_callbacks() -> list[keras.callbacks.Callback]:
 def adamw(learning_rate) -> keras.optimizers.Optimizer:
     """A user's optimizer factory: receives hvdtrain's scaled, warmed-up schedule."""
     return keras.optimizers.AdamW(learning_rate=learning_rate, weight_decay=1e-4)
+
+
+def slow_steps() -> list[keras.callbacks.Callback]:
+    """A user's callback that makes every step 50 ms longer (timing, not the math): a job a test
+    interrupts on the TensorFlow backend, whose steps HOROVOD_CYCLE_TIME does not slow, is
+    still running when the signal comes."""
+    import time
+
+    return [keras.callbacks.LambdaCallback(
+        on_train_batch_end=lambda batch, logs: time.sleep(0.05))]

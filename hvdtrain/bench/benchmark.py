@@ -107,9 +107,8 @@ def run(args: argparse.Namespace) -> tuple[bool, dict[str, Any]]:
     from hvdtrain.training.step import StepMath, StepOptions
     from hvdtrain.world import init_collectives, place_devices
 
-    collectives = init_collectives()
+    collectives = init_collectives(prepare=place_devices)
     world = collectives.world
-    place_devices(world)
     model, (x, y) = synthetic_problem(args, world.rank)
     optimizer = make_optimizer(OptimConfig(warmup_epochs=0),
                                make_schedule(OptimConfig(warmup_epochs=0), world.size, 1, 1))

@@ -111,6 +111,10 @@ def main(argv: list[str] | None = None) -> int:
             run_checked([*horovodrun, python(), "-m", "hvdtrain", "benchmark", *common,
                          "--loop", loop, "--output", str(out / f"hvdtrain-{loop}-{round_}.json")],
                         env)
+        # The same step on TensorFlow's collectives (--backend tensorflow), no Horovod.
+        run_checked([*horovodrun, python(), "-m", "hvdtrain", "benchmark", *common, "--loop",
+                     "custom", "--output", str(out / f"hvdtrain-tensorflow-{round_}.json")],
+                    {**env, "HVDTRAIN_BACKEND": "tensorflow"})
         run_checked([*horovodrun, python(), "-m", "hvdtrain.bench.baselines.minimal_horovod",
                      *common, "--output", str(out / f"minimal-{round_}.json")], env)
         run_multiworker(common, ["localhost"] * args.np, env, out / f"multiworker-{round_}.json")
@@ -136,7 +140,8 @@ def summarize(out: Path, args: argparse.Namespace, pipeline: list[dict],
         return statistics.median(load(f"{name}-{round_}")[field]
                                  for round_ in range(1, args.rounds + 1))
 
-    names = ("hvdtrain-custom", "hvdtrain-fit", "minimal", "multiworker", "single")
+    names = ("hvdtrain-custom", "hvdtrain-fit", "hvdtrain-tensorflow", "minimal", "multiworker",
+             "single")
     step = {name: over_rounds(name, "step_seconds_median") for name in names}
     rate = {name: over_rounds(name, "examples_per_second_total") for name in names}
     training_rate = rate["hvdtrain-custom"] / args.np     # per rank, what the input must feed
@@ -151,6 +156,10 @@ def summarize(out: Path, args: argparse.Namespace, pipeline: list[dict],
             "fit_step_vs_minimal": step["hvdtrain-fit"] / step["minimal"],
             "custom_throughput_vs_multiworker": rate["hvdtrain-custom"] / rate["multiworker"],
             "fit_throughput_vs_multiworker": rate["hvdtrain-fit"] / rate["multiworker"],
+            "tensorflow_backend_throughput_vs_multiworker":
+                rate["hvdtrain-tensorflow"] / rate["multiworker"],
+            "tensorflow_backend_throughput_vs_horovod_backend":
+                rate["hvdtrain-tensorflow"] / rate["hvdtrain-custom"],
             "scaling_efficiency": rate["hvdtrain-custom"] / (args.np * rate["single"]),
         },
         "allreduce": load("comm"),

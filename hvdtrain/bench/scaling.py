@@ -48,7 +48,7 @@ def parse_hosts(text: str) -> list[str]:
 
 def variant_names(fusion_mib: list[float]) -> list[str]:
     """Every variant, in the order they run (and are reported)."""
-    return ["single", "hvdtrain", "hvdtrain-fp16", "hvdtrain-hierarchical",
+    return ["single", "hvdtrain", "hvdtrain-tensorflow", "hvdtrain-fp16", "hvdtrain-hierarchical",
             *(f"hvdtrain-fusion-{mib:g}MiB" for mib in fusion_mib), "minimal", "multiworker"]
 
 
@@ -68,7 +68,9 @@ def run_variant(name: str, args: argparse.Namespace, model: str, output: Path) -
     program = [python(), "-m", "hvdtrain.bench.baselines.minimal_horovod", *common]
     if name.startswith("hvdtrain"):
         program = [python(), "-m", "hvdtrain", "benchmark", *common]
-    if name == "hvdtrain-fp16":
+    if name == "hvdtrain-tensorflow":   # the same step on TensorFlow's collectives
+        env["HVDTRAIN_BACKEND"] = "tensorflow"
+    elif name == "hvdtrain-fp16":
         program += ["--compression", "fp16"]
     elif name == "hvdtrain-hierarchical":
         env["HOROVOD_HIERARCHICAL_ALLREDUCE"] = "1"
