@@ -34,6 +34,7 @@ resizing, Adasum. fp16 on the wire is a cast around the sum.
 
 from __future__ import annotations
 
+import atexit
 import pickle
 import socket
 import threading
@@ -81,6 +82,9 @@ def _exchange(address: str) -> tuple[int, list[str]]:
     except ImportError as error:
         raise UserError("--backend tensorflow needs mpi4py to find the other ranks; run "
                         "launch/setup.sh (or pip install mpi4py)") from error
+    if not MPI.Is_initialized():   # imported without initialising (``hvdtrain doctor``)
+        MPI.Init()
+        atexit.register(lambda: MPI.Is_finalized() or MPI.Finalize())
     comm = MPI.COMM_WORLD
     return comm.Get_rank(), list(comm.allgather(address))
 

@@ -13,8 +13,8 @@ import sys
 from typing import Any
 
 from hvdtrain import __version__
-from hvdtrain.world import (horovod_build_info, init_collectives, keepalive_window_s,
-                            launched_by_a_launcher, launcher_defaults)
+from hvdtrain.world import (chosen_backend, horovod_build_info, init_collectives,
+                            keepalive_window_s, launched_by_a_launcher, launcher_defaults)
 
 SETUP_HINT = "run launch/setup.sh (it rebuilds Horovod against this TensorFlow)"
 
@@ -34,17 +34,24 @@ def mpi_library_version() -> str:
         return f"unavailable ({type(error).__name__}: {error})"
 
 
-def problems_in(report: dict[str, Any], launched: bool) -> list[str]:
-    """One sentence per problem found in a rank's report, each saying how to fix it."""
-    found: list[str] = []
-    build = report["horovod"]
+def horovod_problems(build: dict[str, Any]) -> list[str]:
+    """What is wrong with Horovod's build, for a job that trains on it."""
     if "error" in build:
-        found.append(f"Horovod cannot be used: {build['error']}; {SETUP_HINT}")
-    elif not (build["controllers"]["MPI"] or build["controllers"]["Gloo"]):
-        found.append(f"Horovod was built without MPI and Gloo; {SETUP_HINT}")
-    elif not build["controllers"]["MPI"]:
-        found.append("Horovod was built without MPI (mpirun and Slurm launches will fail); "
-                     "install libopenmpi-dev and " + SETUP_HINT)
+        return [f"Horovod cannot be used: {build['error']}; {SETUP_HINT}"]
+    if not (build["controllers"]["MPI"] or build["controllers"]["Gloo"]):
+        return [f"Horovod was built without MPI and Gloo; {SETUP_HINT}"]
+    if not build["controllers"]["MPI"]:
+        return ["Horovod was built without MPI (mpirun and Slurm launches will fail); "
+                "install libopenmpi-dev and " + SETUP_HINT]
+    return []
+
+
+def problems_in(report: dict[str, Any], launched: bool) -> list[str]:
+    """One sentence per problem found in a rank's report, each saying how to fix it (Horovod's
+    build matters only where it trains: a job on TensorFlow's collectives does not need it)."""
+    found: list[str] = []
+    if not report.get("backend", "").startswith("tensorflow"):
+        found += horovod_problems(report["horovod"])
     if report["mpi"].startswith("unavailable"):
         found.append("mpi4py cannot load an MPI library; install openmpi-bin and re-run "
                      "launch/setup.sh")
@@ -92,8 +99,10 @@ def collect_report() -> tuple[dict[str, Any], Any]:
         "cross_size": 1,
     }
     collectives = None
-    if "error" not in report["horovod"] or not launched_by_a_launcher():
+    backend, _ = chosen_backend("auto") if launched_by_a_launcher() else ("none", "")
+    if "error" not in report["horovod"] or backend != "horovod":
         collectives = init_collectives()
+        report["backend"] = f"{collectives.backend} ({collectives.chosen})"
         world = collectives.world
         report.update(rank=world.rank, size=world.size, local_rank=world.local_rank,
                       local_size=world.local_size, cross_rank=world.cross_rank,
@@ -123,6 +132,7 @@ def format_report(report: dict[str, Any]) -> str:
         f"  hvdtrain {report['hvdtrain']}, Python {report['python']}, TensorFlow "
         f"{report['tensorflow']}, Keras {report['keras']}",
         f"  Horovod {horovod}",
+        f"  backend {report.get('backend', 'not started')}",
         f"  MPI {report['mpi']}",
         f"  GPUs {', '.join(report['gpus']) or 'none (CPU)'}",
         f"  allreduce {allreduce}",
