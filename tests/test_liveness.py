@@ -5,6 +5,7 @@ requests and their tightened limit, and a run leaving no signal handler behind."
 from __future__ import annotations
 
 import io
+import re
 import signal
 import subprocess
 import sys
@@ -27,6 +28,18 @@ class Clock:
         return self.now
 
 
+def run_program(program: str) -> subprocess.CompletedProcess:
+    """``program`` in a fresh Python process (real signals, its own handlers)."""
+    return subprocess.run([sys.executable, "-c", program], env=rank_env(), text=True,
+                          capture_output=True, timeout=50, stdin=subprocess.DEVNULL)
+
+
+def advance(live: Liveness, clock: Clock, seconds: float) -> None:
+    """Move the clock and let the monitor look once."""
+    clock.now += seconds
+    live.check()
+
+
 def monitor(timeout: float | None = None, size: int = 4
             ) -> tuple[Liveness, Clock, list[int], io.StringIO]:
     clock, exits, stream = Clock(), [], io.StringIO()
@@ -45,11 +58,9 @@ def steps(live: Liveness, clock: Clock, count: int, seconds: float = 1.0) -> Non
 def test_fires_once_after_the_limit_with_one_line_naming_the_rank():
     live, clock, exits, stream = monitor(timeout=10)
     live.step_ends()
-    clock.now += 9.9
-    live.check()
+    advance(live, clock, 9.9)
     assert exits == []
-    clock.now += 0.2
-    live.check()
+    advance(live, clock, 0.2)
     assert exits == [STALLED_EXIT_CODE] == [76]
     line, = stream.getvalue().splitlines()
     assert line.startswith("hvdtrain: error: rank 3 of 4 on node2 stalled: no training step "
@@ -73,11 +84,9 @@ def test_automatic_limit_follows_the_slowest_step():
     clock.now += 1.0
     live.step_ends()
     assert live.slowest_step_s == 4.0 and live.limit() == STEP_FACTOR * 4.0
-    clock.now += STEP_FACTOR * 4.0 - 1
-    live.check()
+    advance(live, clock, STEP_FACTOR * 4.0 - 1)
     assert exits == []
-    clock.now += 2
-    live.check()
+    advance(live, clock, 2)
     assert exits == [STALLED_EXIT_CODE]
 
 
@@ -89,13 +98,11 @@ def test_a_phase_gets_its_own_limit_and_the_next_step_twice_the_limit():
         live.check()
         assert exits == [] and live.waiting_for == "the end of epoch 1"
     assert live.longest_phase_s == FIRST_PHASE_S - 1
-    clock.now += 19
-    live.check()
+    advance(live, clock, 19)
     assert exits == []                     # rank 0's writes may delay the next step
     live.step_ends()                       # that step does not count towards the limit
     assert live.slowest_step_s == 0.0
-    clock.now += 10.5
-    live.check()
+    advance(live, clock, 10.5)
     assert exits == [STALLED_EXIT_CODE]
 
 
@@ -107,8 +114,7 @@ def test_a_node_lost_during_a_phase_still_ends_the_rank():
     live.step_ends()
     live.phase_begins("the end of epoch 2")   # a collective in validation never returns
     assert live.phase_limit() == max(10, PHASE_FACTOR * 2.0)
-    clock.now += 10.5
-    live.check()
+    advance(live, clock, 10.5)
     assert exits == [STALLED_EXIT_CODE]
     assert "while waiting for the end of epoch 2" in stream.getvalue()
 
@@ -119,12 +125,10 @@ def test_phases_nest():
     live.phase_begins("validation")
     live.phase_begins("checkpoint")
     live.phase_ends()
-    clock.now += 100
-    live.check()
+    advance(live, clock, 100)
     assert exits == []
     live.phase_ends()
-    clock.now += 21
-    live.check()
+    advance(live, clock, 21)
     assert exits == [STALLED_EXIT_CODE]
 
 
@@ -133,8 +137,7 @@ def test_one_rank_or_a_zero_limit_watches_no_stall():
         live, clock, exits, _ = monitor(timeout, size)
         assert not live.watches_stalls
         live.step_ends()
-        clock.now += 10 * FIRST_PHASE_S
-        live.check()
+        advance(live, clock, 10 * FIRST_PHASE_S)
         assert exits == []
     live, _, _, _ = monitor(None, 2)
     assert live.watches_stalls and live.who == "rank 1 of 2 on node2" and live.fixed_limit is None
@@ -146,8 +149,7 @@ def test_the_line_names_the_ranks_whose_heartbeat_does_not_answer():
     live, clock, exits, stream = monitor(timeout=10)
     live.peers = [Peer(1, "127.0.0.1", alive.port), Peer(2, "127.0.0.1", gone.port)]
     live.step_ends()
-    clock.now += 11
-    live.check()
+    advance(live, clock, 11)
     assert exits == [STALLED_EXIT_CODE]
     assert "; no answer from rank 2 on 127.0.0.1; ending this rank" in stream.getvalue()
     assert unanswered(live.peers[:1]) == []
@@ -160,8 +162,7 @@ def test_a_stop_request_tightens_the_limit_on_a_stuck_step():
     live, clock, exits, stream = monitor(timeout=1000)
     steps(live, clock, 3)
     live.step_begins()
-    clock.now += STUCK_MIN_S + 1
-    live.check()
+    advance(live, clock, STUCK_MIN_S + 1)
     assert exits == []
     live.request("SIGTERM", 128 + signal.SIGTERM)
     live.check()
@@ -179,11 +180,9 @@ def test_a_stop_request_between_steps_asks_whether_a_peer_has_ended():
     steps(live, clock, 3)
     live.phase_begins("the end of epoch 1")     # validation: no step runs
     live.request("SIGUSR1", 128 + signal.SIGUSR1)
-    clock.now += 4
-    live.check()
+    advance(live, clock, 4)
     assert exits == []
-    clock.now += 2
-    live.check()
+    advance(live, clock, 2)
     assert exits == [128 + signal.SIGUSR1]
     assert "has waited 6 s between steps (validation, checkpoint or setup) for rank 1 on " \
            "127.0.0.1, whose process has ended" in stream.getvalue()
@@ -242,6 +241,54 @@ def test_after_a_run_that_ends_the_process_the_stop_signals_are_ignored():
                "os.kill(os.getpid(), signal.SIGTERM)\n"
                "time.sleep(0.5)\n"
                "print('still here', flush=True)\n")
-    result = subprocess.run([sys.executable, "-c", program], env=rank_env(), text=True,
-                            capture_output=True, timeout=50, stdin=subprocess.DEVNULL)
+    result = run_program(program)
     assert result.returncode == 0 and result.stdout == "still here\n", result.stderr
+
+
+def test_a_second_stop_request_ends_the_process_at_once():
+    """Two signals together are one request; one more, later, ends the process at once even
+    while its main thread is blocked (here: sleeping)."""
+    program = ("import os, signal, time\n"
+               "from hvdtrain.training.liveness import Liveness\n"
+               "live = Liveness()\n"
+               "live.install()\n"
+               "os.kill(os.getpid(), signal.SIGTERM)\n"
+               "os.kill(os.getpid(), signal.SIGUSR1)\n"
+               "time.sleep(0.5)\n"
+               "print('first:', live.stop_reason, flush=True)\n"
+               "time.sleep(3.5)\n"
+               "os.kill(os.getpid(), signal.SIGUSR1)\n"
+               "time.sleep(60)\n")
+    result = run_program(program)
+    assert result.stdout == "first: SIGTERM\n", result.stdout + result.stderr
+    assert result.returncode == 128 + signal.SIGUSR1
+    assert result.stderr == ("hvdtrain: second stop request (SIGUSR1) after SIGTERM: exiting "
+                             "now, without a checkpoint\n")
+
+
+def test_a_stop_request_stuck_behind_an_ended_rank_leaves_within_seconds():
+    """srun's --kill-on-bad-exit sends SIGTERM to the survivors of a dead rank, and they wait in
+    a collective that can never finish: the stop path asks the heartbeat ports and leaves as
+    soon as one refuses (a process that has ended), long before the 10 s stuck limit or
+    Slurm's SIGKILL. A peer that still answers is not blamed."""
+    program = ("import os, signal, time\n"
+               "from hvdtrain.training.liveness import Heartbeat, Liveness, Peer\n"
+               "alive, ended = Heartbeat(), Heartbeat()\n"
+               "ended.close()\n"
+               "live = Liveness()\n"
+               "live.peers = [Peer(1, '127.0.0.1', alive.port), Peer(2, '127.0.0.1', ended.port)]\n"
+               "live.install()\n"
+               "for _ in range(3):\n"
+               "    live.step_begins(); time.sleep(0.05); live.step_ends()\n"
+               "live.step_begins()\n"
+               "os.kill(os.getpid(), signal.SIGTERM)\n"
+               "print('stuck at', time.monotonic(), flush=True)\n"
+               "time.sleep(60)\n")
+    began = time.monotonic()
+    result = run_program(program)
+    stuck_at = float(result.stdout.split()[-1])
+    assert result.returncode == 128 + signal.SIGTERM, result.stdout + result.stderr
+    assert 2 <= time.monotonic() - stuck_at < 8 and stuck_at > began
+    assert re.fullmatch(r"hvdtrain: stop requested \(SIGTERM\) but this rank's step has waited "
+                        r"\d+ s for rank 2 on 127\.0\.0\.1, whose process has ended; exiting "
+                        r"now, without a checkpoint\n", result.stderr), result.stderr
