@@ -1,8 +1,8 @@
 """Every user mistake: exit code 2, one line naming the problem and what to do, no traceback
 (unless --debug), and nothing already in the run directory overwritten or lost.
 
-Each row of the README's "Mistakes and their messages" table has a test here, or beside its
-subject: a bad option value or YAML file in test_config.py, a bad npz file in
+Each row of the "Mistakes and their messages" table (hvdtrain/README.md) has a test here, or
+beside its subject: a bad option value or YAML file in test_config.py, a bad npz file in
 test_data_sources.py."""
 
 from __future__ import annotations
