@@ -332,8 +332,8 @@ def reducescatter(tensor: Any, device_dense: str = "", compression: Any = Compre
         @tf.custom_gradient
         def differentiable(value: tf.Tensor) -> Any:
             def gradient(upstream: tf.Tensor) -> tf.Tensor:
-                factor = (size() if reduction == "sum" else 1) * prescale_factor \
-                    * postscale_factor
+                factor = prescale_factor * postscale_factor * (
+                    size() if reduction == "sum" else 1)
                 return allgather(upstream * tf.cast(factor, upstream.dtype))
 
             return scatter(value), gradient
