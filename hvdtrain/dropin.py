@@ -84,10 +84,15 @@ def _pin_gpu(world: World) -> None:
     import tensorflow as tf
 
     gpus = tf.config.list_physical_devices("GPU")
-    for gpu in gpus:
-        tf.config.experimental.set_memory_growth(gpu, True)
-    if gpus:
-        tf.config.set_visible_devices(gpus[world.local_rank % len(gpus)], "GPU")
+    try:
+        for gpu in gpus:
+            tf.config.experimental.set_memory_growth(gpu, True)
+        if gpus:
+            tf.config.set_visible_devices(gpus[world.local_rank % len(gpus)], "GPU")
+    except RuntimeError:
+        # The runtime exists already: a tensor came first (the cluster's start then says so
+        # in one line), or this is a second init() in the process (the pinning stands).
+        pass
 
 
 def collectives() -> Collectives:
