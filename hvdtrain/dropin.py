@@ -1,56 +1,140 @@
-"""What the Horovod drop-in's two APIs share: the collectives ``init()`` opens, Horovod's
-gradient arguments as the trainer's ``GradientReduction``, and ``DistributedOptimizer``.
+"""What the Horovod drop-in's two APIs share: the backend, the collectives ``init()`` opens,
+Horovod's gradient arguments as the trainer's ``GradientReduction``, and
+``DistributedOptimizer``.
 
 ``hvdtrain.tensorflow`` and ``hvdtrain.keras`` both offer these (as Horovod's two APIs do), and
 ``hvdtrain.keras`` re-exports much of ``hvdtrain.tensorflow``. Kept here, below both, they need
 nothing from each other in return: either API imports first, and neither imports the other
 while it loads.
+
+The backend is chosen once, when the drop-in is first imported, by the rule the trainer's
+``--backend auto`` follows (``world.chosen_backend``): ``HVDTRAIN_BACKEND`` when set, else
+Horovod where it is installed and loads, else TensorFlow's own collectives. It is chosen then
+and not at ``init()`` because a script binds ``hvd.Sum`` or ``hvd.rank`` before it calls
+``init()``, and on Horovod those are Horovod's own objects. On the TensorFlow backend nothing
+here imports Horovod: the ops and compression are ``hvdtrain.dropin_ops``', and what needs
+Horovod (join, Adasum, process sets, elastic, the timeline) is ``refused`` in one line.
 """
 
 from __future__ import annotations
 
+import sys
 from typing import Any, Sequence
 
 import keras
 
+from hvdtrain import dropin_ops
+from hvdtrain.errors import UserError
 from hvdtrain.training import distributed_optimizer
-from hvdtrain.world import GradientReduction, HorovodCollectives, horovod_tensorflow
+from hvdtrain.world import (Collectives, GradientReduction, HorovodCollectives, World,
+                            chosen_backend, horovod_tensorflow)
 
-_hvd = horovod_tensorflow()
-Average = _hvd.Average
-Sum = _hvd.Sum
-Adasum = _hvd.Adasum
-Compression = _hvd.Compression
+BACKEND, BACKEND_WHY = chosen_backend("auto")
+_ops: Any = horovod_tensorflow() if BACKEND == "horovod" else dropin_ops
+Average = _ops.Average
+Sum = _ops.Sum
+Adasum = _ops.Adasum
+Min = _ops.Min
+Max = _ops.Max
+Product = _ops.Product
+Compression = _ops.Compression
 
-_OPS = {Average: "average", Sum: "sum", Adasum: "adasum"}
-_session: HorovodCollectives | None = None
+_REDUCTIONS = ("average", "sum", "adasum")
+_session: Collectives | None = None
+_homogeneous = True
+
+
+def refused(what: str) -> UserError:
+    """The one-line error for what only the Horovod backend does (raise it)."""
+    why = "HVDTRAIN_BACKEND=tensorflow" if BACKEND_WHY == "as asked" else BACKEND_WHY
+    return UserError(f"{what} needs the Horovod backend, and this job runs on TensorFlow's "
+                     f"collectives ({why}); install Horovod (launch/setup.sh) and unset "
+                     "HVDTRAIN_BACKEND")
 
 
 def init(comm: Any = None, process_sets: Any = None) -> None:
     """Horovod's ``init`` (same arguments), with hvdtrain's runtime defaults for MPI and
-    Horovod (stall check; on CPU, yielding MPI waits and a short cycle time)."""
-    global _session
-    _session = HorovodCollectives(comm=comm, process_sets=process_sets)
+    Horovod (stall check; on CPU, yielding MPI waits and a short cycle time). On the
+    TensorFlow backend: joins the job's TensorFlow cluster (the first time in the process;
+    before any TensorFlow tensor exists) with this rank's GPU pinned (``_pin_gpu``)."""
+    global _session, _homogeneous
+    if BACKEND == "horovod":
+        _session = HorovodCollectives(comm=comm, process_sets=process_sets)
+        return
+    if comm is not None:
+        raise refused("hvd.init(comm=...)")
+    if process_sets is not None:
+        raise refused("Process sets")
+    from hvdtrain.tf_collectives import tensorflow_collectives
+
+    collectives = tensorflow_collectives(_pin_gpu)
+    collectives.chosen = BACKEND_WHY
+    _homogeneous = len(set(collectives.allgather_object(collectives.world.local_size))) == 1
+    if collectives.world.is_chief and BACKEND_WHY != "as asked":
+        print(f"hvdtrain: TensorFlow's collectives, not Horovod ({BACKEND_WHY})",
+              file=sys.stderr, flush=True)
+    _session = collectives
 
 
-def collectives() -> HorovodCollectives:
+def _pin_gpu(world: World) -> None:
+    """What Horovod scripts do right after ``init()``: memory growth on every GPU, then only
+    the local rank's GPU visible. On the TensorFlow backend the runtime starts inside
+    ``init()``, after which TensorFlow refuses changes, so it is done first; the script's own
+    calls, asking for the same, then change nothing."""
+    import tensorflow as tf
+
+    gpus = tf.config.list_physical_devices("GPU")
+    try:
+        for gpu in gpus:
+            tf.config.experimental.set_memory_growth(gpu, True)
+        if gpus:
+            tf.config.set_visible_devices(gpus[world.local_rank % len(gpus)], "GPU")
+    except RuntimeError:
+        # The runtime exists already: a tensor came first (the cluster's start then says so
+        # in one line), or this is a second init() in the process (the pinning stands).
+        pass
+
+
+def collectives() -> Collectives:
     """The collectives behind the drop-in API; ``init()`` must have run."""
     if _session is None:
         raise ValueError("Horovod has not been initialized; run hvd.init() first")
     return _session
 
 
+def is_open() -> bool:
+    """Whether ``init()`` has run (and ``close()`` has not since)."""
+    return _session is not None
+
+
+def close() -> None:
+    """Forget the session (the TensorFlow backend's ``shutdown``): the process's cluster stays
+    up for the other ranks, and a later ``init()`` joins it again."""
+    global _session
+    _session = None
+
+
+def homogeneous() -> bool:
+    """Whether every node runs the same number of ranks (learnt by the TensorFlow backend's
+    ``init()``)."""
+    collectives()
+    return _homogeneous
+
+
 def gradient_reduction(op: Any = Average, compression: Any = Compression.none,
                        sparse_as_dense: bool = False,
                        gradient_predivide_factor: float = 1.0) -> GradientReduction:
-    """Horovod's gradient arguments as the trainer's ``GradientReduction``."""
-    if op not in _OPS:
+    """Horovod's gradient arguments (Horovod's ops and compressors or ours) as the trainer's
+    ``GradientReduction``."""
+    reduction = dropin_ops.op_name(op)
+    if reduction not in _REDUCTIONS:
         raise ValueError("op must be hvd.Average, hvd.Sum or hvd.Adasum")
-    if compression not in (Compression.none, Compression.fp16):
-        raise ValueError("compression must be hvd.Compression.none or hvd.Compression.fp16")
-    if gradient_predivide_factor != 1.0 and op != Average:
+    if reduction == "adasum" and BACKEND != "horovod":
+        raise refused("op=hvd.Adasum")
+    fp16 = dropin_ops.compression_name(compression) == "fp16"
+    if gradient_predivide_factor != 1.0 and reduction != "average":
         raise ValueError("gradient_predivide_factor not supported with op != Average")
-    return GradientReduction(_OPS[op], compression is Compression.fp16,
+    return GradientReduction(reduction, fp16,
                              prescale=1.0 / gradient_predivide_factor,
                              postscale=gradient_predivide_factor,
                              sparse_as_dense=sparse_as_dense)

@@ -349,6 +349,210 @@ class TensorFlowCollectives:
         except Exception:  # noqa: BLE001 - the cluster may be gone already; nothing to tell
             pass
 
+    # --- for the Horovod drop-in ------------------------------------------------------------
+    # Horovod's tensor operations that the trainer does not need; ``hvdtrain.dropin_tf`` offers
+    # them under Horovod's names. Each starts with one small all-gather of every rank's
+    # description of its call (operation, op or root, dtype, shape): ranks that disagree then
+    # all get the same error, as Horovod's coordinator gives them, instead of a hang or a
+    # silently wrong result. TensorFlow's CPU collectives carry int32, int64, float16, float32
+    # and float64 only; other types travel converted without loss (``_on_the_wire``).
+
+    _OPERATIONS = ("allreduce", "allgather", "broadcast", "reducescatter", "alltoall")
+    _MERGE_OPS = {"sum": "Add", "average": "Add", "min": "Min", "max": "Max", "product": "Mul"}
+    _DESCRIBED_DIMS = 8      # dimensions after the first compared one by one (more: multiplied)
+
+    def allreduce(self, tensor: Any, op: str = "sum", prescale: float = 1.0,
+                  postscale: float = 1.0) -> Any:
+        """One tensor combined across ranks (same shape and dtype on every rank): op "sum",
+        "average", "min", "max" or "product"; each rank's tensor multiplied by ``prescale``
+        first, the result by ``postscale`` (by ``postscale / size`` for "average"), in
+        Horovod's arithmetic (``_scaled``). Eager or in a tf.function."""
+        return self._reduced("allreduce", self._tf.convert_to_tensor(tensor), op, prescale,
+                             postscale)
+
+    def allgather(self, tensor: Any) -> Any:
+        """Every rank's tensor concatenated along the first dimension, in rank order. The
+        first dimension may differ between ranks, the others may not: the tensors travel
+        padded to the longest and are trimmed after. A scalar counts as one row."""
+        tf = self._tf
+        tensor = tf.convert_to_tensor(tensor)
+        if tensor.shape.rank == 0:
+            tensor = tf.reshape(tensor, [1])
+        return self._concatenated(tensor, self._first_dims("allgather", tensor, same_first=False))
+
+    def broadcast(self, tensor: Any, root_rank: int) -> Any:
+        """The root rank's tensor on every rank (same shape and dtype on every rank)."""
+        tf = self._tf
+        tensor = tf.convert_to_tensor(tensor)
+        if not 0 <= root_rank < self.world.size:
+            raise ValueError(f"root_rank {root_rank} is not a rank of this job of "
+                             f"{self.world.size}")
+        checked = self._first_dims("broadcast", tensor, detail=root_rank)
+        wire, dtype = self._on_the_wire(tensor)
+        with tf.control_dependencies([checked]):
+            received = self._broadcast(wire, tf.shape(wire), wire.dtype, root_rank)
+        return tf.ensure_shape(tf.cast(received, dtype), tensor.shape)
+
+    def reducescatter(self, tensor: Any, op: str = "sum", prescale: float = 1.0,
+                      postscale: float = 1.0) -> Any:
+        """Combined as ``allreduce`` combines it, then each rank keeps its share of the first
+        dimension, in rank order (the first ``rows % size`` ranks one row more, as Horovod
+        splits it). Done as an allreduce of the whole tensor: each rank receives ``size``
+        times the bytes a true reduce-scatter would send it."""
+        tf = self._tf
+        tensor = tf.convert_to_tensor(tensor)
+        if tensor.shape.rank == 0:
+            raise ValueError("reducescatter needs a tensor with at least one dimension")
+        total = self._reduced("reducescatter", tensor, op, prescale, postscale)
+        rank, size = self.world.rank, self.world.size
+        rows = tf.shape(total)[0]
+        base, extra = rows // size, rows % size
+        start = rank * base + tf.minimum(rank, extra)
+        return total[start:start + base + tf.cast(rank < extra, tf.int32)]
+
+    def alltoall(self, tensor: Any, splits: Any = None) -> tuple[Any, Any]:
+        """Rank r sends its next ``splits[d]`` rows (along the first dimension, in order) to
+        rank d; returns the rows every rank sent here, in rank order, and how many came from
+        each rank (int32). Without ``splits`` the first dimension is divided equally. Done
+        with all-gathers (every rank's splits, then every rank's whole tensor), so each rank
+        receives ``size`` times the bytes a true all-to-all would send it."""
+        tf = self._tf
+        tensor = tf.convert_to_tensor(tensor)
+        size, rank = self.world.size, self.world.rank
+        if tensor.shape.rank == 0:
+            raise ValueError("alltoall needs a tensor with at least one dimension")
+        rows = tf.shape(tensor, out_type=tf.int64)[0]
+        checks = []
+        if splits is None:
+            checks.append(tf.debugging.assert_equal(
+                rows % size, tf.constant(0, tf.int64),
+                message=f"alltoall without splits: the first dimension must divide by {size}"))
+            splits = tf.fill([size], rows // size)
+        splits = tf.cast(tf.reshape(splits, [-1]), tf.int64)
+        checks.append(tf.debugging.assert_equal(tf.size(splits), size,
+                                                message=f"alltoall: splits must have {size} "
+                                                        "entries"))
+        checks.append(tf.debugging.assert_equal(tf.reduce_sum(splits), rows,
+                                                message="alltoall: splits must add up to the "
+                                                        "first dimension"))
+        # (Eagerly a failed check has raised already; in a tf.function it runs first.)
+        with tf.control_dependencies([check for check in checks if check is not None]):
+            firsts = self._first_dims("alltoall", tensor, same_first=False)
+        sent = tf.reshape(self._all_gather(splits), [size, size])     # [from rank, to rank]
+        everything = self._concatenated(tensor, firsts)
+        starts = tf.cumsum(firsts, exclusive=True) + tf.reduce_sum(sent[:, :rank], axis=1)
+        counts = sent[:, rank]
+        mine = tf.concat([tf.range(starts[r], starts[r] + counts[r]) for r in range(size)], 0)
+        return tf.gather(everything, mine), tf.cast(counts, tf.int32)
+
+    def _reduced(self, operation: str, tensor: Any, op: str, prescale: float,
+                 postscale: float) -> Any:
+        from tensorflow.python.ops import collective_ops
+
+        tf = self._tf
+        if op not in self._MERGE_OPS:
+            raise ValueError(f"{operation} combines with sum, average, min, max or product, "
+                             f"not {op}")
+        checked = self._first_dims(operation, tensor, detail=list(self._MERGE_OPS).index(op))
+        wire, dtype = self._on_the_wire(self._scaled(tensor, prescale))
+        group, device, hint = self._group_of(wire)
+        with tf.control_dependencies([checked]), tf.device(device):
+            total = collective_ops.all_reduce_v2(
+                wire, self.world.size, group, self._instance_key(group),
+                merge_op=self._MERGE_OPS[op], final_op="Id", communication_hint=hint,
+                timeout=self.timeout_s, ordering_token=self._tokens[group].handle)
+        factor = postscale / self.world.size if op == "average" else postscale
+        return self._scaled(tf.cast(total, dtype), factor)
+
+    def _scaled(self, tensor: Any, factor: float) -> Any:
+        """``factor * tensor`` as Horovod computes it on CPUs: in float64 for integers
+        (truncated back), in float32 for 16-bit floats, in the tensor's own type otherwise."""
+        tf = self._tf
+        if factor == 1.0:
+            return tensor
+        dtype = tensor.dtype
+        math = (tf.float64 if dtype.is_integer or dtype == tf.bool else
+                tf.float32 if dtype in (tf.float16, tf.bfloat16) else dtype)
+        return tf.cast(tf.cast(tensor, math) * tf.constant(factor, math), dtype)
+
+    def _on_the_wire(self, tensor: Any) -> tuple[Any, Any]:
+        """(the tensor as it travels, its own dtype): 8- and 16-bit integers and bool travel
+        as int32, uint32 as int64, bfloat16 as float32 (each exact, and sums, products, minima
+        and maxima of 8- and 16-bit integers wrap back as Horovod's do)."""
+        tf = self._tf
+        dtype = tensor.dtype
+        if dtype in (tf.int32, tf.int64, tf.float16, tf.float32, tf.float64):
+            return tensor, dtype
+        wire = {tf.uint8: tf.int32, tf.int8: tf.int32, tf.uint16: tf.int32, tf.int16: tf.int32,
+                tf.bool: tf.int32, tf.uint32: tf.int64, tf.bfloat16: tf.float32}.get(dtype)
+        if wire is None:
+            raise TypeError(f"TensorFlow's collectives cannot carry {dtype.name} tensors")
+        return tf.cast(tensor, wire), dtype
+
+    def _concatenated(self, tensor: Any, firsts: Any) -> Any:
+        """Every rank's ``tensor`` (``firsts``: each rank's first dimension) in rank order."""
+        tf = self._tf
+        wire, dtype = self._on_the_wire(tensor)
+        slots = tf.maximum(tf.reduce_max(firsts), 1)       # (empty tensors do not travel)
+        shape = tf.shape(wire, out_type=tf.int64)
+        padding = tf.concat([[[0, slots - shape[0]]],
+                             tf.zeros([tensor.shape.rank - 1, 2], tf.int64)], 0)
+        gathered = self._all_gather(tf.pad(wire, padding))
+        rows = tf.reshape(gathered, tf.concat([[self.world.size, slots], shape[1:]], 0))
+        return tf.cast(tf.boolean_mask(rows, tf.sequence_mask(firsts, slots)), dtype)
+
+    def _first_dims(self, operation: str, tensor: Any, detail: int = 0,
+                    same_first: bool = True) -> Any:
+        """Every rank's first dimension (int64, in rank order), once every rank's call was
+        found to agree with rank 0's: the same operation, op or root (``detail``), dtype and
+        shape (``same_first=False``: but for the first dimension). Where they disagree every
+        rank raises FailedPreconditionError (in a tf.function: InvalidArgumentError)."""
+        tf = self._tf
+        described = tf.reshape(self._all_gather(self._description(operation, tensor, detail)),
+                               [self.world.size, -1])
+        compared = [0, 1, 2, 3, *([] if not same_first else [4]),
+                    *range(5, 5 + self._DESCRIBED_DIMS)]
+        if tf.executing_eagerly():
+            numbers = described.numpy()
+            if (numbers[:, compared] != numbers[0, compared]).any():
+                raise tf.errors.FailedPreconditionError(None, None,
+                                                        self._disagreement(numbers))
+            return described[:, 4]
+        columns = tf.gather(described, compared, axis=1)
+        agree = tf.reduce_all(tf.equal(columns, columns[:1]))
+        with tf.control_dependencies([tf.debugging.Assert(agree, [
+                f"ranks disagree on a {operation}: operation, op or root, dtype, rank, shape "
+                "of each rank:", described], summarize=-1)]):
+            return tf.identity(described[:, 4])
+
+    def _description(self, operation: str, tensor: Any, detail: int) -> Any:
+        """[operation, op or root, dtype, rank, first dimension, the next dimensions] (int64,
+        a fixed length whatever the tensor's rank)."""
+        tf = self._tf
+        rank, count = tensor.shape.rank, self._DESCRIBED_DIMS
+        shape = tf.shape(tensor, out_type=tf.int64)
+        first = shape[0] if rank else tf.constant(1, tf.int64)
+        rest = [shape[i] for i in range(1, min(rank, count))]
+        if rank > count:
+            rest.append(tf.reduce_prod(shape[count:]))
+        rest += [tf.constant(0, tf.int64)] * (count - len(rest))
+        head = [self._OPERATIONS.index(operation), detail, tensor.dtype.as_datatype_enum, rank]
+        return tf.stack([tf.constant(value, tf.int64) for value in head] + [first, *rest])
+
+    def _disagreement(self, numbers: Any) -> str:
+        """One line naming what each rank called (from ``_description``'s numbers)."""
+        from tensorflow.python.framework import dtypes
+
+        calls = []
+        for rank, (operation, detail, dtype, dims, first, *rest) in enumerate(numbers.tolist()):
+            name = self._OPERATIONS[operation]
+            how = (f" from rank {detail}" if name == "broadcast" else
+                   f" ({list(self._MERGE_OPS)[detail]})" if name in ("allreduce", "reducescatter")
+                   else "")
+            shape = tuple([first, *rest][:dims]) if dims <= self._DESCRIBED_DIMS else "(...)"
+            calls.append(f"rank {rank}: {name}{how} of {dtypes.as_dtype(dtype).name} {shape}")
+        return "ranks disagree on a collective: " + "; ".join(calls)
+
 
 _SESSION: TensorFlowCollectives | None = None
 

@@ -12,6 +12,9 @@ compression; join; broadcast_object and allgather_object; and the errors Horovod
 every rank when ranks disagree (shape, dtype, root). Every rank runs every case in the same
 order: a collective that one rank skipped would hang the other.
 
+On TensorFlow's collectives (``HVDTRAIN_BACKEND=tensorflow`` on the ranks) the same cases run
+on ``hvdtrain.dropin_tf``; join, which that backend refuses, is checked refused there.
+
 Data is the same on every rank unless a case says otherwise (seeded NumPy, not TensorFlow's
 global seed), so a sum of N ranks is N times the tensor. With 2 ranks every reduction is exact
 (upstream's threshold for up to 3 ranks is 0), except float16 reducescatter (upstream: 0.5).
@@ -26,9 +29,11 @@ import pytest
 import tensorflow as tf
 
 import hvdtrain.tensorflow as hvd
+from hvdtrain.errors import UserError
 
 hvd.init()
 RANK, SIZE = hvd.rank(), hvd.size()
+ON_HOROVOD = hvd.collectives().backend == "horovod"
 
 INTEGERS = [tf.uint8, tf.int8, tf.int32, tf.int64]
 FLOATS = [tf.float16, tf.float32, tf.float64]
@@ -489,7 +494,16 @@ def join_round(first: int, dtype: tf.DType) -> int:
     return int(hvd.join())
 
 
+def assert_join_refused() -> None:
+    """TensorFlow's collectives have no join: one line names the Horovod backend."""
+    with pytest.raises(UserError, match=r"^hvd.join\(\) needs the Horovod backend[^\n]*$"):
+        hvd.join()
+
+
 def test_join_while_the_others_still_allreduce():
+    if not ON_HOROVOD:
+        assert_join_refused()
+        return
     last = join_round(0, tf.float32)
     assert last != 0 and hvd.allgather_object(last) == [last] * SIZE
 
@@ -544,10 +558,13 @@ def test_the_world_still_works_after_the_errors():
     exact(hvd.allreduce(tf.ones([3]), op=hvd.Sum), np.full(3, SIZE, np.float32))
 
 
-@pytest.mark.xfail(strict=True, raises=tf.errors.UnknownError,
+@pytest.mark.xfail(ON_HOROVOD, strict=True, raises=tf.errors.UnknownError,
                    reason="Horovod 0.28.1 (CPU): a process's second join returns at once on the "
                           "rank that joins first, so the others' allreduce stalls until Horovod's "
                           "stall check shuts Horovod down. Last: nothing runs after it.")
 def test_a_second_join_in_the_same_process():
+    if not ON_HOROVOD:
+        assert_join_refused()
+        return
     join_round(0, tf.float32)
     hvd.allgather_object(join_round(0, tf.float32))

@@ -2,8 +2,10 @@
 of one ``horovodrun -np 2 python -m pytest tests/dropin_rank_checks.py`` runs, in the same
 order, the way Horovod's own ``test/parallel`` tests run. Most re-express the applicable tests
 of Horovod's ``test/parallel/test_tensorflow2_keras.py`` for Keras 3; the rest check the
-behaviour a Horovod user relies on. ``test_horovod_dropin.py`` launches this file; the normal
-test run does not collect it (no ``test_`` prefix).
+behaviour a Horovod user relies on. ``test_horovod_dropin.py`` launches this file, on each
+backend (``HVDTRAIN_BACKEND`` on the ranks); the normal test run does not collect it (no
+``test_`` prefix). On TensorFlow's collectives, what that backend refuses (elastic state and
+run, Adasum, process sets, the timeline, join) is checked refused in one line.
 """
 
 from __future__ import annotations
@@ -18,8 +20,16 @@ import tensorflow as tf
 import hvdtrain.keras as hvd
 import hvdtrain.tensorflow as hvd_tf
 from hvdtrain.dropin import reducing_class
+from hvdtrain.errors import UserError
 
 hvd.init()
+ON_HOROVOD = hvd_tf.collectives().backend == "horovod"
+
+
+def assert_refused(call, *args, **kwargs) -> None:
+    """On TensorFlow's collectives: one line that names the Horovod backend as the fix."""
+    with pytest.raises(UserError, match=r"^[^\n]* needs the Horovod backend, [^\n]*$"):
+        call(*args, **kwargs)
 
 
 def same_on_every_rank(value) -> bool:
@@ -204,6 +214,11 @@ def test_learning_rate_schedule_advances_with_applied_updates():
 
 
 def test_elastic_state_syncs_restores_and_commits():
+    if not ON_HOROVOD:
+        model = dense_model(2, 2)
+        assert_refused(hvd.elastic.KerasState, model, batch=0, epoch=0)
+        assert_refused(hvd.elastic.run, lambda state: None)
+        return
     value = 1.0 if hvd.rank() == 0 else 2.0
     model = keras.Sequential([keras.layers.Dense(2, activation="softmax")])
     model.build((2, 2))
@@ -233,6 +248,8 @@ def test_elastic_state_syncs_restores_and_commits():
     assert (state.batch, state.epoch) == (21, 11)
 
 
+@pytest.mark.skipif(not ON_HOROVOD, reason="no elastic state on TensorFlow's collectives "
+                                           "(its refusal: the test above)")
 def test_elastic_callbacks_track_batch_and_epoch_and_commit():
     model = dense_model(3, 1)
     model.compile(loss="mse", optimizer=hvd.DistributedOptimizer(keras.optimizers.SGD(0.1)))
@@ -303,7 +320,12 @@ def test_sum_average_adasum_and_predivide_combine_as_horovod():
     assert hvd.size() == 2                                     # expected values for 2 ranks
     assert rank_gradient() == 1.5
     assert rank_gradient(op=hvd.Sum) == 3.0
-    assert rank_gradient(op=hvd.Adasum) == pytest.approx(1.5)  # (1 - 2/2)*1 + (1 - 2/8)*2
+    if ON_HOROVOD:
+        assert rank_gradient(op=hvd.Adasum) == pytest.approx(1.5)  # (1 - 2/2)*1 + (1 - 2/8)*2
+    else:
+        assert_refused(rank_gradient, op=hvd.Adasum)
+        assert_refused(hvd.DistributedOptimizer, keras.optimizers.SGD(1.0), op=hvd.Adasum)
+        assert_refused(hvd.allreduce, 1.0, op=hvd.Adasum)
     assert rank_gradient(gradient_predivide_factor=4.0) == 1.5
     for op, expected in ((hvd.Sum, -3.0), (hvd.Average, -1.5)):
         w = keras.Variable(0.0)
@@ -399,3 +421,35 @@ def test_best_model_checkpoint_is_written_by_rank_0_under_a_keras_3_name(tmp_pat
     written = sorted(path.name for path in Path(shared).glob("best-*"))
     assert written == ["best-of-rank-0.keras"]
     assert keras.models.load_model(Path(shared) / written[0]).count_params() == 15
+
+
+@pytest.mark.skipif(ON_HOROVOD, reason="Horovod does these itself")
+def test_what_only_horovod_does_is_refused_in_one_line():
+    assert_refused(hvd_tf.join)
+    assert_refused(hvd.start_timeline, "timeline.json")
+    assert_refused(hvd.stop_timeline)
+    assert_refused(hvd.init, process_sets=[[0]])
+    assert_refused(hvd_tf.allreduce, tf.ones([2]), process_set=object())
+    assert_refused(hvd_tf.size_op, process_set_id=1)
+    assert hvd.is_initialized()                      # a refusal changes nothing
+
+
+def test_process_facts_and_build_facts():
+    """The facts Horovod scripts read, the same on both backends for this launch."""
+    assert (hvd.size(), hvd.local_size(), hvd.cross_size()) == (2, 2, 1)
+    assert hvd.local_rank() == hvd.rank() and hvd.cross_rank() == 0
+    assert hvd_tf.is_homogeneous()
+    assert [int(op()) for op in (hvd_tf.size_op, hvd_tf.rank_op, hvd_tf.local_size_op,
+                                 hvd_tf.local_rank_op)] == [2, hvd.rank(), 2, hvd.rank()]
+    built = [fact() for fact in (hvd.mpi_built, hvd.gloo_built, hvd.nccl_built, hvd.ddl_built,
+                                 hvd.ccl_built, hvd.cuda_built, hvd.rocm_built)]
+    assert all(isinstance(fact, (bool, int)) for fact in built)
+    assert hvd.mpi_built() == ON_HOROVOD        # this Horovod was built with MPI; TF has none
+
+
+def test_shutdown_and_init_again():
+    hvd.shutdown()
+    assert not hvd.is_initialized()
+    hvd.init()
+    assert hvd.is_initialized() and hvd.size() == 2
+    assert hvd.allreduce(float(hvd.rank()), op=hvd.Sum).numpy() == 1.0

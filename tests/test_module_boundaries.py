@@ -75,8 +75,11 @@ def test_the_builtin_names_are_the_registries_keys():
 
 
 def test_the_dropin_apis_share_a_leaf_and_only_keras_builds_on_tensorflow():
-    assert not under(imports_in("hvdtrain.dropin"), "hvdtrain.keras", "hvdtrain.tensorflow")
+    assert not under(imports_in("hvdtrain.dropin"), "hvdtrain.keras", "hvdtrain.tensorflow",
+                     "hvdtrain.dropin_tf")
     assert not under(imports_in("hvdtrain.tensorflow"), "hvdtrain.keras")
+    assert not under(imports_in("hvdtrain.dropin_tf"), "hvdtrain.keras", "hvdtrain.tensorflow")
+    assert not under(imports_in("hvdtrain.dropin_ops"), "hvdtrain", "horovod")
 
 
 @pytest.mark.parametrize("first, second", [("hvdtrain.keras", "hvdtrain.tensorflow"),

@@ -1,9 +1,10 @@
 """Horovod's ``horovod.tensorflow.keras`` API on Keras 3 (TensorFlow >= 2.16).
 
 Change ``import horovod.tensorflow.keras as hvd`` to ``import hvdtrain.keras as hvd``: the
-process facts, ops and compression are Horovod's own (via ``hvdtrain.tensorflow``);
-``DistributedOptimizer``, the callbacks and the elastic state are written for Keras 3 on the
-trainer's collectives. ``hvdtrain/keras/README.md`` lists what differs.
+process facts, ops and compression are the backend's (via ``hvdtrain.tensorflow``: Horovod's
+own on Horovod); ``DistributedOptimizer``, the callbacks and the elastic state are written for
+Keras 3 on the trainer's collectives. ``hvdtrain/keras/README.md`` lists what differs, and
+what the TensorFlow backend refuses.
 """
 
 from __future__ import annotations
@@ -15,13 +16,13 @@ import tensorflow as tf
 
 from hvdtrain.dropin import DistributedOptimizer, reducing_class
 from hvdtrain.keras import callbacks, elastic
+from hvdtrain import tensorflow as _hvd_tf
 from hvdtrain.tensorflow import (Adasum, Average, Compression, Sum, broadcast_global_variables,
                                  ccl_built, cross_rank, cross_size, cuda_built, ddl_built,
                                  gloo_built, gloo_enabled, gradient_reduction, init,
                                  is_initialized, local_rank, local_size, mpi_built, mpi_enabled,
                                  mpi_threads_supported, nccl_built, rank, rocm_built, shutdown,
                                  size, start_timeline, stop_timeline)
-from hvdtrain.world import horovod_tensorflow
 
 __all__ = [
     "Adasum", "Average", "Compression", "DistributedOptimizer", "Sum", "allgather", "allreduce",
@@ -32,31 +33,29 @@ __all__ = [
     "size", "start_timeline", "stop_timeline",
 ]
 
-_hvd = horovod_tensorflow()
-
 
 def allreduce(value: Any, name: str | None = None, average: bool | None = None,
               prescale_factor: float = 1.0, postscale_factor: float = 1.0, op: Any = None,
               compression: Any = Compression.none) -> tf.Tensor:
     """Reduce a tensor-compatible value (number, array) across ranks; averaged by default."""
-    return _hvd.allreduce(tf.constant(value, name=name), average=average,
-                          prescale_factor=prescale_factor, postscale_factor=postscale_factor,
-                          op=op, compression=compression)
+    return _hvd_tf.allreduce(tf.constant(value, name=name), average=average,
+                             prescale_factor=prescale_factor, postscale_factor=postscale_factor,
+                             op=op, compression=compression)
 
 
 def allgather(value: Any, name: str | None = None) -> tf.Tensor:
     """Concatenate every rank's value along the first dimension, in rank order."""
-    return _hvd.allgather(tf.constant(value, name=name))
+    return _hvd_tf.allgather(tf.constant(value, name=name))
 
 
 def broadcast(value: Any, root_rank: int, name: str | None = None) -> tf.Tensor:
     """The root rank's value on every rank."""
-    return _hvd.broadcast(tf.constant(value, name=name), root_rank)
+    return _hvd_tf.broadcast(tf.constant(value, name=name), root_rank)
 
 
 def reducescatter(value: Any, name: str | None = None, op: Any = Average) -> tf.Tensor:
     """Reduce across ranks and give each rank its slice of the first dimension."""
-    return _hvd.reducescatter(tf.constant(value, name=name), op=op)
+    return _hvd_tf.reducescatter(tf.constant(value, name=name), op=op)
 
 
 def load_model(filepath: Any, custom_optimizers: list[type] | None = None,

@@ -6,26 +6,35 @@ failed step and broadcasts them from rank 0 whenever the world is re-formed. Ker
 optimizer's variables lazily, so the state builds the optimizer first: every rank then tracks
 the same variables from the first commit on. ``run`` is Horovod's retry loop, retrying every
 Horovod collective error (Horovod's own returns, as if training had ended, on an error of the
-grouped allreduce that gradients travel in).
+grouped allreduce that gradients travel in). On the TensorFlow backend, which cannot resize a
+job, ``KerasState`` and ``run`` refuse in one line (the callbacks only act on a state).
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import keras
 
+from hvdtrain import dropin
 from hvdtrain.world import elastic_retry, keras_elastic_state_class, tf_variables
 
+
+def _refused_run(function: Callable[..., Any]) -> Callable[..., Any]:
+    raise dropin.refused("Elastic training (hvd.elastic.run)")
+
+
 # Horovod's elastic.run, also retrying the grouped allreduce that gradients travel in.
-run = elastic_retry
+run = elastic_retry if dropin.BACKEND == "horovod" else _refused_run
 
 
-class KerasState(keras_elastic_state_class()):
+class KerasState(keras_elastic_state_class() if dropin.BACKEND == "horovod" else object):
     """The model, its optimizer (``model.optimizer`` unless given) and picklable attributes
     (``batch=0, epoch=0``...), committed, restored and synchronised together."""
 
     def __init__(self, model: keras.Model, optimizer: Any = None, **kwargs: Any) -> None:
+        if dropin.BACKEND != "horovod":
+            raise dropin.refused("Elastic training (hvd.elastic.KerasState)")
         if not model.built:
             raise ValueError("Model must be built first. Run `model.build(input_shape)`.")
         self.model = model

@@ -1,29 +1,33 @@
-"""Horovod's ``horovod.tensorflow`` API on Keras 3 (TensorFlow >= 2.16).
+"""Horovod's ``horovod.tensorflow`` API on Keras 3 (TensorFlow >= 2.16), on Horovod or on
+TensorFlow's own collectives.
 
 Change ``import horovod.tensorflow as hvd`` to ``import hvdtrain.tensorflow as hvd`` and a
 Horovod script runs on current TensorFlow. Upstream Horovod 0.28.1 fails there at the first step
 ("'Variable' object has no attribute 'ref'"): Keras 3 variables are ``keras.Variable``, not
-``tf.Variable``. The collective operations themselves work, so every name that needs no change
-is Horovod's own object, re-exported below; the names that touch variables or gradients
-(``DistributedGradientTape``, ``broadcast_variables``, ``allreduce``, ``grouped_allreduce``,
-``DistributedOptimizer``) go through the trainer's own collectives in ``hvdtrain.world``:
-one gradient reduction and one broadcast for the trainer and for the drop-in.
+``tf.Variable``. The collective operations themselves work, so on the Horovod backend every
+name that needs no change is Horovod's own object, re-exported below; the names that touch
+variables or gradients (``DistributedGradientTape``, ``broadcast_variables``, ``allreduce``,
+``grouped_allreduce``, ``DistributedOptimizer``) go through the trainer's own collectives in
+``hvdtrain.world``: one gradient reduction and one broadcast for the trainer and for the
+drop-in. On the TensorFlow backend (``hvdtrain.dropin`` chooses) the same names come from
+``hvdtrain.dropin_tf`` instead, and Horovod is not imported.
 """
 
 from __future__ import annotations
 
 import functools
+from types import ModuleType
 from typing import Any, Sequence
 
 import tensorflow as tf
 
-from hvdtrain import dropin
+from hvdtrain import dropin, dropin_tf
 from hvdtrain.world import GradientReduction, horovod_tensorflow, tf_variables
 
-_hvd = horovod_tensorflow()
+_hvd: ModuleType = horovod_tensorflow() if dropin.BACKEND == "horovod" else dropin_tf
 
-# Horovod's own names, unchanged: process facts, build facts, reduction ops, compression and
-# the collectives that take tensors (Keras 3 tensors are TensorFlow tensors).
+# The backend's own names: process facts, build facts and the collectives that take tensors
+# (Keras 3 tensors are TensorFlow tensors); on Horovod, Horovod's objects unchanged.
 shutdown = _hvd.shutdown
 is_initialized = _hvd.is_initialized
 start_timeline = _hvd.start_timeline
@@ -49,13 +53,6 @@ ddl_built = _hvd.ddl_built
 ccl_built = _hvd.ccl_built
 cuda_built = _hvd.cuda_built
 rocm_built = _hvd.rocm_built
-Average = _hvd.Average
-Sum = _hvd.Sum
-Adasum = _hvd.Adasum
-Min = _hvd.Min
-Max = _hvd.Max
-Product = _hvd.Product
-Compression = _hvd.Compression
 allgather = _hvd.allgather
 grouped_allgather = _hvd.grouped_allgather
 broadcast = _hvd.broadcast
@@ -65,6 +62,16 @@ grouped_reducescatter = _hvd.grouped_reducescatter
 allgather_object = _hvd.allgather_object
 broadcast_object = _hvd.broadcast_object
 join = _hvd.join
+
+# Reduction ops and compression: Horovod's on Horovod, hvdtrain.dropin_ops' (same values)
+# otherwise.
+Average = dropin.Average
+Sum = dropin.Sum
+Adasum = dropin.Adasum
+Min = dropin.Min
+Max = dropin.Max
+Product = dropin.Product
+Compression = dropin.Compression
 
 # The drop-in's session and Horovod's gradient arguments, shared with hvdtrain.keras.
 init = dropin.init
