@@ -26,7 +26,8 @@ Horovod, every rank must issue the same collectives in the same order.
 
 Private TensorFlow API used here (and only here): ``context.context()``'s collective and
 coordination configuration, ``collective_ops``' V2 ops and ``FuncGraph.
-capture_call_time_value``; ``tests/test_tf_collectives.py`` runs them on real ranks.
+capture_call_time_value``; the exactness, stop, drop-in and multi-node tests run them on real
+ranks (parametrised over both backends).
 
 What it does not do (refused with one line that names the Horovod backend): elastic
 resizing, Adasum. fp16 on the wire is a cast around the sum.
