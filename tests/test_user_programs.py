@@ -19,7 +19,7 @@ import sys
 import numpy as np
 import pytest
 
-from conftest import BIN, REPO, launch, rank_env
+from conftest import BACKENDS, BIN, REPO, launch, rank_env
 
 TESTS = REPO / "tests"
 sys.path.insert(0, str(TESTS))
@@ -31,14 +31,16 @@ EXACT = ["custom_train_step", "preprocessing", "text_transformer", "lstm_timeser
          "convnet_callbacks", "regularised_regression", "keras_arguments", "py_dataset"]
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    """(every rank's records under hvdtrain, the one-process reference's records)."""
+@pytest.fixture(scope="module", params=BACKENDS)
+def runs(tmp_path_factory, request):
+    """(every rank's records under hvdtrain on one backend, the one-process reference's
+    records)."""
     import subprocess
 
-    out = tmp_path_factory.mktemp("user-programs")
+    out = tmp_path_factory.mktemp(f"user-programs-{request.param}")
     result = launch("horovodrun", 2, ["hvdtrain", str(out), str(BATCH)],
-                    module="user_program_ranks", timeout=420, PYTHONPATH=str(TESTS))
+                    module="user_program_ranks", timeout=420, PYTHONPATH=str(TESTS),
+                    HVDTRAIN_BACKEND=request.param)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
     reference = subprocess.run(
         [str(BIN / "python"), "-m", "user_program_ranks", "keras", str(out), str(2 * BATCH)],

@@ -66,6 +66,10 @@ def main() -> None:
     mode, out, batch = sys.argv[1], Path(sys.argv[2]), int(sys.argv[3])
     rank = int(os.environ.get("OMPI_COMM_WORLD_RANK", os.environ.get("HOROVOD_RANK", "0")))
     only = sys.argv[4].split(",") if len(sys.argv) > 4 else list(PROGRAMS)
+    if mode == "hvdtrain":
+        import hvdtrain
+
+        hvdtrain.init()   # before the programs build their models (the TensorFlow backend)
     records = {}
     for name in only:
         program = PROGRAMS[name](batch, rank) if name == "preprocessing" else PROGRAMS[name](batch)
