@@ -9,8 +9,8 @@ import keras
 import numpy as np
 import pytest
 
-from conftest import (EXACT, assert_same_weights, final_weights, read_metrics, read_summary,
-                      train)
+from conftest import (BACKENDS, EXACT, assert_same_weights, final_weights, read_metrics,
+                      read_summary, train)
 from hvdtrain.config import DataConfig, OptimConfig
 from hvdtrain.data.load import load_source
 from hvdtrain.training.callbacks import PlateauDecay
@@ -18,10 +18,12 @@ from hvdtrain.training.schedule import make_schedule, scale_factor
 
 
 @pytest.mark.distributed
-def test_accumulation_equals_a_k_times_larger_batch(session_tmp):
-    accumulated = train(session_tmp, "accumulated", *EXACT, "--batch-size", "16",
-                        "--accumulation-steps", "2", "--learning-rate", "0.05")
-    large = train(session_tmp, "large-batch", *EXACT, "--batch-size", "64",
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_accumulation_equals_a_k_times_larger_batch(session_tmp, backend):
+    accumulated = train(session_tmp, f"accumulated-{backend}", *EXACT, "--batch-size", "16",
+                        "--accumulation-steps", "2", "--learning-rate", "0.05", "--backend",
+                        backend)
+    large = train(session_tmp, f"large-batch-{backend}", *EXACT, "--batch-size", "64",
                   "--learning-rate", "0.1", np=1)
     assert_same_weights(final_weights(accumulated), final_weights(large), atol=2e-5)
 
