@@ -69,7 +69,10 @@ def main() -> None:
     if mode == "hvdtrain":
         import hvdtrain
 
-        hvdtrain.init()   # before the programs build their models (the TensorFlow backend)
+        # Before the programs build their models (the TensorFlow backend needs it), with the
+        # thread pools TensorFlow gives the one-process reference (every core): a convolution
+        # sums in another order with fewer threads.
+        hvdtrain.init(threads=os.cpu_count())
     records = {}
     for name in only:
         program = PROGRAMS[name](batch, rank) if name == "preprocessing" else PROGRAMS[name](batch)
