@@ -52,7 +52,8 @@ CPU_GROUP, GPU_GROUP = 1, 2
 HEARTBEAT_TIMEOUT_MS = 30_000
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port free on this host now (a moment later its user binds it)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
         probe.bind(("", 0))
         return probe.getsockname()[1]
@@ -102,7 +103,7 @@ class TensorFlowCollectives:
         runtime starts) and start the cluster. ``timeout_s``: a limit on every collective
         (0: none; the run's liveness monitor bounds a stall)."""
         host = _reachable_host()
-        rank, addresses = _exchange(f"{host}:{_free_port()}")
+        rank, addresses = _exchange(f"{host}:{free_port()}")
         self.world = world_from(rank, [address.rsplit(":", 1)[0] for address in addresses])
         prepare(self.world)
         import tensorflow as tf
@@ -185,13 +186,14 @@ class TensorFlowCollectives:
             return GPU_GROUP, self._gpu, "nccl"
         return CPU_GROUP, self._cpu, "ring"
 
-    def _all_reduce(self, flat: Any) -> Any:
+    def _all_reduce(self, flat: Any, merge_op: str = "Add") -> Any:
+        """``flat`` combined across ranks by ``merge_op`` ("Add", "Mul", "Min", "Max")."""
         from tensorflow.python.ops import collective_ops
 
         group, device, hint = self._group_of(flat)
         with self._tf.device(device):
             return collective_ops.all_reduce_v2(
-                flat, self.world.size, group, self._instance_key(group), merge_op="Add",
+                flat, self.world.size, group, self._instance_key(group), merge_op=merge_op,
                 final_op="Id", communication_hint=hint, timeout=self.timeout_s,
                 ordering_token=self._tokens[group].handle)
 
@@ -448,20 +450,14 @@ class TensorFlowCollectives:
 
     def _reduced(self, operation: str, tensor: Any, op: str, prescale: float,
                  postscale: float) -> Any:
-        from tensorflow.python.ops import collective_ops
-
         tf = self._tf
         if op not in self._MERGE_OPS:
             raise ValueError(f"{operation} combines with sum, average, min, max or product, "
                              f"not {op}")
         checked = self._first_dims(operation, tensor, detail=list(self._MERGE_OPS).index(op))
         wire, dtype = self._on_the_wire(self._scaled(tensor, prescale))
-        group, device, hint = self._group_of(wire)
-        with tf.control_dependencies([checked]), tf.device(device):
-            total = collective_ops.all_reduce_v2(
-                wire, self.world.size, group, self._instance_key(group),
-                merge_op=self._MERGE_OPS[op], final_op="Id", communication_hint=hint,
-                timeout=self.timeout_s, ordering_token=self._tokens[group].handle)
+        with tf.control_dependencies([checked]):
+            total = self._all_reduce(wire, self._MERGE_OPS[op])
         factor = postscale / self.world.size if op == "average" else postscale
         return self._scaled(tf.cast(total, dtype), factor)
 

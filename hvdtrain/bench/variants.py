@@ -13,6 +13,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from hvdtrain.tf_collectives import free_port
+
 # Open MPI with the flags and environment hvdtrain's ranks need (multi-node options included).
 MPIRUN_WRAPPER = Path(__file__).resolve().parents[2] / "launch" / "mpirun.sh"
 # What a MultiWorkerMirroredStrategy worker started over ssh needs from this environment.
@@ -51,18 +53,12 @@ def is_this_host(host: str) -> bool:
                     socket.gethostname().split(".")[0])
 
 
-def _free_local_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("", 0))
-        return probe.getsockname()[1]
-
-
 def run_multiworker(common: list[str], hosts: list[str], env: dict[str, str], output: Path,
                     ssh: str = "ssh", timeout: int = 1200) -> None:
     """One ``baselines.multiworker`` worker per entry of ``hosts`` (a host twice: two
     workers there): started here for this host, over ``ssh`` for any other. A port on another
     host cannot be checked from here, so those are drawn at random from a high range."""
-    ports = [_free_local_port() if is_this_host(host) else random.randint(20000, 39999)
+    ports = [free_port() if is_this_host(host) else random.randint(20000, 39999)
              for host in hosts]
     cluster = {"worker": [f"{host}:{port}" for host, port in zip(hosts, ports)]}
     command = [python(), "-m", "hvdtrain.bench.baselines.multiworker", *common,
