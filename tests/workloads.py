@@ -143,3 +143,29 @@ def slow_steps() -> list[keras.callbacks.Callback]:
 
     return [keras.callbacks.LambdaCallback(
         on_train_batch_end=lambda batch, logs: time.sleep(0.05))]
+
+
+def leave_mid_epoch() -> list[keras.callbacks.Callback]:
+    """A user's callback that, once, at the second step of the second epoch, rewrites the host
+    discovery file ``HVDTRAIN_TEST_HOSTS`` to one slot and then slows that epoch's steps by
+    0.1 s: the elastic driver sees one slot leave while most of the epoch is still ahead, so
+    the world changes at a mid-epoch commit however fast the machine trains."""
+    import os
+    import time
+    from pathlib import Path
+
+    hosts = Path(os.environ["HVDTRAIN_TEST_HOSTS"])
+    done = hosts.with_suffix(".left")
+
+    def on_batch_end(batch, logs):
+        if epoch_now[0] != 1:
+            return
+        if batch == 1 and not done.exists():
+            done.touch()
+            hosts.write_text("localhost:1\n")
+        time.sleep(0.1)
+
+    epoch_now = [0]
+    return [keras.callbacks.LambdaCallback(
+        on_epoch_begin=lambda epoch, logs: epoch_now.__setitem__(0, epoch),
+        on_train_batch_end=on_batch_end)]

@@ -66,6 +66,7 @@ class ElasticRun:
     state: CheckpointState   # what the run trains; each checkpoint adds where it stands
     run_dir: Path
     initial_epoch: int
+    user_callbacks: list[keras.callbacks.Callback]
 
 
 def _log_segment(run_dir: Path, epoch: int, offset: int, world_size: int, lr: float) -> None:
@@ -102,9 +103,10 @@ def elastic_loop(run: ElasticRun) -> None:
             checkpoints=CheckpointPlan(run.store, run.state),
             reporting=Reporting(run.run_dir, world.size * config.train.batch_size,
                                 config.train.progress, tensorboard=config.train.tensorboard),
-            evaluate=lambda: run.evaluate(val_spec))),
+            evaluate=lambda: run.evaluate(val_spec), user_callbacks=run.user_callbacks)),
             add_history=False, add_progbar=False, model=run.model, epochs=epochs, steps=None,
             verbose=0)
+        run.model.stop_training = False
         hooks.on_train_begin()
         while state.epoch < epochs:
             spec = ShardSpec(data.train.num_examples, world, config.train.batch_size,
@@ -122,11 +124,15 @@ def elastic_loop(run: ElasticRun) -> None:
                 logs = train_step(batch)
                 state.offset += min(spec.global_batch, remaining - index * spec.global_batch)
                 hooks.on_train_batch_end(index, logs)
+                if run.model.stop_training:     # a callback stopped it (every rank alike)
+                    break
                 if (index + 1) % config.train.commit_every == 0:
                     state.commit()
             logs = {name: float(value) for name, value in logs.items()}
             logs["world_size"] = float(world.size)
             hooks.on_epoch_end(state.epoch, logs)
+            if run.model.stop_training:
+                break
             state.epoch += 1
             state.offset = 0
             state.commit()

@@ -678,7 +678,7 @@ class Run:
             elastic_loop(ElasticRun(config, run.collectives, run.data, trainable.model,
                                     trainable.optimizer, trainable.schedule, trainable.rates,
                                     run.step, run.evaluate, run.store, run.state, run.run_dir,
-                                    initial_epoch))
+                                    initial_epoch, run.user_callbacks))
             return None
         if initial_epoch >= epochs:
             return None
