@@ -45,9 +45,11 @@ def option(default: Any, help: str, *, choices: tuple[str, ...] = (),
 
 # The model or dataset of a run whose model or data was handed to ``hvdtrain.fit`` as an object.
 PYTHON_OBJECT = "python"
-# Keras 3's optimizers by the names keras.optimizers.get accepts.
 # The rate of the optimizer hvdtrain builds (sgd for an uncompiled model) when none is given.
 DEFAULT_LEARNING_RATE = 0.05
+# The gradient bucket size (MiB): see hvdtrain/bench/README.md, "Gradient buckets".
+BUCKET_MIB = 4.0
+# Keras 3's optimizers by the names keras.optimizers.get accepts.
 KERAS_OPTIMIZERS = ("sgd", "adam", "adamw", "rmsprop", "adagrad", "adadelta", "adamax",
                     "adafactor", "nadam", "ftrl", "lion", "lamb")
 
@@ -140,8 +142,16 @@ class OptimConfig:
                                     "of the global-batch mean) or adasum",
                             choices=("mean", "adasum"))
     compression: str = option("none", "gradient compression on the wire", choices=("none", "fp16"))
+    bucket_mib: float = option(BUCKET_MIB, "gradients travel in buckets of about this many MiB, "
+                                           "the last layers' first, each sent as soon as the "
+                                           "backward pass has computed it (0: one allreduce "
+                                           "after the whole backward pass)", minimum=0.0)
     accumulation_steps: int = option(1, "local steps whose gradients are accumulated before one "
                                         "allreduce and update", minimum=1)
+
+    @property
+    def bucket_bytes(self) -> int:
+        return round(self.bucket_mib * 2**20)
 
 
 @dataclass

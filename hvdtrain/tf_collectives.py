@@ -242,9 +242,10 @@ class TensorFlowCollectives:
 
     def reduce_gradients(self, tensors: Sequence[Any],
                          reduction: GradientReduction = GradientReduction()) -> list[Any]:
-        """Dense gradients summed in one all-reduce per dtype (fp16 on the wire: cast around
-        the sum), averaged over the world for "average", pre- and post-scaled; a sparse one's
-        rows gathered from every rank (as Horovod gives them); None stays None."""
+        """Dense gradients summed in one all-reduce per dtype and bucket (fp16 on the wire:
+        cast around the sum; buckets in issue order, which the group's ordering token keeps
+        alike on every rank), averaged over the world for "average", pre- and post-scaled; a
+        sparse one's rows gathered from every rank (as Horovod gives them); None stays None."""
         tf = self._tf
         if reduction.op == "adasum":
             raise UserError("Adasum needs the Horovod backend; use --backend horovod or "
@@ -264,9 +265,11 @@ class TensorFlowCollectives:
         if reduction.fp16:
             wire = [tf.cast(t, tf.float16) if t.dtype in (tf.float32, tf.float64) else t
                     for t in wire]
-        for index, total in zip(dense, self.allreduce_sum(wire)):
-            total = tf.cast(total, reduced[index].dtype)
-            reduced[index] = total * scale if scale != 1.0 else total
+        for bucket in reduction.buckets([reduced[i] for i in dense]):
+            totals = self.allreduce_sum([wire[i] for i in bucket])
+            for index, total in zip((dense[i] for i in bucket), totals):
+                total = tf.cast(total, reduced[index].dtype)
+                reduced[index] = total * scale if scale != 1.0 else total
         return reduced
 
     def _gathered_rows(self, slices: Any, reduction: GradientReduction) -> Any:

@@ -56,6 +56,12 @@ class GradientReduction:
     prescale 1/f, postscale f). ``fp16`` halves the bytes on the wire. Sparse gradients
     (``tf.IndexedSlices``, e.g. of an embedding) are gathered, not summed, unless
     ``sparse_as_dense`` turns them into dense tensors first.
+
+    ``bucket_bytes`` > 0 splits the dense gradients into buckets of about that many bytes,
+    filled from the end of the list (the last layers' gradients, which the backward pass
+    computes first), one grouped allreduce each: in a ``tf.function`` each bucket's allreduce
+    starts as soon as its own gradients exist, while the backward pass still computes the
+    earlier layers' (see ``buckets``). 0 keeps one group for everything.
     """
 
     op: str = "sum"
@@ -63,10 +69,52 @@ class GradientReduction:
     prescale: float = 1.0
     postscale: float = 1.0
     sparse_as_dense: bool = False
+    bucket_bytes: int = 0
 
     def __post_init__(self) -> None:
         if self.op not in ("sum", "average", "adasum"):
             raise ValueError(f"gradient reduction op must be sum, average or adasum, not {self.op}")
+        if self.bucket_bytes < 0:
+            raise ValueError(f"bucket_bytes must be 0 (one group) or more, not {self.bucket_bytes}")
+
+    def buckets(self, tensors: Sequence[Any]) -> list[list[int]]:
+        """The positions of ``tensors`` grouped into buckets, in the order they are issued:
+        walking from the last tensor to the first, a bucket closes once it holds at least
+        ``bucket_bytes`` (a tensor larger than that is a bucket of its own). Within a bucket
+        the positions ascend. A tensor of unknown size counts as 0 bytes."""
+        if self.bucket_bytes == 0:
+            return [list(range(len(tensors)))] if tensors else []
+        found: list[list[int]] = []
+        current: list[int] = []
+        filled = 0
+        for index in reversed(range(len(tensors))):
+            current.insert(0, index)
+            filled += _static_bytes(tensors[index])
+            if filled >= self.bucket_bytes:
+                found.append(current)
+                current, filled = [], 0
+        if current:
+            found.append(current)
+        return found
+
+    def describe(self, variables: Sequence[Any]) -> str:
+        """One line for the run's log: how the gradients of ``variables`` will travel."""
+        total = sum(_static_bytes(v) for v in variables) / 2**20
+        count = len(self.buckets(variables))
+        if self.bucket_bytes == 0:
+            return f"gradients: {total:.2f} MiB in one allreduce after the backward pass"
+        return (f"gradients: {total:.2f} MiB in {count} bucket(s) of about "
+                f"{self.bucket_bytes / 2**20:g} MiB, each sent once the backward pass has "
+                "computed it")
+
+
+def _static_bytes(tensor: Any) -> int:
+    """Bytes of a tensor or variable (TensorFlow's or Keras') whose shape is known when the
+    graph is built (0 otherwise)."""
+    import tensorflow as tf
+
+    elements = tf.TensorShape(tensor.shape).num_elements()
+    return 0 if elements is None else elements * tf.as_dtype(tensor.dtype).size
 
 
 class Collectives(Protocol):
@@ -186,12 +234,14 @@ class HorovodCollectives:
             for index in dense:
                 reduced[index] = hvd.allreduce(reduced[index] * reduction.prescale, op=op,
                                                compression=compression) * reduction.postscale
-        elif dense:
-            combined = hvd.grouped_allreduce(
-                [reduced[i] for i in dense], op=op, compression=compression,
-                prescale_factor=reduction.prescale, postscale_factor=reduction.postscale)
-            for index, tensor in zip(dense, combined):
-                reduced[index] = tensor
+        else:
+            for bucket in reduction.buckets([reduced[i] for i in dense]):
+                members = [dense[i] for i in bucket]
+                combined = hvd.grouped_allreduce(
+                    [reduced[i] for i in members], op=op, compression=compression,
+                    prescale_factor=reduction.prescale, postscale_factor=reduction.postscale)
+                for index, tensor in zip(members, combined):
+                    reduced[index] = tensor
         for index in sparse:
             reduced[index] = _scaled_rows(hvd.allreduce(reduced[index], op=op),
                                           reduction.prescale * reduction.postscale)

@@ -10,8 +10,8 @@ import keras
 import numpy as np
 import pytest
 
-from conftest import (BACKENDS, assert_partition, assert_same_weights, final_weights, launch,
-                      probe_shards, read_metrics, read_summary, train)
+from conftest import (BACKENDS, EXACT, assert_partition, assert_same_weights, final_weights,
+                      launch, probe_shards, read_metrics, read_summary, train)
 from hvdtrain.config import ModelConfig
 from hvdtrain.models import build_model
 
@@ -39,6 +39,30 @@ def test_both_backends_end_with_the_same_weights(exact_run, loop):
     taken in the same order (two ranks), so the weights agree bit for bit or within 1e-6."""
     assert_same_weights(final_weights(exact_run(loop, 2, "horovod")),
                         final_weights(exact_run(loop, 2, "tensorflow")), atol=1e-6)
+
+
+@pytest.mark.parametrize("backend, loop, accumulation", [("horovod", "fit", 1),
+                                                         ("tensorflow", "custom", 1),
+                                                         ("horovod", "custom", 2)])
+def test_gradients_in_several_buckets_compute_what_one_process_does(session_tmp, exact_run,
+                                                                    backend, loop,
+                                                                    accumulation):
+    """--bucket-mib 0.001 (1,049 bytes) sends the MLP's gradients in several allreduces, the
+    loss and the stop votes riding in the first: 2 ranks x b (x k accumulated) still make the
+    update of one process with the whole batch, and the same as one group (bit for bit on
+    the same backend and loop)."""
+    run = train(session_tmp, f"buckets-{backend}-{loop}-{accumulation}", *EXACT, "--loop",
+                loop, "--batch-size", str(16 // accumulation), "--accumulation-steps",
+                str(accumulation), "--learning-rate", "0.05", "--bucket-mib", "0.001",
+                "--backend", backend)
+    buckets = re.search(r"gradients: [\d.]+ MiB in (\d+) bucket", run.with_suffix(".log")
+                        .read_text())
+    assert buckets and int(buckets.group(1)) >= 2
+    assert_same_weights(final_weights(run), final_weights(exact_run(loop, 1)), atol=2e-5)
+    if accumulation == 1:
+        assert_same_weights(final_weights(run), final_weights(exact_run(loop, 2, backend)),
+                            atol=1e-6)
+    assert read_summary(run)["weights_identical"]
 
 
 def test_fit_and_custom_loop_give_the_same_result(exact_runs):

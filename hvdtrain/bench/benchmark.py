@@ -16,6 +16,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from hvdtrain.config import BUCKET_MIB
+
 DEFAULT_SHAPES = {"mlp": (28, 28, 1), "cnn": (28, 28, 1), "resnet": (32, 32, 3),
                   "resnet50": (224, 224, 3)}
 
@@ -42,6 +44,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="training path (default: custom)")
     parser.add_argument("--compression", default="none", choices=("none", "fp16"),
                         help="gradients on the wire (default: none)")
+    parser.add_argument("--bucket-mib", type=float, default=BUCKET_MIB,
+                        help="gradient bucket size, as in training (0: one allreduce after the "
+                             f"backward pass; default: {BUCKET_MIB:g})")
 
 
 def synthetic_problem(args: argparse.Namespace, rank: int):
@@ -118,7 +123,8 @@ def run(args: argparse.Namespace) -> tuple[bool, dict[str, Any]]:
              tf.fill([args.batch_size], 1.0 / (args.batch_size * world.size)))
     objective = Objective.for_model(model)
     step = StepMath(model, optimizer, collectives, objective,
-                    StepOptions(fp16_compression=args.compression == "fp16"))
+                    StepOptions(fp16_compression=args.compression == "fp16",
+                                bucket_bytes=OptimConfig(bucket_mib=args.bucket_mib).bucket_bytes))
     probe(model, objective, batch, [step.train_metrics], args.model)
     model.compile(optimizer=optimizer, jit_compile=False)
     with step_installed(step):
@@ -131,6 +137,7 @@ def run(args: argparse.Namespace) -> tuple[bool, dict[str, Any]]:
     medians = [statistics.median(r["step_seconds"]) for r in everyone]
     return world.is_chief, {
         "model": args.model, "loop": args.loop, "compression": args.compression,
+        "bucket_mib": args.bucket_mib,
         "world_size": world.size, "batch_size_per_rank": args.batch_size,
         "input_shape": list(x.shape[1:]),
         "parameters": sum(int(v.shape.num_elements()) for v in model.trainable_variables),

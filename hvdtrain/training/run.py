@@ -563,6 +563,9 @@ class Run:
                                f"the model's own train_step ({own_step})"))
         say(world, trainable.description)
         step = self._step(trainable, data, collectives)
+        if world.size > 1 and optim.reduction != "adasum":
+            say(world, GradientReduction(bucket_bytes=optim.bucket_bytes).describe(
+                trainable.model.trainable_variables))
         evaluate, metric_states = self._evaluation(step, trainable, data, collectives)
         with data_errors_named(data):
             self._probe(trainable, next(iter(data.train.dataset(spec, 0, 1))), metric_states)
@@ -609,10 +612,12 @@ class Run:
         if trainable.own_step is not None:
             op = "adasum" if optim.reduction == "adasum" else "average"
             return OwnStep(trainable.model, collectives, data.keras_element,
-                           GradientReduction(op, optim.compression == "fp16"))
+                           GradientReduction(op, optim.compression == "fp16",
+                                             bucket_bytes=optim.bucket_bytes))
         return StepMath(trainable.model, trainable.optimizer, collectives, trainable.objective,
                         StepOptions(optim.accumulation_steps, optim.reduction == "adasum",
-                                    optim.compression == "fp16", data.train.normalised))
+                                    optim.compression == "fp16", data.train.normalised,
+                                    optim.bucket_bytes))
 
     @staticmethod
     def _evaluation(step: TrainingStep, trainable: Trainable, data: DataBundle,

@@ -99,20 +99,22 @@ def vote_variables() -> tuple[tf.Variable, ...]:
 
 @dataclass(frozen=True)
 class StepOptions:
-    """How gradients travel (accumulation steps, Adasum or mean, fp16 on the wire) and whether
-    the data's weights already divide by the global batch."""
+    """How gradients travel (accumulation steps, Adasum or mean, fp16 on the wire, bucket size)
+    and whether the data's weights already divide by the global batch."""
 
     accumulation_steps: int = 1
     adasum: bool = False
     fp16_compression: bool = False
     normalised: bool = True
+    bucket_bytes: int = 0
 
     def reduction(self, world_size: int) -> GradientReduction:
         """Gradients weighted by the global batch are summed; Adasum combines each rank's own
         mean gradient (its weighted sum times the world size), as Horovod's Adasum expects."""
         if self.adasum:
-            return GradientReduction("adasum", self.fp16_compression, prescale=world_size)
-        return GradientReduction("sum", self.fp16_compression)
+            return GradientReduction("adasum", self.fp16_compression, prescale=world_size,
+                                     bucket_bytes=self.bucket_bytes)
+        return GradientReduction("sum", self.fp16_compression, bucket_bytes=self.bucket_bytes)
 
 
 class StepMath:
@@ -146,13 +148,13 @@ class StepMath:
         update is skipped on every rank and ``global_loss`` tells the caller to stop."""
         scalars = [tf.cast(loss, tf.float32), tf.identity(self.stop_vote),
                    tf.identity(self.callback_stop_vote)]
+        reduction = self.options.reduction(self.collectives.world.size)
         if self.options.adasum or self.options.fp16_compression:
             global_loss, votes, callback_votes = self.collectives.allreduce_sum(scalars)
-            gradients = self.collectives.reduce_gradients(
-                gradients, self.options.reduction(self.collectives.world.size))
-        else:   # one collective per step: loss and votes ride in the gradients' allreduce
+            gradients = self.collectives.reduce_gradients(gradients, reduction)
+        else:   # no extra collective: loss and votes ride in the first bucket (the list's end)
             *gradients, global_loss, votes, callback_votes = self.collectives.reduce_gradients(
-                [*gradients, *scalars])
+                [*gradients, *scalars], reduction)
         self.global_loss.assign(global_loss)
         self.stop_votes.assign(votes)
         self.callback_stop_votes.assign(callback_votes)
