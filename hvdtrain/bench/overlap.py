@@ -4,7 +4,8 @@ backward pass ends? Read from a Horovod timeline of a real job, not claimed.
 Runs a short ``hvdtrain benchmark`` on ``--np`` ranks (``launch/mpirun.sh``, the comparison
 harness's environment) with ``HOROVOD_TIMELINE`` set; everything after ``--`` goes to the
 benchmark unchanged (``-- --model resnet --batch-size 32``, a bucketing flag). ``--timeline``
-reads the timeline of an earlier job instead (a training run's too).
+reads the timeline of an earlier job instead, one whose every allreduce belongs to its training
+step (a benchmark's: a training run's also reduces metrics, at other times).
 
 What the timeline says (Horovod 0.28, written by rank 0; one row per tensor, named after it; a
 grouped allreduce's tensors are named ``<op name>_<i>of<n>``): per tensor and call, a
@@ -34,7 +35,7 @@ import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from hvdtrain.bench.comm import timeline_events, timeline_spans
+from hvdtrain.bench.comm import Span, timeline_events, timeline_spans
 from hvdtrain.bench.variants import MPIRUN_WRAPPER, python, run_checked, variant_env
 
 # Short and cheap; what follows ``--`` on the command line comes later and wins.
@@ -82,25 +83,33 @@ def tensor_bytes(args: dict) -> int | None:
 def allreduce_steps(events: list[dict]) -> list[list[TensorStep]]:
     """Every step's allreduced tensors: the k-th negotiation and the k-th reduction of each
     tensor are its step k. Refuses a timeline whose tensors do not all occur equally often
-    (a job cut off mid-step, or allreduces outside the training step)."""
+    (allreduces outside the training step, a job cut off mid-step): it has no such steps."""
     names = {event["pid"]: event["args"]["name"] for event in events
              if event.get("ph") == "M" and event.get("name") == "process_name"
              and "name" in event.get("args", {})}
-    negotiations: dict[int, list] = {}
-    reductions: dict[int, list] = {}
+    negotiations: dict[int, list[Span]] = {}
+    reductions: dict[int, list[Span]] = {}
     for span in timeline_spans(events):
         if span.name == "NEGOTIATE_ALLREDUCE":
             negotiations.setdefault(span.pid, []).append(span)
         elif span.name == "ALLREDUCE":
             reductions.setdefault(span.pid, []).append(span)
-    counts = {names[pid]: (len(spans), len(reductions.get(pid, [])))
-              for pid, spans in negotiations.items()}
-    if not counts:
+    by_count: dict[int, list[str]] = {}
+    for pid, spans in negotiations.items():
+        reduced = len(reductions.get(pid, []))
+        if reduced != len(spans):
+            raise ValueError(f"{names[pid]} was negotiated {len(spans)} times but reduced "
+                             f"{reduced} times (a job cut off mid-step?)")
+        by_count.setdefault(len(spans), []).append(names[pid])
+    if not by_count:
         raise ValueError("the timeline holds no allreduce")
-    if len(set(counts.values())) != 1 or any(n != r for n, r in counts.values()):
-        raise ValueError("tensors' (negotiations, reductions) differ, so steps cannot be told "
-                         f"apart: {counts}")
-    steps = next(iter(counts.values()))[0]
+    if len(by_count) > 1:
+        raise ValueError(
+            "its allreduced tensors occur unequally often, so steps cannot be told apart "
+            "(allreduces outside the training step, such as a training run's metrics?): "
+            + "; ".join(f"{len(tensors)} tensor(s) {count} times, e.g. {tensors[0]}"
+                        for count, tensors in sorted(by_count.items())))
+    [steps] = by_count
     return [[TensorStep(names[pid], negotiations[pid][k].begin, negotiations[pid][k].end,
                         reductions[pid][k].begin, reductions[pid][k].end,
                         tensor_bytes(reductions[pid][k].args)) for pid in negotiations]
