@@ -23,6 +23,7 @@ import argparse
 import json
 import statistics
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
@@ -88,23 +89,46 @@ def sweep(repeats: int) -> list[dict]:
     return rows if collectives.world.is_chief else []
 
 
-def _timeline_events(path: Path) -> list[dict]:
+def timeline_events(path: Path) -> list[dict]:
     """A Horovod timeline's events (the file of a job that ended may lack its closing ``]``)."""
     text = path.read_text().rstrip().rstrip(",")
     return json.loads(text if text.endswith("]") else text + "]")
+
+
+@dataclass(frozen=True)
+class Span:
+    """One activity of a Horovod timeline: a ``B`` event and the ``E`` that closes it on the
+    same row (``pid``, one row per tensor), in microseconds; ``args``: the closing event's
+    (Horovod puts the tensor's dtype and shape on the end of its operation)."""
+
+    pid: int
+    name: str
+    begin: float
+    end: float
+    args: dict
+
+
+def timeline_spans(events: list[dict]) -> list[Span]:
+    """Every completed activity, in the order they close. Activities nest on a row (an
+    ``ALLREDUCE`` holds its ``MPI_ALLREDUCE``), so an ``E`` closes the row's latest open ``B``;
+    instant (``X``) and metadata (``M``) events are not activities."""
+    spans = []
+    open_spans: dict[int, list[tuple[str, float]]] = {}
+    for event in events:
+        if event.get("ph") == "B":
+            open_spans.setdefault(event["pid"], []).append((event["name"], event["ts"]))
+        elif event.get("ph") == "E" and open_spans.get(event["pid"]):
+            name, began = open_spans[event["pid"]].pop()
+            spans.append(Span(event["pid"], name, began, event["ts"], event.get("args", {})))
+    return spans
 
 
 def timeline_breakdown(path: Path, repeats: int) -> list[dict]:
     """Median milliseconds per size of a timed sweep (warm-up call excluded): negotiation,
     ``MPI_Allreduce`` inside Horovod, and the period from one call's start to the next."""
     spans: dict[str, list[tuple[float, float]]] = {}
-    open_spans: dict[int, list[tuple[str, float]]] = {}
-    for event in _timeline_events(path):
-        if event.get("ph") == "B":
-            open_spans.setdefault(event["pid"], []).append((event["name"], event["ts"]))
-        elif event.get("ph") == "E" and open_spans.get(event["pid"]):
-            name, began = open_spans[event["pid"]].pop()
-            spans.setdefault(name, []).append((began, event["ts"] - began))
+    for span in timeline_spans(timeline_events(path)):
+        spans.setdefault(span.name, []).append((span.begin, span.end - span.begin))
     negotiations, reductions = spans["NEGOTIATE_ALLREDUCE"], spans["MPI_ALLREDUCE"]
     per_size = repeats + 1
     if len(negotiations) != len(SIZES) * per_size:

@@ -1,0 +1,263 @@
+"""``python -m hvdtrain.bench.overlap``: do a step's gradient allreduces start before its
+backward pass ends? Read from a Horovod timeline of a real job, not claimed.
+
+Runs a short ``hvdtrain benchmark`` on ``--np`` ranks (``launch/mpirun.sh``, the comparison
+harness's environment) with ``HOROVOD_TIMELINE`` set; everything after ``--`` goes to the
+benchmark unchanged (``-- --model resnet --batch-size 32``, a bucketing flag). ``--timeline``
+reads the timeline of an earlier job instead, one whose every allreduce belongs to its training
+step (a benchmark's: a training run's also reduces metrics, at other times).
+
+What the timeline says (Horovod 0.28, written by rank 0; one row per tensor, named after it; a
+grouped allreduce's tensors are named ``<op name>_<i>of<n>``): per tensor and call, a
+``NEGOTIATE_ALLREDUCE`` span, then an ``ALLREDUCE`` span holding the reduction's work (copies into
+and out of the fusion buffer, ``MPI_ALLREDUCE``), whose end carries the tensor's dtype and shape.
+Horovod begins the negotiation in the first background cycle (``HOROVOD_CYCLE_TIME``) in which
+*any* rank has the tensor queued and ends it when *every* rank has: so before the latest
+negotiation begin of a step (``last_gradient_ready``) no rank had submitted its last gradient,
+and every rank was still in its backward pass. ``overlap_ms`` is how long reductions were
+running before that moment (their union; 0 when the first one starts after it).
+
+The k-th occurrence of a tensor is step k. For one step (``--step``, by default the last: the
+steady state) it writes ``overlap.json`` (per call: submitted, all ranks ready, reduction
+start and end, in ms from the step's first submission, and bytes) and ``overlap.png`` (a Gantt
+chart, one row per call) to ``--output-dir``, and prints a summary. The timeline holds nothing
+of TensorFlow's compute: the time axis starts at the step's first gradient, not its start.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import re
+import sys
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from hvdtrain.bench.comm import Span, timeline_events, timeline_spans
+from hvdtrain.bench.variants import MPIRUN_WRAPPER, python, run_checked, variant_env
+
+# Short and cheap; what follows ``--`` on the command line comes later and wins.
+BENCHMARK_DEFAULTS = ["--model", "cnn", "--batch-size", "64", "--warmup-steps", "3",
+                      "--steps", "5", "--repeats", "1"]
+# Horovod's name for the i-th of a grouped allreduce's n tensors: ``<op name>_<i>of<n>``.
+GROUP_MEMBER = re.compile(r"_\d+of\d+$")
+
+
+@dataclass(frozen=True)
+class TensorStep:
+    """One tensor's allreduce in one step, timeline microseconds."""
+
+    name: str
+    submitted: float       # negotiation began: the first rank had queued it
+    negotiated: float      # negotiation ended: every rank had
+    start: float           # ALLREDUCE began
+    end: float
+    bytes: int | None
+
+
+@dataclass(frozen=True)
+class Call:
+    """One allreduce call (a grouped allreduce: a bucket) in a step, ms from the step's first
+    submission."""
+
+    name: str
+    tensors: int
+    bytes: int | None
+    submitted_ms: float    # its earliest tensor's
+    negotiated_ms: float   # every rank had all of its tensors
+    reduction_start_ms: float
+    reduction_end_ms: float
+
+
+def tensor_bytes(args: dict) -> int | None:
+    """Bytes of the tensor an ``ALLREDUCE`` span's closing event describes (``dtype``
+    ``float32``, ``shape`` ``[3, 3, 1, 64]``), None when it does not say."""
+    if "dtype" not in args or "shape" not in args:
+        return None
+    width = re.search(r"\d+$", args["dtype"])            # bits; none in "bool", one byte
+    return math.prod(json.loads(args["shape"])) * (int(width.group()) // 8 if width else 1)
+
+
+def allreduce_steps(events: list[dict]) -> list[list[TensorStep]]:
+    """Every step's allreduced tensors: the k-th negotiation and the k-th reduction of each
+    tensor are its step k. Refuses a timeline whose tensors do not all occur equally often
+    (allreduces outside the training step, a job cut off mid-step): it has no such steps."""
+    names = {event["pid"]: event["args"]["name"] for event in events
+             if event.get("ph") == "M" and event.get("name") == "process_name"
+             and "name" in event.get("args", {})}
+    negotiations: dict[int, list[Span]] = {}
+    reductions: dict[int, list[Span]] = {}
+    for span in timeline_spans(events):
+        if span.name == "NEGOTIATE_ALLREDUCE":
+            negotiations.setdefault(span.pid, []).append(span)
+        elif span.name == "ALLREDUCE":
+            reductions.setdefault(span.pid, []).append(span)
+    by_count: dict[int, list[str]] = {}
+    for pid, spans in negotiations.items():
+        reduced = len(reductions.get(pid, []))
+        if reduced != len(spans):
+            raise ValueError(f"{names[pid]} was negotiated {len(spans)} times but reduced "
+                             f"{reduced} times (a job cut off mid-step?)")
+        by_count.setdefault(len(spans), []).append(names[pid])
+    if not by_count:
+        raise ValueError("the timeline holds no allreduce")
+    if len(by_count) > 1:
+        raise ValueError(
+            "its allreduced tensors occur unequally often, so steps cannot be told apart "
+            "(allreduces outside the training step, such as a training run's metrics?): "
+            + "; ".join(f"{len(tensors)} tensor(s) {count} times, e.g. {tensors[0]}"
+                        for count, tensors in sorted(by_count.items())))
+    [steps] = by_count
+    return [[TensorStep(names[pid], negotiations[pid][k].begin, negotiations[pid][k].end,
+                        reductions[pid][k].begin, reductions[pid][k].end,
+                        tensor_bytes(reductions[pid][k].args)) for pid in negotiations]
+            for k in range(steps)]
+
+
+def calls_of(tensors: list[TensorStep], origin: float) -> list[Call]:
+    """The step's allreduce calls, in order of submission: a grouped allreduce's tensors
+    (one name with ``_<i>of<n>`` stripped) make one call; any other tensor is a call alone."""
+    groups: dict[str, list[TensorStep]] = {}
+    for tensor in tensors:
+        groups.setdefault(GROUP_MEMBER.sub("", tensor.name), []).append(tensor)
+    calls = []
+    for name, members in groups.items():
+        sizes = [member.bytes for member in members]
+        calls.append(Call(
+            name, len(members), None if None in sizes else sum(sizes),
+            (min(m.submitted for m in members) - origin) / 1e3,
+            (max(m.negotiated for m in members) - origin) / 1e3,
+            (min(m.start for m in members) - origin) / 1e3,
+            (max(m.end for m in members) - origin) / 1e3))
+    return sorted(calls, key=lambda call: (call.submitted_ms, call.name))
+
+
+def running_before(calls: list[Call], moment: float) -> float:
+    """Milliseconds before ``moment`` during which at least one call was reducing (the union
+    of their spans cut at ``moment``: calls Horovod fused count once)."""
+    total, covered = 0.0, float("-inf")
+    for call in sorted(calls, key=lambda c: c.reduction_start_ms):
+        start = max(call.reduction_start_ms, covered)
+        end = min(call.reduction_end_ms, moment)
+        if end > start:
+            total += end - start
+        covered = max(covered, call.reduction_end_ms)
+    return total
+
+
+def analyse(timeline: Path, step: int = -1) -> dict:
+    """The overlap report of one step (an index into the timeline's steps) of ``timeline``."""
+    steps = allreduce_steps(timeline_events(timeline))
+    if not -len(steps) <= step < len(steps):
+        raise ValueError(f"no step {step}: the timeline holds {len(steps)}")
+    index = step % len(steps)
+    tensors = steps[index]
+    origin = min(tensor.submitted for tensor in tensors)
+    calls = calls_of(tensors, origin)
+    ready = (max(tensor.submitted for tensor in tensors) - origin) / 1e3
+    overlap = running_before(calls, ready)
+    return {"timeline": str(timeline), "steps": len(steps), "step": index,
+            "calls_per_step": [len(calls_of(each, 0.0)) for each in steps],
+            "time_origin_us": origin, "last_gradient_ready_ms": ready,
+            "overlap_ms": overlap, "overlaps": overlap > 0,
+            "last_reduction_end_ms": max(call.reduction_end_ms for call in calls),
+            "calls": [asdict(call) for call in calls]}
+
+
+def summary(report: dict) -> str:
+    calls = report["calls"]
+    sizes = [call["bytes"] for call in calls]
+    size = "" if None in sizes else f", {sum(sizes) / 2 ** 20:.2f} MiB"
+    first = min(call["reduction_start_ms"] for call in calls)
+    verdict = (f"so reductions ran for {report['overlap_ms']:.3f} ms while every rank was "
+               "still in its backward pass" if report["overlaps"] else
+               "so nothing was reduced before the backward pass had ended: no overlap")
+    return (f"Step {report['step'] + 1} of {report['steps']} ({report['timeline']}): "
+            f"{len(calls)} allreduce call(s), {sum(call['tensors'] for call in calls)} "
+            f"tensors{size}. The first gradient was submitted at 0 ms and the last at "
+            f"{report['last_gradient_ready_ms']:.3f} ms; the first reduction started at "
+            f"{first:.3f} ms and the last ended at {report['last_reduction_end_ms']:.3f} ms, "
+            f"{verdict}.")
+
+
+def draw(report: dict, path: Path) -> None:
+    """Gantt chart of the step: per call, waiting (submitted to reduction start) and reducing
+    (reduction start to end), and a line where the last gradient was ready."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only
+    import matplotlib.pyplot as plt
+
+    calls = report["calls"]
+    figure, axis = plt.subplots(figsize=(11, 1.8 + 0.45 * len(calls)))
+    for row, call in enumerate(calls):
+        start, end = call["reduction_start_ms"], call["reduction_end_ms"]
+        axis.barh(row, start - call["submitted_ms"], left=call["submitted_ms"], height=0.6,
+                  color="0.8", label="submitted, negotiating" if row == 0 else None)
+        axis.barh(row, end - start, left=start, height=0.6, color="tab:blue",
+                  label="reducing (ALLREDUCE)" if row == 0 else None)
+    axis.axvline(report["last_gradient_ready_ms"], color="tab:red", linestyle="--",
+                 label="last gradient submitted")
+    axis.set_yticks(range(len(calls)), [
+        f"call {row + 1}: {call['tensors']} tensor(s)"
+        + ("" if call["bytes"] is None else f", {call['bytes'] / 2 ** 20:.2f} MiB")
+        for row, call in enumerate(calls)])
+    axis.invert_yaxis()
+    axis.set_xlabel("ms from the step's first submitted gradient")
+    axis.set_title(f"step {report['step'] + 1} of {report['steps']}: "
+                   + (f"reductions overlap the backward pass by {report['overlap_ms']:.2f} ms"
+                      if report["overlaps"] else "no reduction starts before the last gradient"))
+    axis.grid(axis="x", alpha=0.3)
+    axis.legend(loc="upper left", bbox_to_anchor=(1.01, 1), fontsize="small")
+    figure.tight_layout()
+    figure.savefig(path, dpi=100)
+    plt.close(figure)
+
+
+def run_benchmark(timeline: Path, ranks: int, benchmark_args: list[str], output: Path) -> None:
+    """``hvdtrain benchmark`` on ``ranks`` ranks with Horovod's timeline written to
+    ``timeline``, in the environment every harness variant gets."""
+    timeline.unlink(missing_ok=True)
+    env = {**variant_env(max(1, (os.cpu_count() or 1) // ranks)),
+           "HOROVOD_TIMELINE": str(timeline.resolve()), "HVDTRAIN_PYTHON": python()}
+    run_checked([str(MPIRUN_WRAPPER), "-np", str(ranks), "--", "benchmark",
+                 *BENCHMARK_DEFAULTS, *benchmark_args, "--output", str(output)], env)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    split = argv.index("--") if "--" in argv else len(argv)
+    own, forwarded = argv[:split], argv[split + 1:]
+    parser = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0],
+        epilog="arguments after -- go to hvdtrain benchmark (defaults: "
+               + " ".join(BENCHMARK_DEFAULTS) + ")")
+    parser.add_argument("--np", type=int, default=2, help="ranks (default: 2)")
+    parser.add_argument("--output-dir", type=Path, default=Path("overlap"))
+    parser.add_argument("--step", type=int, default=-1,
+                        help="which step to chart, from 0; negative counts from the end "
+                             "(default: -1, the last)")
+    parser.add_argument("--timeline", type=Path,
+                        help="read this Horovod timeline instead of running a benchmark")
+    args = parser.parse_args(own)
+    if args.timeline and forwarded:
+        parser.error("arguments after -- are for a benchmark run, which --timeline skips")
+    out = args.output_dir
+    out.mkdir(parents=True, exist_ok=True)
+    timeline = args.timeline or out / "timeline.json"
+    if not args.timeline:
+        run_benchmark(timeline, args.np, forwarded, out / "benchmark.json")
+    try:
+        report = analyse(timeline, args.step)
+    except ValueError as error:
+        parser.error(f"{timeline}: {error}")
+    (out / "overlap.json").write_text(json.dumps(report, indent=2) + "\n")
+    draw(report, out / "overlap.png")
+    print(summary(report))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
