@@ -84,9 +84,10 @@ def test_scaling_rows_share_and_bus_bandwidth_from_the_compute_floor():
     from hvdtrain.bench.scaling import parse_hosts, summarize, variant_names
 
     assert parse_hosts("node1:2,node2:2,node3") == ["node1", "node1", "node2", "node2", "node3"]
-    assert variant_names([0, 8]) == ["single", "hvdtrain", "hvdtrain-tensorflow", "hvdtrain-fp16",
-                                     "hvdtrain-hierarchical", "hvdtrain-fusion-0MiB",
-                                     "hvdtrain-fusion-8MiB", "minimal", "multiworker"]
+    assert variant_names([0, 8], [0, 16]) == [
+        "single", "exchange", "hvdtrain", "hvdtrain-buckets-0MiB", "hvdtrain-buckets-16MiB",
+        "hvdtrain-tensorflow", "hvdtrain-fp16", "hvdtrain-hierarchical", "hvdtrain-fusion-0MiB",
+        "hvdtrain-fusion-8MiB", "minimal", "multiworker"]
 
     def result(step: float) -> dict:
         return {"step_seconds_median": step, "examples_per_second_total": 64 / step,
@@ -107,6 +108,31 @@ def test_scaling_rows_share_and_bus_bandwidth_from_the_compute_floor():
     # Faster than the floor (noise): no share, no bandwidth, no division by zero.
     assert by_name["minimal"]["communication_share"] == 0.0
     assert by_name["minimal"]["bus_gbytes_per_second"] is None
+    assert "step_over_bound" not in full            # no exchange measured
+
+
+def test_scaling_rows_measure_the_step_against_the_exchange_alone():
+    """The exchange variant's bus bandwidth is over its whole step (it computes nothing); every
+    training variant's step is divided by max(floor, exchange alone)."""
+    from hvdtrain.bench.scaling import summarize
+
+    def result(step: float) -> dict:
+        return {"step_seconds_median": step, "examples_per_second_total": 64 / step,
+                "parameters": 25_000_000}
+
+    exchanges = [result(0.8), result(0.9), result(1.0)]
+    rows = summarize({"big": {"single": [result(0.2)], "exchange": exchanges,
+                              "hvdtrain": [result(0.99)], "hvdtrain-fp16": [result(0.6)]},
+                      "small": {"single": [result(0.5)], "exchange": [result(0.1)],
+                                "hvdtrain": [result(0.55)]}}, ranks=2, link_gbit=1.0)
+    by_name = {(row["model"], row["variant"]): row for row in rows}
+    exchange = by_name["big", "exchange"]
+    assert exchange["bus_gbytes_per_second"] == pytest.approx(100e6 / 0.9 / 1e9)
+    assert exchange["fraction_of_link"] == pytest.approx(0.1 / 0.9 / 0.125)
+    assert "communication_share" not in exchange and "step_over_bound" not in exchange
+    assert by_name["big", "hvdtrain"]["step_over_bound"] == pytest.approx(0.99 / 0.9)
+    assert by_name["big", "hvdtrain-fp16"]["step_over_bound"] == pytest.approx(0.6 / 0.9)
+    assert by_name["small", "hvdtrain"]["step_over_bound"] == pytest.approx(0.55 / 0.5)
 
 
 def test_scaling_refuses_an_unknown_variant_with_one_line(capsys):

@@ -40,8 +40,9 @@ def add_timing_arguments(parser: argparse.ArgumentParser) -> None:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_timing_arguments(parser)
-    parser.add_argument("--loop", default="custom", choices=("custom", "fit"),
-                        help="training path (default: custom)")
+    parser.add_argument("--loop", default="custom", choices=("custom", "fit", "exchange"),
+                        help="training path, or only the step's gradient exchange (tensors "
+                             "shaped like the gradients, no compute; default: custom)")
     parser.add_argument("--compression", default="none", choices=("none", "fp16"),
                         help="gradients on the wire (default: none)")
     parser.add_argument("--bucket-mib", type=float, default=BUCKET_MIB,
@@ -91,6 +92,24 @@ def time_steps(run_step, batch, warmup: int, steps: int, repeats: int) -> list[f
     return times
 
 
+def _exchange_step(step):
+    """The step's gradient exchange alone: tensors shaped like the gradients, with the loss
+    and the two stop votes, reduced as the step reduces them (same buckets, compression)."""
+    import tensorflow as tf
+
+    gradients = [tf.zeros(v.shape, v.dtype) for v in step.model.trainable_variables]
+    reduction = step.options.reduction(step.collectives.world.size)
+
+    @tf.function(jit_compile=False)
+    def exchange(*_):
+        scalars = [tf.constant(1.0)] * 3
+        reduced = step.collectives.reduce_gradients(
+            [*map(tf.identity, gradients), *map(tf.identity, scalars)], reduction)
+        return {"loss": reduced[-3], "reduced": reduced}   # every output kept: none pruned
+
+    return exchange
+
+
 def _fit_step(step, batch):
     """The Keras fit path's compiled step (the function fit itself would run); call it while
     the step is installed (``loops.step_installed``)."""
@@ -128,8 +147,9 @@ def run(args: argparse.Namespace) -> tuple[bool, dict[str, Any]]:
     probe(model, objective, batch, [step.train_metrics], args.model)
     model.compile(optimizer=optimizer, jit_compile=False)
     with step_installed(step):
-        run_step = (_fit_step(step, batch) if args.loop == "fit"
-                    else tf.function(step.train_step, jit_compile=False))
+        run_step = (_fit_step(step, batch) if args.loop == "fit" else
+                    _exchange_step(step) if args.loop == "exchange" else
+                    tf.function(step.train_step, jit_compile=False))
         times = time_steps(run_step, batch, args.warmup_steps, args.steps, args.repeats)
     rank_result = {"rank": world.rank, "step_seconds": times,
                    "examples_per_second": args.batch_size / statistics.median(times)}

@@ -4,8 +4,11 @@ For each model, on the nodes named by ``--hosts`` (one rank or worker per slot),
 and with the same per-rank batch and CPU threads per process:
 
 * ``single``: one process on this node, no communication: the compute floor of a step;
+* ``exchange``: hvdtrain's gradient exchange alone across the nodes (``benchmark --loop
+  exchange``: the step's allreduces of tensors shaped like the gradients, no compute);
 * ``hvdtrain``: ``hvdtrain benchmark`` across the nodes (Open MPI through ``launch/mpirun.sh``),
-  and the same with ``--compression fp16``, with each ``--fusion-mib`` value as Horovod's tensor
+  and the same with each ``--bucket-mib`` value (0: one allreduce after the backward pass, as
+  before buckets), with ``--compression fp16``, with each ``--fusion-mib`` value as Horovod's tensor
   fusion threshold (``HOROVOD_FUSION_THRESHOLD``; Horovod's default is 128 MiB) and with
   ``HOROVOD_HIERARCHICAL_ALLREDUCE=1``;
 * ``minimal``: the minimal hand-written Horovod loop (``baselines.minimal_horovod``);
@@ -46,9 +49,11 @@ def parse_hosts(text: str) -> list[str]:
     return slots
 
 
-def variant_names(fusion_mib: list[float]) -> list[str]:
+def variant_names(fusion_mib: list[float], bucket_mib: list[float]) -> list[str]:
     """Every variant, in the order they run (and are reported)."""
-    return ["single", "hvdtrain", "hvdtrain-tensorflow", "hvdtrain-fp16", "hvdtrain-hierarchical",
+    return ["single", "exchange", "hvdtrain",
+            *(f"hvdtrain-buckets-{mib:g}MiB" for mib in bucket_mib),
+            "hvdtrain-tensorflow", "hvdtrain-fp16", "hvdtrain-hierarchical",
             *(f"hvdtrain-fusion-{mib:g}MiB" for mib in fusion_mib), "minimal", "multiworker"]
 
 
@@ -66,14 +71,18 @@ def run_variant(name: str, args: argparse.Namespace, model: str, output: Path) -
         run_checked([python(), "-m", "hvdtrain", "benchmark", *common], env, args.timeout)
         return
     program = [python(), "-m", "hvdtrain.bench.baselines.minimal_horovod", *common]
-    if name.startswith("hvdtrain"):
+    if name.startswith("hvdtrain") or name == "exchange":
         program = [python(), "-m", "hvdtrain", "benchmark", *common]
+    if name == "exchange":
+        program += ["--loop", "exchange"]
     if name == "hvdtrain-tensorflow":   # the same step on TensorFlow's collectives
         env["HVDTRAIN_BACKEND"] = "tensorflow"
     elif name == "hvdtrain-fp16":
         program += ["--compression", "fp16"]
     elif name == "hvdtrain-hierarchical":
         env["HOROVOD_HIERARCHICAL_ALLREDUCE"] = "1"
+    elif name.startswith("hvdtrain-buckets-"):
+        program += ["--bucket-mib", name.removeprefix("hvdtrain-buckets-").removesuffix("MiB")]
     elif name.startswith("hvdtrain-fusion-"):
         mib = float(name.removeprefix("hvdtrain-fusion-").removesuffix("MiB"))
         env["HOROVOD_FUSION_THRESHOLD"] = str(int(mib * 2 ** 20))
@@ -89,12 +98,18 @@ def mpirun(args: argparse.Namespace) -> list[str]:
 
 def summarize(results: dict[str, dict[str, list[dict]]], ranks: int,
               link_gbit: float | None) -> list[dict]:
-    """One row per model and variant, medians over rounds."""
+    """One row per model and variant, medians over rounds. A training variant's exchange time
+    is its step minus the floor; the ``exchange`` variant's is its whole step (no compute).
+    With both measured, every training variant also gets ``step_over_bound``: its step over
+    max(floor, exchange alone), 1.0 when communication hides entirely behind compute or the
+    other way round."""
     rows = []
     link_gbytes = link_gbit / 8 if link_gbit else None
     for model, variants in results.items():
         floor = statistics.median(r["step_seconds_median"] for r in variants["single"])
         parameters = variants["single"][0]["parameters"]
+        alone = (statistics.median(r["step_seconds_median"] for r in variants["exchange"])
+                 if "exchange" in variants else None)
         for name, rounds in variants.items():
             step = statistics.median(r["step_seconds_median"] for r in rounds)
             row = {"model": model, "variant": name, "parameters": parameters,
@@ -102,8 +117,11 @@ def summarize(results: dict[str, dict[str, list[dict]]], ranks: int,
                    statistics.median(r["examples_per_second_total"] for r in rounds)}
             if name != "single":
                 wire_bytes = parameters * (2 if name == "hvdtrain-fp16" else 4)
-                exchange = step - floor
-                row["communication_share"] = max(0.0, exchange / step)
+                exchange = step if name == "exchange" else step - floor
+                if name != "exchange":
+                    row["communication_share"] = max(0.0, exchange / step)
+                    if alone is not None:
+                        row["step_over_bound"] = step / max(floor, alone)
                 row["bus_gbytes_per_second"] = (2 * (ranks - 1) / ranks * wire_bytes / exchange
                                                 / 1e9 if exchange > 0 else None)
                 if link_gbytes and row["bus_gbytes_per_second"] is not None:
@@ -114,16 +132,17 @@ def summarize(results: dict[str, dict[str, list[dict]]], ranks: int,
 
 def print_table(rows: list[dict]) -> None:
     print("| model | variant | step ms | examples/s | communication share | bus GB/s "
-          "(of link) |")
-    print("|---|---|---|---|---|---|")
+          "(of link) | step / max(floor, exchange) |")
+    print("|---|---|---|---|---|---|---|")
     for row in rows:
         share = (f"{row['communication_share']:.0%}" if "communication_share" in row else "")
         bus = row.get("bus_gbytes_per_second")
         bus_text = "" if bus is None else f"{bus:.3f}"
         if "fraction_of_link" in row:
             bus_text += f" ({row['fraction_of_link']:.0%})"
+        bound = f"{row['step_over_bound']:.2f}" if "step_over_bound" in row else ""
         print(f"| {row['model']} | {row['variant']} | {row['step_seconds'] * 1e3:,.0f} | "
-              f"{row['examples_per_second']:,.1f} | {share} | {bus_text} |")
+              f"{row['examples_per_second']:,.1f} | {share} | {bus_text} | {bound} |")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -137,6 +156,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--variants", nargs="+", help="a subset of the variants (default: all)")
     parser.add_argument("--fusion-mib", type=float, nargs="*", default=[0.0, 8.0],
                         help="tensor fusion thresholds to try (MiB; default: 0 8)")
+    parser.add_argument("--bucket-mib", type=float, nargs="*", default=[0.0],
+                        help="gradient bucket sizes to try beside the default (MiB; 0: one "
+                             "allreduce after the backward pass; default: 0)")
     parser.add_argument("--batch-size", type=int, default=32, help="per rank (default: 32)")
     parser.add_argument("--warmup-steps", type=int, default=3)
     parser.add_argument("--steps", type=int, default=10)
@@ -156,7 +178,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    names = variant_names(args.fusion_mib)
+    names = variant_names(args.fusion_mib, args.bucket_mib)
     chosen = ["single", *(args.variants or names)]
     unknown = sorted(set(chosen) - set(names))
     if unknown:
