@@ -21,12 +21,20 @@ Mixed precision: with ``mixed_float16`` the optimizer is a Keras ``LossScaleOpti
 scaled gradients are reduced across ranks first, so every rank sees the same sum, makes the same
 finite/non-finite decision and keeps the same loss scale.
 
-Divergence: the loss is summed across ranks in the gradients' grouped allreduce (a separate one
-with fp16 compression or Adasum), so every rank knows the global batch's loss; when it is NaN or
-infinite every rank skips that update and the run stops there.
+Buckets: the gradients are summed in grouped allreduces of about ``--bucket-mib`` each, filled
+from the last layer back (``GradientReduction.buckets``). They are ops of the step's one
+``tf.function`` graph, so each starts as soon as its gradients exist, while the backward pass
+computes the earlier layers'; a sum is a sum whichever bucket carries it, so the update is the
+same as with one group. With accumulation the k-th micro-step's buckets carry the accumulated
+sums (read from variables, so they are all ready at once: no overlap there).
+
+Divergence: the loss is summed across ranks in the gradients' first bucket (a separate
+allreduce with fp16 compression or Adasum, which must neither round nor Adasum-combine it), so
+every rank knows the global batch's loss; when it is NaN or infinite every rank skips that
+update and the run stops there.
 
 Stop requests: a rank asked to stop (see ``liveness``) sets ``stop_vote``; the vote rides in
-the same allreduce as the loss, and ``stop_votes`` (the global sum) tells every rank, after the
+the same bucket as the loss, and ``stop_votes`` (the global sum) tells every rank, after the
 same update, that the job stops there. A callback that stops training from a batch hook
 (``model.stop_training``, e.g. Keras' ``TerminateOnNaN``) on one rank casts
 ``callback_stop_vote`` the same way, so every rank stops after the same step.
