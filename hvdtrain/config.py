@@ -209,6 +209,10 @@ class TrainConfig:
                                       "run on every rank after hvdtrain's metrics, validation "
                                       "and rate, before rank 0's checkpoint and files",
                                   plugin=True)
+    autotune: bool = option(False, "instead of training, time a few updates of this model on "
+                                   "these ranks at other gradient bucket sizes and Horovod cycle "
+                                   "times, and print the fastest as flags (nothing is saved but "
+                                   "autotune.json)")
     progress: bool = option(True, "show a progress bar on rank 0")
     debug: bool = option(False, "show full tracebacks for errors")
 
@@ -362,6 +366,9 @@ def _check_elastic(config: Config) -> None:
     """What --elastic cannot combine with: ranks that join later find the run by its
     directory, re-shard an epoch at an offset (in-memory data, one micro-step per update),
     and take only the committed state (no plateau history)."""
+    if config.train.autotune:
+        raise ConfigError("--autotune times fixed settings on a fixed set of ranks; run it "
+                          "without --elastic, then give the elastic run the flags it prints")
     if config.train.checkpoint_every_steps:
         raise ConfigError("--checkpoint-every-steps does not apply to --elastic, which commits "
                           "its state every --commit-every steps")

@@ -66,6 +66,9 @@ def test_field_names_are_unique_across_sections():
     ({"elastic": True, "run_dir": "r", "lr_schedule": "plateau"},
      "--elastic does not support --lr-schedule plateau (its state would not reach joining "
      "ranks); use constant, cosine or step"),
+    ({"elastic": True, "run_dir": "r", "autotune": True},
+     "--autotune times fixed settings on a fixed set of ranks; run it without --elastic, then "
+     "give the elastic run the flags it prints"),
 ])
 def test_bad_values_are_named_in_one_line(overrides, message):
     with pytest.raises(ConfigError) as caught:

@@ -37,7 +37,7 @@ from hvdtrain import output
 from hvdtrain.checkpoint import (CheckpointStore, assign_rank_state, atomic_write_text,
                                  build_optimizers, lock_run_dir)
 from hvdtrain.checkpoint_state import CheckpointState
-from hvdtrain.config import Config, DataConfig
+from hvdtrain.config import Config, DataConfig, OptimConfig
 from hvdtrain.data.files import LABEL_RANGE_MESSAGE, FileSplit, corrupt_record_message
 from hvdtrain.data.pipeline import ShardSpec
 from hvdtrain.data.contract import ArraySplit, DataBundle, Split
@@ -49,6 +49,7 @@ from hvdtrain.plugins import load_callable
 from hvdtrain.plots import plot_curves
 from hvdtrain.training.elastic import ElasticRun, elastic_loop
 from hvdtrain.training.adapted_state import agree_on_adapted_state
+from hvdtrain.training.autotune_run import Tuning, autotune
 from hvdtrain.training.callbacks import (CheckpointPlan, FirstStepClock, MetricsFiles,
                                          PlateauDecay, Reporting, ResumePoint, RunHooks,
                                          standard_callbacks)
@@ -477,9 +478,10 @@ class Run:
     """One training run on this rank, in four phases: ``_setup`` (world, run directory, data,
     model and step), ``_restore`` (a checkpoint or a user's backup, then rank 0's weights to
     every rank), ``_train`` (the loop) and ``_finish`` (exact held-out metrics, the final model
-    and summary). The CLI builds it from a config; ``hvdtrain.fit`` also hands it the user's
-    model factory, data and callbacks. The run owns this rank's ``Liveness`` (signals, stalls)
-    and puts back whatever it changed in the process when it ends."""
+    and summary); with ``--autotune``, a timed search of how gradients travel (``_autotune``)
+    replaces the last three. The CLI builds it from a config; ``hvdtrain.fit`` also hands it the
+    user's model factory, data and callbacks. The run owns this rank's ``Liveness`` (signals,
+    stalls) and puts back whatever it changed in the process when it ends."""
 
     def __init__(self, config: Config, model_factory: ModelFactory | None = None,
                  data_factory: DataFactory | None = None,
@@ -513,6 +515,8 @@ class Run:
             try:
                 self.liveness.attach(collectives.world)
                 prepared = self._setup(collectives, placed[0], launched)
+                if self.config.train.autotune:
+                    return self._autotune(prepared)
                 start = self._restore(prepared)
                 started = time.perf_counter()
                 history = self._train(prepared, start)
@@ -606,9 +610,10 @@ class Run:
         check_input_shape(model, self.model_label, data.input_shape)
         return model
 
-    def _step(self, trainable: Trainable, data: DataBundle,
-              collectives: Collectives) -> TrainingStep:
-        optim = self.config.optim
+    def _step(self, trainable: Trainable, data: DataBundle, collectives: Collectives,
+              optim: OptimConfig | None = None) -> TrainingStep:
+        """The step that trains ``trainable`` as ``optim`` (the config's) says."""
+        optim = optim or self.config.optim
         if trainable.own_step is not None:
             op = "adasum" if optim.reduction == "adasum" else "average"
             return OwnStep(trainable.model, collectives, data.keras_element,
@@ -653,6 +658,27 @@ class Run:
             raise UserError(f"model '{self.model_label}' is not built and calling it on a batch "
                             f"failed ({type(error).__name__}: {str(error)[:160]}); build it "
                             "(and its sub-models) before training") from error
+
+    # --- autotune (instead of restore, train and finish) ---------------------------------------
+
+    def _autotune(self, run: Prepared) -> RunResult:
+        """``--autotune``: time the run's step at other gradient settings on one real batch
+        and print the fastest (``training.autotune_run``); no restore, no training, no model."""
+        batch = next(iter(run.data.train.dataset(run.spec, 0, 1)))
+
+        def step_for(bucket_mib: float) -> TrainingStep:
+            optim = dataclasses.replace(self.config.optim, bucket_mib=bucket_mib)
+            step = self._step(run.trainable, run.data, run.collectives, optim)
+            self._probe(run.trainable, batch, [] if isinstance(step, OwnStep)
+                        else [step.train_metrics])
+            return step
+
+        optim = self.config.optim
+        with data_errors_named(run.data):
+            autotune(Tuning(run.collectives, step_for, batch, optim.accumulation_steps,
+                            optim.reduction == "adasum", optim.bucket_mib, run.run_dir),
+                     lambda line: say(run.collectives.world, line))
+        return RunResult(run.run_dir, {}, [], run.trainable.model, None)
 
     # --- restore -----------------------------------------------------------------------------
 
