@@ -49,6 +49,13 @@ PYTHON_OBJECT = "python"
 DEFAULT_LEARNING_RATE = 0.05
 # The gradient bucket size (MiB): see hvdtrain/bench/README.md, "Gradient buckets".
 BUCKET_MIB = 4.0
+
+
+def bucket_bytes(mib: float) -> int:
+    """A ``--bucket-mib`` value in bytes (0: one group)."""
+    return round(mib * 2**20)
+
+
 # Keras 3's optimizers by the names keras.optimizers.get accepts.
 KERAS_OPTIMIZERS = ("sgd", "adam", "adamw", "rmsprop", "adagrad", "adadelta", "adamax",
                     "adafactor", "nadam", "ftrl", "lion", "lamb")
@@ -151,7 +158,7 @@ class OptimConfig:
 
     @property
     def bucket_bytes(self) -> int:
-        return round(self.bucket_mib * 2**20)
+        return bucket_bytes(self.bucket_mib)
 
 
 @dataclass

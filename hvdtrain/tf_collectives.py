@@ -251,12 +251,12 @@ class TensorFlowCollectives:
             raise UserError("Adasum needs the Horovod backend; use --backend horovod or "
                             "--reduction mean")
         reduced = list(tensors)
-        dense = []
+        dense, sparse = [], []
         for index, tensor in enumerate(tensors):
             if isinstance(tensor, tf.IndexedSlices) and reduction.sparse_as_dense:
                 reduced[index] = tensor = tf.convert_to_tensor(tensor)
             if isinstance(tensor, tf.IndexedSlices):
-                reduced[index] = self._gathered_rows(tensor, reduction)
+                sparse.append(index)
             elif tensor is not None:
                 dense.append(index)
         scale = reduction.postscale / (self.world.size if reduction.op == "average" else 1)
@@ -270,6 +270,11 @@ class TensorFlowCollectives:
             for index, total in zip((dense[i] for i in bucket), totals):
                 total = tf.cast(total, reduced[index].dtype)
                 reduced[index] = total * scale if scale != 1.0 else total
+        # After the buckets: every collective of the group runs in program order, and a sparse
+        # gradient (an embedding's, usually the first layer's) exists only at the backward
+        # pass's end; gathered first, it would hold every bucket back.
+        for index in sparse:
+            reduced[index] = self._gathered_rows(reduced[index], reduction)
         return reduced
 
     def _gathered_rows(self, slices: Any, reduction: GradientReduction) -> Any:

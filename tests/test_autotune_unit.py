@@ -13,8 +13,8 @@ from hvdtrain.errors import UserError
 from hvdtrain.training.autotune import (MARGIN, TABLE_HEADER, Outcome, Setting, Trial, search,
                                         table_row, trial_count)
 from hvdtrain.training.autotune_run import (HOROVOD_CYCLE_MS, TIMED_S, TIMED_UPDATES, Tuning,
-                                            alike, autotune, cycle_fixed, launched_setting,
-                                            timed_updates, update_times)
+                                            alike, autotune, cycle_fixed, launch_environment,
+                                            launched_setting, timed_updates, update_times)
 from hvdtrain.world import LocalCollectives, World
 
 LAUNCHED = Setting(4.0, 0.1)
@@ -143,19 +143,22 @@ def test_bucket_sizes_that_split_the_gradients_alike_are_timed_once():
 
 
 def test_the_cycle_time_is_searched_only_where_horovod_can_restart(monkeypatch):
-    for name in ("HOROVOD_FUSION_THRESHOLD", "HOROVOD_CYCLE_TIME"):
-        monkeypatch.delenv(name, raising=False)
     horovod, tensorflow = SimpleNamespace(backend="horovod"), SimpleNamespace(backend="tensorflow")
-    assert cycle_fixed(tensorflow) == "the tensorflow backend has no cycle time"
-    assert cycle_fixed(horovod) is None
+    assert cycle_fixed(tensorflow, {}) == "the tensorflow backend has no cycle time"
+    assert cycle_fixed(horovod, {"HOROVOD_FUSION_THRESHOLD": None}) is None
     tuning = Tuning(horovod, lambda mib: None, None, 1, False, 4.0, None)
-    assert launched_setting(tuning, True) == Setting(4.0, HOROVOD_CYCLE_MS)
-    monkeypatch.setenv("HOROVOD_CYCLE_TIME", "0.1")
-    assert launched_setting(tuning, True) == Setting(4.0, 0.1)
-    assert launched_setting(tuning, False) == Setting(4.0, None)
+    assert launched_setting(tuning, True, {}) == Setting(4.0, HOROVOD_CYCLE_MS)
+    assert launched_setting(tuning, True, {"HOROVOD_CYCLE_TIME": "0.1"}) == Setting(4.0, 0.1)
+    assert launched_setting(tuning, False, {"HOROVOD_CYCLE_TIME": "0.1"}) == Setting(4.0, None)
     # Horovod 0.28.1 dies restarting once both its fusion threshold and cycle time are set.
-    monkeypatch.setenv("HOROVOD_FUSION_THRESHOLD", "1048576")
-    assert "HOROVOD_FUSION_THRESHOLD set" in cycle_fixed(horovod)
+    assert "HOROVOD_FUSION_THRESHOLD set" in cycle_fixed(
+        horovod, {"HOROVOD_FUSION_THRESHOLD": "1048576"})
+    # Every rank reads rank 0's values (a GPU node has no CPU cycle-time default).
+    monkeypatch.setenv("HOROVOD_CYCLE_TIME", "5")
+    rank_zero = {"HOROVOD_CYCLE_TIME": "0.1", "HOROVOD_FUSION_THRESHOLD": None,
+                 "HOROVOD_AUTOTUNE": None}
+    assert launch_environment(SimpleNamespace(
+        broadcast_object=lambda mine, root_rank=0: rank_zero)) == rank_zero
 
 
 def test_refused_on_one_rank_under_horovods_own_autotune_and_with_nothing_to_search(monkeypatch):
@@ -164,7 +167,8 @@ def test_refused_on_one_rank_under_horovods_own_autotune_and_with_nothing_to_sea
 
     with pytest.raises(UserError, match="launch it on the ranks you train on"):
         autotune(tuning(LocalCollectives()), print)
-    two = SimpleNamespace(world=World(0, 2), backend="tensorflow")
+    two = SimpleNamespace(world=World(0, 2), backend="tensorflow",
+                          broadcast_object=lambda obj, root_rank=0: obj)
     monkeypatch.setenv("HOROVOD_AUTOTUNE", "1")
     with pytest.raises(UserError, match="unset HOROVOD_AUTOTUNE"):
         autotune(tuning(two), print)

@@ -49,7 +49,7 @@ def test_gradients_in_several_buckets_compute_what_one_process_does(session_tmp,
                                                                     accumulation):
     """--bucket-mib 0.001 (1,049 bytes) sends the MLP's gradients in several allreduces, the
     loss and the stop votes riding in the first: 2 ranks x b (x k accumulated) still make the
-    update of one process with the whole batch, and the same as one group (bit for bit on
+    update of one process with the whole batch, and the same as one group (within 1e-6 on
     the same backend and loop)."""
     run = train(session_tmp, f"buckets-{backend}-{loop}-{accumulation}", *EXACT, "--loop",
                 loop, "--batch-size", str(16 // accumulation), "--accumulation-steps",

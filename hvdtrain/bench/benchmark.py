@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from hvdtrain.config import BUCKET_MIB
+from hvdtrain.config import BUCKET_MIB, bucket_bytes
 
 DEFAULT_SHAPES = {"mlp": (28, 28, 1), "cnn": (28, 28, 1), "resnet": (32, 32, 3),
                   "resnet50": (224, 224, 3)}
@@ -93,19 +93,17 @@ def time_steps(run_step, batch, warmup: int, steps: int, repeats: int) -> list[f
 
 
 def _exchange_step(step):
-    """The step's gradient exchange alone: tensors shaped like the gradients, with the loss
-    and the two stop votes, reduced as the step reduces them (same buckets, compression)."""
+    """The step's gradient exchange alone (``StepMath.reduce``: the same buckets, compression
+    and scalars) on tensors shaped like the gradients."""
     import tensorflow as tf
 
     gradients = [tf.zeros(v.shape, v.dtype) for v in step.model.trainable_variables]
-    reduction = step.options.reduction(step.collectives.world.size)
 
     @tf.function(jit_compile=False)
     def exchange(*_):
-        scalars = [tf.constant(1.0)] * 3
-        reduced = step.collectives.reduce_gradients(
-            [*map(tf.identity, gradients), *map(tf.identity, scalars)], reduction)
-        return {"loss": reduced[-3], "reduced": reduced}   # every output kept: none pruned
+        reduced, scalars = step.reduce([tf.identity(g) for g in gradients],
+                                       [tf.identity(tf.constant(1.0)) for _ in range(3)])
+        return {"loss": scalars[0], "reduced": reduced}   # every output kept: none pruned
 
     return exchange
 
@@ -143,7 +141,7 @@ def run(args: argparse.Namespace) -> tuple[bool, dict[str, Any]]:
     objective = Objective.for_model(model)
     step = StepMath(model, optimizer, collectives, objective,
                     StepOptions(fp16_compression=args.compression == "fp16",
-                                bucket_bytes=OptimConfig(bucket_mib=args.bucket_mib).bucket_bytes))
+                                bucket_bytes=bucket_bytes(args.bucket_mib)))
     probe(model, objective, batch, [step.train_metrics], args.model)
     model.compile(optimizer=optimizer, jit_compile=False)
     with step_installed(step):

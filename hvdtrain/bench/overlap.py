@@ -14,8 +14,10 @@ and out of the fusion buffer, ``MPI_ALLREDUCE``), whose end carries the tensor's
 Horovod begins the negotiation in the first background cycle (``HOROVOD_CYCLE_TIME``) in which
 *any* rank has the tensor queued and ends it when *every* rank has: so before the latest
 negotiation begin of a step (``last_gradient_ready``) no rank had submitted its last gradient,
-and every rank was still in its backward pass. ``overlap_ms`` is how long reductions were
-running before that moment (their union; 0 when the first one starts after it).
+and every rank was still in its backward pass, or had just ended it and not yet submitted (a
+submission waits for the op's inputs and the next cycle), so ``overlap_ms``, how long
+reductions were running before that moment (their union; 0 when the first one starts after
+it), is an upper bound on the overlap by at most that delay.
 
 The k-th occurrence of a tensor is step k. For one step (``--step``, by default the last: the
 steady state) it writes ``overlap.json`` (per call: submitted, all ranks ready, reduction

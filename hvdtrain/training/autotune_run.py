@@ -43,7 +43,7 @@ from typing import Any, Callable, Hashable, Iterator, Sequence
 import tensorflow as tf
 
 from hvdtrain.checkpoint import atomic_write_text
-from hvdtrain.config import OptimConfig
+from hvdtrain.config import bucket_bytes
 from hvdtrain.errors import UserError
 from hvdtrain.training.autotune import (GRID, TABLE_HEADER, Outcome, Setting, search,
                                         table_row, trial_count)
@@ -82,19 +82,31 @@ class Tuning:
     run_dir: Path
 
 
-def cycle_fixed(collectives: Collectives) -> str | None:
+# The launch settings the search depends on: read on rank 0 and broadcast, so that ranks whose
+# environments differ (a GPU node gets no CPU cycle-time default) still run the same trials.
+LAUNCH_VARIABLES = (CYCLE_VARIABLE, "HOROVOD_FUSION_THRESHOLD", "HOROVOD_AUTOTUNE")
+
+
+def launch_environment(collectives: Collectives) -> dict[str, str | None]:
+    """Rank 0's values of ``LAUNCH_VARIABLES``, on every rank."""
+    return collectives.broadcast_object({name: os.environ.get(name)
+                                         for name in LAUNCH_VARIABLES})
+
+
+def cycle_fixed(collectives: Collectives, environment: dict[str, str | None]) -> str | None:
     """Why Horovod's cycle time cannot be searched in this job, or None."""
     if collectives.backend != "horovod":
         return f"the {collectives.backend} backend has no cycle time"
-    if "HOROVOD_FUSION_THRESHOLD" in os.environ:
+    if environment.get("HOROVOD_FUSION_THRESHOLD") is not None:
         return ("launched with HOROVOD_FUSION_THRESHOLD set, Horovod 0.28.1 cannot restart in a "
                 "process to take another cycle time")
     return None
 
 
-def launched_setting(tuning: Tuning, cycle_searched: bool) -> Setting:
+def launched_setting(tuning: Tuning, cycle_searched: bool,
+                     environment: dict[str, str | None]) -> Setting:
     """The settings this job runs with now (Horovod's cycle time where none is set)."""
-    cycle = float(os.environ.get(CYCLE_VARIABLE) or HOROVOD_CYCLE_MS)
+    cycle = float(environment.get(CYCLE_VARIABLE) or HOROVOD_CYCLE_MS)
     return Setting(None if tuning.adasum else tuning.bucket_mib,
                    cycle if cycle_searched else None)
 
@@ -106,14 +118,15 @@ def autotune(tuning: Tuning, say: Callable[[str], None]) -> Outcome:
     if world.size == 1:
         raise UserError("--autotune times how gradients travel between ranks; launch it on the "
                         "ranks you train on (horovodrun -np N, mpirun, srun)")
-    if os.environ.get("HOROVOD_AUTOTUNE", "0") not in ("", "0"):
+    environment = launch_environment(tuning.collectives)
+    if (environment.get("HOROVOD_AUTOTUNE") or "0") != "0":
         raise UserError("--autotune times fixed settings, but HOROVOD_AUTOTUNE makes Horovod "
                         "change them as it runs; unset HOROVOD_AUTOTUNE")
-    fixed = cycle_fixed(tuning.collectives)
+    fixed = cycle_fixed(tuning.collectives, environment)
     if fixed and tuning.adasum:
         raise UserError(f"--autotune has nothing to search: --reduction adasum sends each "
                         f"gradient on its own (no buckets) and {fixed}")
-    launched = launched_setting(tuning, fixed is None)
+    launched = launched_setting(tuning, fixed is None, environment)
     if tuning.collectives.backend == "horovod":
         say(FUSION_NOT_SEARCHED)
     if fixed:
@@ -162,7 +175,7 @@ class Trials:
         """How buckets of ``bucket_mib`` split the model's gradients (None: no buckets)."""
         if bucket_mib is None:
             return None
-        reduction = GradientReduction(bucket_bytes=OptimConfig(bucket_mib=bucket_mib).bucket_bytes)
+        reduction = GradientReduction(bucket_bytes=bucket_bytes(bucket_mib))
         return tuple(tuple(bucket) for bucket in reduction.buckets(self.variables))
 
     def same(self, setting: Setting) -> Hashable:
@@ -214,14 +227,18 @@ class Trials:
         Horovod's default)."""
         launched = self.running
         saved = os.environ.get(CYCLE_VARIABLE)
-        yield
-        self.state.restore()
-        if self.running.environment() != launched.environment():
-            self._run_horovod_with(launched)
-        if saved is None:
-            os.environ.pop(CYCLE_VARIABLE, None)
-        else:
-            os.environ[CYCLE_VARIABLE] = saved
+        searched = False
+        try:
+            yield
+            searched = True
+        finally:   # after a failed trial too (a notebook's process goes on), without a restart
+            self.state.restore()
+            if searched and self.running.environment() != launched.environment():
+                self._run_horovod_with(launched)
+            if saved is None:
+                os.environ.pop(CYCLE_VARIABLE, None)
+            else:
+                os.environ[CYCLE_VARIABLE] = saved
 
 
 class State:

@@ -569,7 +569,7 @@ class Run:
         step = self._step(trainable, data, collectives)
         if world.size > 1 and optim.reduction != "adasum":
             say(world, GradientReduction(bucket_bytes=optim.bucket_bytes).describe(
-                trainable.model.trainable_variables))
+                trainable.model.trainable_variables, optim.accumulation_steps > 1))
         evaluate, metric_states = self._evaluation(step, trainable, data, collectives)
         with data_errors_named(data):
             self._probe(trainable, next(iter(data.train.dataset(spec, 0, 1))), metric_states)

@@ -151,18 +151,25 @@ class StepMath:
             self.accumulated_loss = tf.Variable(0.0, trainable=False, dtype=tf.float32)
             self.micro_steps = tf.Variable(0, trainable=False, dtype=tf.int64)
 
+    def reduce(self, gradients: list[Any], scalars: list[tf.Tensor]) -> tuple[list, list]:
+        """The step's exchange: (the gradients combined as the options say, the float32
+        ``scalars`` summed). The scalars ride in the first bucket (the list's end), so no extra
+        collective; with fp16 compression or Adasum they travel in a separate allreduce, as
+        they must neither be rounded to float16 nor Adasum-combined. ``hvdtrain benchmark
+        --loop exchange`` times this alone."""
+        reduction = self.options.reduction(self.collectives.world.size)
+        if self.options.adasum or self.options.fp16_compression:
+            summed = self.collectives.allreduce_sum(scalars)
+            return self.collectives.reduce_gradients(gradients, reduction), summed
+        reduced = self.collectives.reduce_gradients([*gradients, *scalars], reduction)
+        return reduced[:len(gradients)], reduced[len(gradients):]
+
     def _apply(self, gradients: list[tf.Tensor], loss: tf.Tensor) -> None:
         """Reduce across ranks and update, unless the global loss is not finite: then the
         update is skipped on every rank and ``global_loss`` tells the caller to stop."""
-        scalars = [tf.cast(loss, tf.float32), tf.identity(self.stop_vote),
-                   tf.identity(self.callback_stop_vote)]
-        reduction = self.options.reduction(self.collectives.world.size)
-        if self.options.adasum or self.options.fp16_compression:
-            global_loss, votes, callback_votes = self.collectives.allreduce_sum(scalars)
-            gradients = self.collectives.reduce_gradients(gradients, reduction)
-        else:   # no extra collective: loss and votes ride in the first bucket (the list's end)
-            *gradients, global_loss, votes, callback_votes = self.collectives.reduce_gradients(
-                [*gradients, *scalars], reduction)
+        gradients, (global_loss, votes, callback_votes) = self.reduce(
+            list(gradients), [tf.cast(loss, tf.float32), tf.identity(self.stop_vote),
+                              tf.identity(self.callback_stop_vote)])
         self.global_loss.assign(global_loss)
         self.stop_votes.assign(votes)
         self.callback_stop_votes.assign(callback_votes)
