@@ -14,7 +14,10 @@ bytes) or its float16 copy:
 * ``float16_allreduce``: that allreduce alone, on a tensor that is float16 already;
 * ``cast_down`` / ``cast_up``: TensorFlow's Cast kernel alone, float32 to float16 and back;
 * ``xla_cast_down`` / ``xla_cast_up``: the same casts compiled by XLA (``jit_compile``);
-* ``fp16_xla``: ``fp16`` with the XLA casts around the float16 allreduce.
+* ``fp16_xla``: ``fp16`` with the XLA casts around the float16 allreduce;
+* ``fp16_allgather``: float16 on the wire, summed in float32: every rank's float16 tensor
+  gathered (Horovod's allgather; per rank (n-1) x 2N bytes sent, the allreduce's 2 (n-1)/n x
+  2N, so equal at n = 2), then cast back and summed here.
 
 The casts are local: their times say what compression costs on any link, the allreduce's what
 it costs on this one.
@@ -31,8 +34,8 @@ from pathlib import Path
 from typing import Any, Callable
 
 PATHS = ("float32", "fp16", "float16_allreduce", "cast_down", "cast_up", "xla_cast_down",
-         "xla_cast_up", "fp16_xla")
-REDUCTIONS = ("float32", "fp16", "float16_allreduce", "fp16_xla")
+         "xla_cast_up", "fp16_xla", "fp16_allgather")
+REDUCTIONS = ("float32", "fp16", "float16_allreduce", "fp16_xla", "fp16_allgather")
 
 
 @functools.cache
@@ -47,13 +50,17 @@ def path_functions(collectives: Any) -> dict[str, tuple[Callable[[Any], Any], bo
     """Each path's ``tf.function`` and whether it takes the float16 copy of the input."""
     import tensorflow as tf
 
-    from hvdtrain.world import GradientReduction
+    from hvdtrain.world import GradientReduction, horovod_tensorflow
 
     def reduce(tensor: Any, fp16: bool = False) -> Any:
         return collectives.reduce_gradients([tensor], GradientReduction(fp16=fp16))[0]
 
     def fp16_xla(tensor: Any) -> Any:
         return xla_cast(tf.float32)(reduce(xla_cast(tf.float16)(tensor)))
+
+    def fp16_allgather(tensor: Any) -> Any:
+        gathered = horovod_tensorflow().allgather(tf.cast(tensor, tf.float16)[tf.newaxis])
+        return tf.reduce_sum(tf.cast(gathered, tf.float32), axis=0)
 
     return {
         "float32": (tf.function(reduce), False),
@@ -64,6 +71,7 @@ def path_functions(collectives: Any) -> dict[str, tuple[Callable[[Any], Any], bo
         "xla_cast_down": (tf.function(xla_cast(tf.float16)), False),
         "xla_cast_up": (tf.function(xla_cast(tf.float32)), True),
         "fp16_xla": (tf.function(fp16_xla), False),
+        "fp16_allgather": (tf.function(fp16_allgather), False),
     }
 
 
