@@ -142,3 +142,19 @@ def test_scaling_refuses_an_unknown_variant_with_one_line(capsys):
     err = capsys.readouterr().err
     assert err.startswith("hvdtrain: error: unknown variant hvdtrain-fusion-3MiB; choose from ")
     assert err.count("\n") == 1
+
+
+def test_fp16_study_times_every_path_and_checks_each_sum(tmp_path):
+    """2 ranks, a tiny size: every path is timed, and every reduction path (fp16 ones
+    included) returned the exact float32 sum, or the study would have failed."""
+    from conftest import launch
+    from hvdtrain.bench.fp16 import PATHS
+
+    output = tmp_path / "fp16.json"
+    result = launch("mpirun", 2, ["--mib", "0.25", "--repeats", "2", "--output", str(output)],
+                    module="hvdtrain.bench.fp16")
+    assert result.returncode == 0, result.stdout + result.stderr
+    [row] = json.loads(output.read_text())
+    assert row["bytes"] == 1 << 18
+    for name in PATHS:
+        assert row[f"{name}_seconds"] > 0 and len(row[f"{name}_samples"]) == 2
