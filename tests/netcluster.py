@@ -37,6 +37,14 @@ SUBNET = "10.77.0"
 BRIDGE = "hvdbr0"
 NODE_INTERFACE = "eth1"          # the same name in every node: launchers select it by name
 DEFAULT_DIR = Path("/tmp/hvdtrain-cluster")
+# The nodes' TCP between each other: Linux's default congestion control, as on most clusters,
+# set on the nodes' route (the host's own settings stay). This VM defaults to BBR, under which
+# some of ResNet-50's 94 MB allreduces at 1 Gbit/s took ~1.2 s instead of ~0.8 s (consistent
+# with BBR's periodic RTT probe, a window of 4 packets for 200 ms about every 10 s of transfer),
+# none under CUBIC (hvdtrain/bench/README.md, "Scaling over the network"). ``up
+# --congestion-control bbr`` (or ``system``: the machine's default) measures it again.
+CONGESTION_CONTROL = "cubic"
+AVAILABLE_CONGESTION_CONTROL = Path("/proc/sys/net/ipv4/tcp_available_congestion_control")
 NETNS_ETC = Path("/etc/netns")
 # Slurm settings that work on one machine without systemd or cgroup setup (also used by the
 # single-node Slurm fixture in conftest.py).
@@ -97,6 +105,7 @@ class Cluster:
     nodes: list[Node]
     bandwidth: str | None = None
     slurm: bool = False
+    congestion_control: str | None = CONGESTION_CONTROL    # None: the machine's default
     started: list[int] = field(default_factory=list)     # pids of the daemons up started
 
     # --- describing it ---------------------------------------------------------------------
@@ -257,6 +266,10 @@ def _network(cluster: Cluster) -> None:
         sh([*inside, "ip", "addr", "add", f"{node.address}/24", "dev", NODE_INTERFACE])
         sh([*inside, "ip", "link", "set", NODE_INTERFACE, "up"])
         sh([*inside, "ip", "link", "set", "lo", "up"])
+        if cluster.congestion_control:
+            sh([*inside, "ip", "route", "replace", f"{SUBNET}.0/24", "dev", NODE_INTERFACE,
+                "proto", "kernel", "scope", "link", "src", node.address,
+                "congctl", cluster.congestion_control])
         if cluster.bandwidth:   # both directions: into the node (host end) and out of it
             shape = ["root", "tbf", "rate", cluster.bandwidth, "burst",
                      burst_for(cluster.bandwidth), "latency", "400ms"]
@@ -265,7 +278,7 @@ def _network(cluster: Cluster) -> None:
 
 
 def up(directory: Path = DEFAULT_DIR, nodes: int = 2, bandwidth: str | None = None,
-       slurm: bool = False) -> Cluster:
+       slurm: bool = False, congestion_control: str | None = CONGESTION_CONTROL) -> Cluster:
     """Create the cluster (tearing down on any failure) and return it."""
     if os.geteuid() != 0:
         raise RuntimeError("a cluster of network namespaces needs root")
@@ -277,9 +290,14 @@ def up(directory: Path = DEFAULT_DIR, nodes: int = 2, bandwidth: str | None = No
         ("munge", "slurmctld", "slurmd", "slurm-client") if slurm else ()))
     if bandwidth:
         burst_for(bandwidth)
+    available = AVAILABLE_CONGESTION_CONTROL.read_text().split()
+    if congestion_control and congestion_control not in available:
+        raise ValueError(f"congestion control {congestion_control!r} is not among this "
+                         f"kernel's: {' '.join(available)}")
     directory.mkdir(parents=True, exist_ok=True, mode=0o700)
     cluster = Cluster(directory, [Node(f"node{i}", f"hvd-node{i}", f"{SUBNET}.1{i}", f"hvdv{i}")
-                                  for i in range(1, nodes + 1)], bandwidth, slurm)
+                                  for i in range(1, nodes + 1)], bandwidth, slurm,
+                      congestion_control=congestion_control)
     cluster.save()
     try:
         _network(cluster)
@@ -378,13 +396,17 @@ def main(argv: list[str] | None = None) -> int:
     make.add_argument("--nodes", type=int, default=2)
     make.add_argument("--bandwidth", help="shape each node's link, e.g. 1gbit or 10gbit")
     make.add_argument("--slurm", action="store_true", help="also start munge and Slurm")
+    make.add_argument("--congestion-control", default=CONGESTION_CONTROL,
+                      help=f"the nodes' TCP congestion control (default: {CONGESTION_CONTROL}; "
+                           "system: this machine's default)")
     commands.add_parser("down", help="remove everything up made")
     execute = commands.add_parser("exec", help="run a command on a node")
     execute.add_argument("node")
     execute.add_argument("argv", nargs=argparse.REMAINDER)
     args = parser.parse_args(argv)
     if args.command == "up":
-        cluster = up(args.dir, args.nodes, args.bandwidth, args.slurm)
+        cluster = up(args.dir, args.nodes, args.bandwidth, args.slurm,
+                     None if args.congestion_control == "system" else args.congestion_control)
         for node in cluster.nodes:
             print(f"{node.name} {node.address} (namespace {node.netns})")
         print(f"ssh -F {cluster.ssh_config} node1   # from this machine")

@@ -83,6 +83,14 @@ def held_out_accuracy(run_dir: Path) -> float:
     return read_summary(run_dir)["metrics"]["val_accuracy"]
 
 
+def test_the_nodes_talk_tcp_with_the_congestion_control_of_a_cluster(cluster, tmp_path):
+    """Timings across the nodes are taken with Linux's default congestion control, set on the
+    nodes' route, not this VM's BBR (``netcluster.CONGESTION_CONTROL`` says why)."""
+    result = on_node1(cluster, ["ip", "route", "show", "dev", netcluster.NODE_INTERFACE],
+                      tmp_path, timeout=30)
+    assert f"congctl {netcluster.CONGESTION_CONTROL}" in result.stdout, result.stdout
+
+
 # --- the launch paths ------------------------------------------------------------------------
 
 def test_horovodrun_across_two_nodes(cluster, tmp_path):
