@@ -110,6 +110,16 @@ def test_one_group_after_the_backward_pass_does_not_overlap(tmp_path):
     assert (report["overlap_ms"], report["overlaps"]) == (0.0, False)
 
 
+def test_step_phases_split_each_step_into_time_with_and_without_reductions(tmp_path):
+    later = {name: tuple(t + 20000 if isinstance(t, int) else t for t in times)
+             for name, times in BUCKETED_LATE.items()}
+    report = analyse(write_timeline(tmp_path / "tl.json", [BUCKETED_LATE, BUCKETED, later]))
+    # Steps submit first at 1, 10 and 21 ms, reduce from 2 to 2.75, 10.75 to 15 and 22 to
+    # 22.75 ms: periods 9 and 11, idle 10 - 2.75 and 21 - 15, reducing 4.25 and 0.75.
+    assert report["phases"] == {"step_ms": 10.0, "idle_ms": 6.625, "reducing_ms": 2.5}
+    assert analyse(write_timeline(tmp_path / "one.json", [BUCKETED]))["phases"] == {}
+
+
 def test_a_plain_allreduce_is_a_call_of_its_own():
     def tensor(name: str, submitted: float) -> TensorStep:
         return TensorStep(name, submitted, submitted, submitted + 250, submitted + 500, None)
@@ -153,6 +163,11 @@ def test_reading_a_timeline_writes_the_report_the_chart_and_a_summary(tmp_path, 
     assert (tmp_path / "out" / "overlap.png").read_bytes()[:4] == b"\x89PNG"
     out = capsys.readouterr().out
     assert "3 allreduce call(s), 4 tensors" in out and "1.750 ms" in out
+    assert "Over steps" not in out     # one step: no step before it to measure from
+    main(["--timeline", str(write_timeline(tmp_path / "two.json", [BUCKETED_LATE, BUCKETED])),
+          "--output-dir", str(tmp_path / "two")])
+    assert ("Over steps 2-2 (medians): a step took 9.0 ms, 7.2 ms of it with no allreduce "
+            "running") in capsys.readouterr().out
     with pytest.raises(SystemExit) as stopped:
         main(["--timeline", str(timeline), "--", "--model", "mlp"])
     assert stopped.value.code == 2

@@ -23,7 +23,11 @@ The k-th occurrence of a tensor is step k. For one step (``--step``, by default 
 steady state) it writes ``overlap.json`` (per call: submitted, all ranks ready, reduction
 start and end, in ms from the step's first submission, and bytes) and ``overlap.png`` (a Gantt
 chart, one row per call) to ``--output-dir``, and prints a summary. The timeline holds nothing
-of TensorFlow's compute: the time axis starts at the step's first gradient, not its start.
+of TensorFlow's compute: the time axis starts at the step's first gradient, not its start. What
+lies between steps it does show: over all steps, how long each took, how long of it no
+allreduce ran (the forward pass and the backward pass up to the first bucket: the part of a
+synchronous step that cannot overlap its own exchange) and how long its reductions spanned
+(``phases``).
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ import json
 import math
 import os
 import re
+import statistics
 import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -149,6 +154,23 @@ def running_before(calls: list[Call], moment: float) -> float:
     return total
 
 
+def step_phases(steps: list[list[TensorStep]]) -> dict[str, float]:
+    """Where steps spend their time, medians (ms) over every step after the first: from the
+    previous step's first submission to this one's (``step_ms``); from the previous step's last
+    reduction end to this one's first submission, with nothing reducing (``idle_ms``: the
+    forward pass and the backward pass up to the first bucket, which no synchronous step can
+    overlap with its own exchange); from this step's first reduction start to its last
+    reduction end (``reducing_ms``). Empty for a timeline of one step."""
+    bounds = [(min(t.submitted for t in tensors), min(t.start for t in tensors),
+               max(t.end for t in tensors)) for tensors in steps]
+    pairs = list(zip(bounds, bounds[1:]))
+    if not pairs:
+        return {}
+    return {"step_ms": statistics.median((now[0] - before[0]) / 1e3 for before, now in pairs),
+            "idle_ms": statistics.median((now[0] - before[2]) / 1e3 for before, now in pairs),
+            "reducing_ms": statistics.median((now[2] - now[1]) / 1e3 for _, now in pairs)}
+
+
 def analyse(timeline: Path, step: int = -1) -> dict:
     """The overlap report of one step (an index into the timeline's steps) of ``timeline``."""
     steps = allreduce_steps(timeline_events(timeline))
@@ -165,7 +187,7 @@ def analyse(timeline: Path, step: int = -1) -> dict:
             "time_origin_us": origin, "last_gradient_ready_ms": ready,
             "overlap_ms": overlap, "overlaps": overlap > 0,
             "last_reduction_end_ms": max(call.reduction_end_ms for call in calls),
-            "calls": [asdict(call) for call in calls]}
+            "phases": step_phases(steps), "calls": [asdict(call) for call in calls]}
 
 
 def summary(report: dict) -> str:
@@ -181,7 +203,16 @@ def summary(report: dict) -> str:
             f"tensors{size}. The first gradient was submitted at 0 ms and the last at "
             f"{report['last_gradient_ready_ms']:.3f} ms; the first reduction started at "
             f"{first:.3f} ms and the last ended at {report['last_reduction_end_ms']:.3f} ms, "
-            f"{verdict}.")
+            f"{verdict}." + phases_line(report["phases"], report["steps"]))
+
+
+def phases_line(phases: dict[str, float], steps: int) -> str:
+    if not phases:
+        return ""
+    return (f" Over steps 2-{steps} (medians): a step took {phases['step_ms']:.1f} ms, "
+            f"{phases['idle_ms']:.1f} ms of it with no allreduce running (the forward pass and "
+            f"the backward pass up to the first bucket), and its reductions spanned "
+            f"{phases['reducing_ms']:.1f} ms.")
 
 
 def draw(report: dict, path: Path) -> None:
