@@ -14,6 +14,7 @@ within the tolerance stated per check.
 from __future__ import annotations
 
 import json
+import re
 import sys
 
 import numpy as np
@@ -27,6 +28,7 @@ from user_programs import PROGRAMS  # noqa: E402
 
 pytestmark = pytest.mark.distributed
 BATCH = 32   # per rank; the reference runs 2 x BATCH in one process
+BUCKET_MIB = "0.001"   # 1,049 bytes: every program's gradients travel in several allreduces
 EXACT = ["custom_train_step", "preprocessing", "text_transformer", "lstm_timeseries",
          "convnet_callbacks", "regularised_regression", "keras_arguments", "py_dataset"]
 
@@ -40,7 +42,7 @@ def runs(tmp_path_factory, request):
     out = tmp_path_factory.mktemp(f"user-programs-{request.param}")
     result = launch("horovodrun", 2, ["hvdtrain", str(out), str(BATCH)],
                     module="user_program_ranks", timeout=420, PYTHONPATH=str(TESTS),
-                    HVDTRAIN_BACKEND=request.param)
+                    HVDTRAIN_BACKEND=request.param, USER_PROGRAMS_BUCKET_MIB=BUCKET_MIB)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
     reference = subprocess.run(
         [str(BIN / "python"), "-m", "user_program_ranks", "keras", str(out), str(2 * BATCH)],
@@ -74,6 +76,18 @@ def test_deterministic_programs_equal_one_process_with_twice_the_batch(runs, nam
         np.testing.assert_allclose(left, right, rtol=1e-5, atol=1e-6, err_msg=name)
     for metric, values in theirs["history"].items():
         assert ours["history"][metric] == pytest.approx(values, rel=1e-5, abs=1e-6), metric
+
+
+def test_own_train_steps_sent_their_gradients_in_several_buckets(runs):
+    """The models' own train_steps (a custom step, a GAN's two optimizers, a VAE) ran with
+    their gradients split into several allreduces, and the checks in this file hold them to
+    one process's result all the same."""
+    ranks, _, _ = runs
+    for name in ("custom_train_step", "gan", "vae"):
+        said = "\n".join(ranks[0][name]["said"])
+        assert "the model's own train_step" in said, (name, said)
+        buckets = re.search(r"gradients: [\d.]+ MiB in (\d+) bucket", said)
+        assert buckets and int(buckets.group(1)) >= 2, (name, said)
 
 
 def test_the_models_own_train_step_ran_on_every_rank_as_often_as_in_one_process(runs):
