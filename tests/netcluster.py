@@ -12,6 +12,7 @@ MPI. Only the names and the addresses this module creates are ever touched: the 
 By hand (as root; installs openssh-server with apt when missing):
 
     python tests/netcluster.py up [--nodes 2] [--bandwidth 1gbit] [--slurm] [--dir DIR]
+                                  [--congestion-control cubic|bbr|...|system]
     python tests/netcluster.py exec node1 -- hostname      # a command on a node
     python tests/netcluster.py down [--dir DIR]
 
@@ -105,7 +106,7 @@ class Cluster:
     nodes: list[Node]
     bandwidth: str | None = None
     slurm: bool = False
-    congestion_control: str | None = CONGESTION_CONTROL    # None: the machine's default
+    congestion_control: str | None = None     # set on the nodes' route; None: the machine's
     started: list[int] = field(default_factory=list)     # pids of the daemons up started
 
     # --- describing it ---------------------------------------------------------------------
@@ -286,14 +287,15 @@ def up(directory: Path = DEFAULT_DIR, nodes: int = 2, bandwidth: str | None = No
         raise ValueError("--nodes must be 1..9")
     if (directory / "cluster.json").exists() or Path("/run/netns/hvd-node1").exists():
         raise RuntimeError(f"a cluster is already up (run: python {__file__} down)")
+    if congestion_control:
+        available = AVAILABLE_CONGESTION_CONTROL.read_text().split()
+        if congestion_control not in available:
+            raise ValueError(f"congestion control {congestion_control!r} is not among this "
+                             f"kernel's: {' '.join(available)}")
     ensure_packages("openssh-server", "iproute2", *(
         ("munge", "slurmctld", "slurmd", "slurm-client") if slurm else ()))
     if bandwidth:
         burst_for(bandwidth)
-    available = AVAILABLE_CONGESTION_CONTROL.read_text().split()
-    if congestion_control and congestion_control not in available:
-        raise ValueError(f"congestion control {congestion_control!r} is not among this "
-                         f"kernel's: {' '.join(available)}")
     directory.mkdir(parents=True, exist_ok=True, mode=0o700)
     cluster = Cluster(directory, [Node(f"node{i}", f"hvd-node{i}", f"{SUBNET}.1{i}", f"hvdv{i}")
                                   for i in range(1, nodes + 1)], bandwidth, slurm,

@@ -61,13 +61,16 @@ def hvdtrain_fit(program: Program, batch: int, directory: Path) -> dict[str, Any
     fit = dict(program.fit)
     callbacks = _callbacks(fit, directory)
     x, y = fit.pop("x"), fit.pop("y", None)
-    said = io.StringIO()
-    with contextlib.redirect_stdout(said):
-        result = hvdtrain.fit(program.model, x, y, batch_size=batch, callbacks=callbacks,
-                              run_dir=str(directory / "run"), lr_scaling="none",
-                              warmup_epochs=0, progress=False, tensorboard=False,
-                              stall_timeout=0, bucket_mib=BUCKET_MIB, **fit)
-    sys.stdout.write(said.getvalue())
+    said = io.StringIO()     # what hvdtrain says on rank 0, kept for the record and the log
+    try:
+        with contextlib.redirect_stdout(said):
+            result = hvdtrain.fit(program.model, x, y, batch_size=batch, callbacks=callbacks,
+                                  run_dir=str(directory / "run"), lr_scaling="none",
+                                  warmup_epochs=0, progress=False, tensorboard=False,
+                                  stall_timeout=0, bucket_mib=BUCKET_MIB, **fit)
+    finally:
+        sys.stdout.write(said.getvalue())
+        sys.stdout.flush()
     return {"history": result.history.history, "fingerprints": result.fingerprints,
             "metrics": result.metrics, "said": said.getvalue().splitlines()}
 

@@ -25,9 +25,9 @@ start and end, in ms from the step's first submission, and bytes) and ``overlap.
 chart, one row per call) to ``--output-dir``, and prints a summary. The timeline holds nothing
 of TensorFlow's compute: the time axis starts at the step's first gradient, not its start. What
 lies between steps it does show: over all steps, how long each took, how long of it no
-allreduce ran (the forward pass and the backward pass up to the first bucket: the part of a
-synchronous step that cannot overlap its own exchange) and how long its reductions spanned
-(``phases``).
+allreduce ran (the update, the forward pass and the backward pass up to the first bucket: the
+part of a synchronous step that cannot overlap its own exchange) and how long its reductions
+spanned (``phases``, medians over steps 2 to n).
 """
 
 from __future__ import annotations
@@ -41,6 +41,7 @@ import statistics
 import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 from hvdtrain.bench.comm import Span, timeline_events, timeline_spans
 from hvdtrain.bench.variants import MPIRUN_WRAPPER, python, run_checked, variant_env
@@ -154,21 +155,34 @@ def running_before(calls: list[Call], moment: float) -> float:
     return total
 
 
+class StepBounds(NamedTuple):
+    """When a step's allreduces began and ended, timeline microseconds."""
+
+    first_submitted: float
+    first_reduction_start: float
+    last_reduction_end: float
+
+
 def step_phases(steps: list[list[TensorStep]]) -> dict[str, float]:
-    """Where steps spend their time, medians (ms) over every step after the first: from the
-    previous step's first submission to this one's (``step_ms``); from the previous step's last
-    reduction end to this one's first submission, with nothing reducing (``idle_ms``: the
-    forward pass and the backward pass up to the first bucket, which no synchronous step can
-    overlap with its own exchange); from this step's first reduction start to its last
-    reduction end (``reducing_ms``). Empty for a timeline of one step."""
-    bounds = [(min(t.submitted for t in tensors), min(t.start for t in tensors),
-               max(t.end for t in tensors)) for tensors in steps]
+    """Where steps spend their time, ms, each a median over every step after the first (taken
+    separately, so the three need not come from one step): from the previous step's first
+    submission to this one's (``step_ms``); from the previous step's last reduction end to this
+    one's first submission, with nothing reducing (``idle_ms``: the update, the forward pass and
+    the backward pass up to the first bucket, which no synchronous step can overlap with its
+    own exchange); from this step's first reduction start to its last reduction end
+    (``reducing_ms``). Empty for a timeline of one step."""
+    bounds = [StepBounds(min(t.submitted for t in tensors), min(t.start for t in tensors),
+                         max(t.end for t in tensors)) for tensors in steps]
     pairs = list(zip(bounds, bounds[1:]))
     if not pairs:
         return {}
-    return {"step_ms": statistics.median((now[0] - before[0]) / 1e3 for before, now in pairs),
-            "idle_ms": statistics.median((now[0] - before[2]) / 1e3 for before, now in pairs),
-            "reducing_ms": statistics.median((now[2] - now[1]) / 1e3 for _, now in pairs)}
+    return {"step_ms": statistics.median((now.first_submitted - before.first_submitted) / 1e3
+                                         for before, now in pairs),
+            "idle_ms": statistics.median((now.first_submitted - before.last_reduction_end) / 1e3
+                                         for before, now in pairs),
+            "reducing_ms": statistics.median((now.last_reduction_end
+                                              - now.first_reduction_start) / 1e3
+                                             for _, now in pairs)}
 
 
 def analyse(timeline: Path, step: int = -1) -> dict:
@@ -207,11 +221,12 @@ def summary(report: dict) -> str:
 
 
 def phases_line(phases: dict[str, float], steps: int) -> str:
+    """The summary's sentence on ``step_phases`` (none for a timeline of one step)."""
     if not phases:
         return ""
     return (f" Over steps 2-{steps} (medians): a step took {phases['step_ms']:.1f} ms, "
-            f"{phases['idle_ms']:.1f} ms of it with no allreduce running (the forward pass and "
-            f"the backward pass up to the first bucket), and its reductions spanned "
+            f"{phases['idle_ms']:.1f} ms of it with no allreduce running (the update, the forward "
+            f"pass and the backward pass up to the first bucket), and its reductions spanned "
             f"{phases['reducing_ms']:.1f} ms.")
 
 
