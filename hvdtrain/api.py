@@ -94,7 +94,7 @@ def fit(model: Any, x: Any = "digits", y: Any = None, *, batch_size: int | None 
     overrides["model"] = model if isinstance(model, str) else PYTHON_OBJECT
     overrides["dataset"] = x if isinstance(x, str) else PYTHON_OBJECT
     data = KerasData(x, y, sample_weight, class_weight, validation_data, validation_split,
-                     steps_per_epoch, validation_steps)
+                     validation_steps)
 
     def data_factory(data_config: Any, seed: int) -> Any:
         return user_bundle(data, data_config, seed)

@@ -30,7 +30,8 @@ from hvdtrain.training.callbacks import (CheckpointPlan, Checkpointing, RateCont
 from hvdtrain.training.liveness import Liveness
 from hvdtrain.training.objective import Objective
 from hvdtrain.training.own_step import OwnStep
-from hvdtrain.training.run import _agreed_steps, _starting_point, chief_decides
+from hvdtrain.training.data_plan import agreed_pass_steps
+from hvdtrain.training.run import _starting_point, chief_decides
 from hvdtrain.training.schedule import make_schedule
 from hvdtrain.training.step import StepMath, StepOptions
 from hvdtrain.training.trainable import Trainable
@@ -410,16 +411,22 @@ def _pipeline(batches_on_this_rank: int) -> PipelineSplit:
 def test_ranks_that_count_their_own_batches_agree_on_the_most_or_the_fewest(remainder, agreed):
     other = ScriptedCollectives(1, 2, [Gather({0: 5})])
     spec = ShardSpec(0, other.world, 2, remainder)
-    assert _agreed_steps(_pipeline(3), spec, other) == agreed
+    assert agreed_pass_steps(_pipeline(3), spec, other) == (agreed, [5, 3])
     assert other.values("allgather_object") == [3]
 
 
-def test_a_rank_with_fewer_batches_pads_them_with_zero_weight_batches():
+def test_a_rank_with_fewer_batches_fills_them_with_a_real_batch_at_weight_zero():
+    """The filler is rank 0's first batch of the data (the same real examples on every rank),
+    never zeros: every input the model sees is one the user gave."""
     world = World(1, 2)
     split = _pipeline(3)
     spec = ShardSpec(0, world, 2, "pad", agreed_steps=5)
-    weights = [float(tf.reduce_sum(batch[3])) for batch in split.dataset(spec)]
-    assert weights == [2.0, 2.0, 2.0, 0.0, 0.0]
+    batches = list(split.dataset(spec))
+    assert [float(tf.reduce_sum(batch[3])) for batch in batches] == [2.0, 2.0, 2.0, 0.0, 0.0]
+    first = batches[0][0].numpy()
+    assert first.any()
+    for filler in batches[3:]:
+        np.testing.assert_array_equal(filler[0].numpy(), first)
 
 
 def test_sources_that_plan_every_ranks_steps_need_no_agreement():
@@ -428,7 +435,8 @@ def test_sources_that_plan_every_ranks_steps_need_no_agreement():
     lonely = ScriptedCollectives(1, 2, [])
     split = ArraySplit(np.zeros((101, 3), np.float32), np.zeros(101, np.int64))
     spec = ShardSpec(101, lonely.world, 8, "pad")
-    assert _agreed_steps(split, spec, lonely) == spec.steps_per_epoch == 7
+    assert agreed_pass_steps(split, spec, lonely) == (spec.steps_per_epoch, [7, 7])
+    assert spec.steps_per_epoch == 7
     assert lonely.sent == []
 
 

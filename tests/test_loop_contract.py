@@ -1,6 +1,7 @@
 """One callback contract for the training loops (single process, a world of one): Keras ``fit``
 and the custom loop fire the same hooks in the same order with the same ``params``, for a
-whole run and for one resumed mid-epoch."""
+whole run, for one resumed mid-epoch, and for ``steps_per_epoch`` that does not divide a pass
+(epochs of different lengths, Keras' reading: several ``fit`` calls over one stream)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+from hvdtrain.data.equal_steps import Passes
 from hvdtrain.training.loops import LOOPS
 from hvdtrain.training.objective import Objective, probe
 from hvdtrain.training.step import StepMath
@@ -46,7 +48,7 @@ class Recorder(keras.callbacks.Callback):
         self._note("batch_end", batch)
 
 
-def _run(loop: str, initial_epoch: int, done_steps: int) -> list[tuple]:
+def _run(loop: str, initial_epoch: int, done_steps: int, passes: Passes) -> list[tuple]:
     keras.utils.set_random_seed(1)
     model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
     model.compile(loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
@@ -59,20 +61,27 @@ def _run(loop: str, initial_epoch: int, done_steps: int) -> list[tuple]:
     dataset = tf.data.Dataset.from_tensor_slices((x, y, ones, weights)).batch(8)
     probe(model, objective, next(iter(dataset)), [step.train_metrics], "test model")
     recorder = Recorder()
-    LOOPS[loop](step, dataset, EPOCHS, initial_epoch, STEPS, [recorder], done_steps)
+    LOOPS[loop](step, dataset, EPOCHS, initial_epoch, passes, [recorder], done_steps)
     return recorder.calls
 
 
-@pytest.mark.parametrize("initial_epoch,done_steps", [(0, 0), (1, 2)])
+@pytest.mark.parametrize("initial_epoch,done_steps,steps_per_epoch",
+                         [(0, 0, None), (1, 2, None), (0, 0, 2), (0, 1, 2)])
 def test_fit_and_the_custom_loop_fire_the_same_hooks_with_the_same_params(
-        initial_epoch, done_steps):
-    fit = _run("fit", initial_epoch, done_steps)
-    custom = _run("custom", initial_epoch, done_steps)
+        initial_epoch, done_steps, steps_per_epoch):
+    passes = Passes(STEPS, steps_per_epoch, initial_epoch)
+    fit = _run("fit", initial_epoch, done_steps, passes)
+    custom = _run("custom", initial_epoch, done_steps, passes)
     assert fit == custom
     assert fit[0][0] == "train_begin" and fit[-1][0] == "train_end"
     hooks = [call[0] for call in fit]
     assert hooks.count("train_begin") == 1 == hooks.count("train_end")
     batches = [c[1] for c in fit if c[0] == "batch_begin"]
-    first_epoch = list(range(done_steps, STEPS))
-    assert batches == first_epoch + list(range(STEPS)) * (EPOCHS - initial_epoch - 1)
-    assert {(c[2], c[3]) for c in fit} == {(EPOCHS, STEPS)}
+    lengths = passes.epoch_lengths(initial_epoch, EPOCHS)
+    if steps_per_epoch:
+        assert lengths == [2, 1, 2]          # a pass of 3 read 2 at a time, as Keras reads it
+    expected = list(range(done_steps, lengths[0]))
+    for length in lengths[1:]:
+        expected += list(range(length))
+    assert batches == expected
+    assert {(c[2], c[3]) for c in fit} == {(EPOCHS, steps_per_epoch or STEPS)}

@@ -12,28 +12,31 @@ sample_weight)``). How a rank takes its share:
   batches are per-rank batches, as given (``--batch-size`` does not apply). A ``PyDataset``'s
   batch order is shuffled every epoch (seeded) unless ``shuffle`` is off, as Keras does.
 
-Every rank must run the same number of steps. hvdtrain's own step (which divides by the real
-examples of the global batch, counted in the step) pads a rank that runs short with
-zero-weight batches up to the most any rank has; a model's own ``train_step`` (a mean per rank,
-exact only for equal batches) runs the fewest any rank has, in batches of one size. The counts
-are each rank's for the first epoch (``cardinality``, or one pass when unknown). An infinite
-dataset needs ``steps_per_epoch``; its epochs are consecutive stretches of one stream.
+Every rank runs the same number of steps per pass (``hvdtrain.data.equal_steps``): each rank
+counts its batches of one pass (``cardinality``, or one pass when unknown) and the ranks agree;
+under hvdtrain's exact step a rank that runs short repeats a real batch of the data with loss
+weight zero, a model's own ``train_step`` stops every rank at the fewest real batches. An
+infinite dataset needs ``steps_per_epoch``; its epochs are consecutive stretches of one stream.
+``steps_per_epoch`` on a finite dataset reads it as Keras does (``equal_steps.Passes``).
 
-Each epoch is a new pass over the dataset, so a ``shuffle`` in it reshuffles as under Keras
-``fit``; TensorFlow's global seed is the same on every rank, so an unseeded shuffle still makes
-the same order everywhere and the shards stay disjoint. The order is the dataset's own: a
-resumed run does not replay it (use arrays or ``hvdtrain.Pipeline`` for that).
+Each pass is a new iteration of the dataset, so a ``shuffle`` in it reshuffles as under Keras
+``fit``. Sharding by position needs the same order on every rank: ``hvdtrain.data.order``
+refuses a dataset whose order differs across ranks (an unseeded ``shuffle`` built before
+``fit``). The order is the dataset's own: a resumed run does not replay it (use arrays or
+``hvdtrain.Pipeline`` for that).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, Callable
 
 import keras
 import numpy as np
 import tensorflow as tf
 
+from hvdtrain.data.equal_steps import even_passes, first_element
+from hvdtrain.data.order import check_same_order
 from hvdtrain.data.pipeline import ShardSpec
 from hvdtrain.errors import UserError
 from hvdtrain.training.keras_internals import dataset_is_batched
@@ -82,13 +85,17 @@ def py_dataset_as_tf(source: keras.utils.PyDataset, spec: ShardSpec,
 
 @dataclass(frozen=True)
 class DatasetSplit:
-    """A user's dataset object (see the module doc). ``pad``: even the steps out with
-    zero-weight batches (hvdtrain's step) rather than cut to the fewest (a model's own)."""
+    """A user's dataset object (see the module doc). ``declared_steps``: the batches of one
+    pass when the user says so (Keras' ``validation_steps``), else counted."""
 
     source: Any          # tf.data.Dataset or keras.utils.PyDataset
     declared_steps: int | None = None
     class_weight: dict | None = None
     normalised: bool = False
+    # What was read so far (each read is an iteration of the user's dataset): templates by
+    # batch size, examples per pass by (rank, size).
+    _templates: dict = field(default_factory=dict, compare=False, repr=False)
+    _rows: dict = field(default_factory=dict, compare=False, repr=False)
 
     @property
     def batched(self) -> bool:
@@ -120,7 +127,7 @@ class DatasetSplit:
         return tf.nest.map_structure(lambda spec: tuple(spec.shape[1:]), x)
 
     def _rank_batches(self, spec: ShardSpec, first_epoch: int = 0) -> tf.data.Dataset:
-        """This rank's batches, as the user's elements (before weights and padding)."""
+        """This rank's batches, as the user's elements (before weights and evening out)."""
         size, rank = spec.world.size, spec.world.rank
         if isinstance(self.source, keras.utils.PyDataset):
             return py_dataset_as_tf(self.source, spec, first_epoch)
@@ -131,18 +138,54 @@ class DatasetSplit:
         exact_batches = spec.remainder == "drop" and spec.equal_steps
         return self.source.shard(size, rank).batch(spec.batch_size, drop_remainder=exact_batches)
 
+    def rows_per_pass(self, spec: ShardSpec) -> int | None:
+        """This rank's examples in one pass of an unbatched dataset (its cardinality, or one
+        pass when unknown), None for a batched one."""
+        if self.batched or self.infinite:
+            return None
+        key = (spec.world.rank, spec.world.size)
+        if key not in self._rows:
+            shard = self.source.shard(spec.world.size, spec.world.rank)
+            known = int(shard.cardinality())
+            self._rows[key] = known if known >= 0 else int(
+                shard.reduce(np.int64(0), lambda count, _: count + 1))
+        return self._rows[key]
+
     def steps_per_epoch(self, spec: ShardSpec) -> int:
         """This rank's batches in one pass (or the declared count); the run agrees on the most
-        (padding) or the fewest (cutting) across ranks."""
+        (filling) or the fewest (cutting) across ranks."""
         if self.declared_steps is not None:
             return self.declared_steps
         if self.infinite:
             raise DatasetError("the dataset repeats forever; give steps_per_epoch")
+        rows = self.rows_per_pass(spec)
+        if rows is not None:
+            whole = spec.remainder == "drop" and spec.equal_steps
+            return rows // spec.batch_size if whole else -(-rows // spec.batch_size)
         batches = self._rank_batches(spec)
         known = int(batches.cardinality())
         if known >= 0:
             return known
         return int(batches.reduce(np.int64(0), lambda count, _: count + 1))
+
+    def check_order(self, what: str, allgather_object: Callable[[Any], list]) -> None:
+        """Refuse a ``tf.data`` dataset whose order differs across ranks
+        (``hvdtrain.data.order``); a ``PyDataset``'s order is hvdtrain's own."""
+        if isinstance(self.source, tf.data.Dataset):
+            check_same_order(self.source, self.batched, keras_parts, what, allgather_object)
+
+    def template(self, spec: ShardSpec) -> tuple | None:
+        """The data's first batch (rank 0's first), weighted: what fills a short rank at loss
+        weight zero, the same on every rank (None: the dataset is empty)."""
+        if spec.batch_size in self._templates:
+            return self._templates[spec.batch_size]
+        if isinstance(self.source, keras.utils.PyDataset):
+            first = tf.nest.map_structure(tf.convert_to_tensor, self.source[0])
+            whole = tf.data.Dataset.from_tensors(first)
+        else:
+            whole = self.source if self.batched else self.source.batch(spec.batch_size)
+        template = self._templates[spec.batch_size] = first_element(self._weighted(whole))
+        return template
 
     def _weighted(self, batches: tf.data.Dataset) -> tf.data.Dataset:
         # tf.data hands a tuple element's parts as separate arguments.
@@ -155,32 +198,23 @@ class DatasetSplit:
 
     def dataset(self, spec: ShardSpec, first_epoch: int = 0,
                 end_epoch: int = 1) -> tf.data.Dataset:
+        """This rank's batches of passes ``[first_epoch, end_epoch)``, evened out (an infinite
+        dataset: its endless stream; with ``spec.equal_steps`` false: one pass, as it is)."""
         batches = self._weighted(self._rank_batches(spec, first_epoch))
-        if not spec.equal_steps:
+        if not spec.equal_steps or self.infinite:
             return batches.prefetch(tf.data.AUTOTUNE)
-        steps = spec.steps_per_epoch
-        if self.infinite:
-            return batches.take((end_epoch - first_epoch) * steps).prefetch(tf.data.AUTOTUNE)
-        padding = tf.data.Dataset.from_tensors(padding_batch(batches.element_spec)).repeat()
-        one_epoch = batches.concatenate(padding).take(steps)
-        epochs = one_epoch
-        for _ in range(first_epoch + 1, end_epoch):
-            epochs = epochs.concatenate(one_epoch)   # a new pass: a shuffle in it reshuffles
-        return epochs.prefetch(tf.data.AUTOTUNE)
+        template = self.template(spec)
+        if template is None:
+            raise DatasetError("the dataset is empty; give it examples")
+        return even_passes(lambda _: batches, template, spec.steps_per_epoch,
+                           spec.remainder == "pad", spec.world.rank, first_epoch,
+                           end_epoch).prefetch(tf.data.AUTOTUNE)
 
 
 def _one_world() -> Any:
     from hvdtrain.world import World
 
     return World()
-
-
-def padding_batch(spec: Any) -> Any:
-    """A one-row batch of zeros shaped like the elements, with loss weight 0."""
-    zeros = tf.nest.map_structure(
-        lambda s: tf.zeros([1 if d is None else d for d in s.shape], s.dtype), spec)
-    x, y, sample_weight, _ = zeros
-    return x, y, sample_weight, tf.zeros_like(sample_weight)
 
 
 def class_weight_table(class_weight: dict) -> tf.Tensor:

@@ -9,7 +9,8 @@ Sharding mode, decided from the file count:
 
 Either way every record is read by exactly one rank per epoch, and every rank runs the same
 number of steps: the count is fixed for the whole run from the record counts (the largest share
-any rank can get), and a rank with fewer records pads with zero-weight examples. The weights
+any rank can get), and a rank with fewer records fills its share with a real record (the first
+of the data) at weight zero (``hvdtrain.data.equal_steps``). The weights
 divide by the real examples in each update, exactly as for in-memory data. Records are shuffled
 in seeded blocks of ``shuffle_buffer`` that change every epoch. With ``cache``, each rank keeps
 its parsed records in memory after the first epoch (its files then stay the same every epoch).
@@ -31,6 +32,7 @@ import tensorflow as tf
 
 from hvdtrain.config import DataConfig
 from hvdtrain.data import METADATA_FILE
+from hvdtrain.data.equal_steps import first_element
 from hvdtrain.data.pipeline import ShardSpec
 from hvdtrain.data.records import DamagedRecordFile, count_records, damaged_record_at
 from hvdtrain.errors import UserError
@@ -146,8 +148,10 @@ class FileSplit:
         cached = None
         if self.cache:
             cached = self._records(spec, self._assignment(spec, 0)[0]).cache()
-        zeros = (tf.zeros(self.input_shape, tf.float32),
-                 tf.zeros(self.label_shape, self.label_dtype), tf.constant(0.0))
+        # What fills a rank's short share: a real record (the first one) at weight 0.
+        holder = next(name for name, count in zip(self.files, self.counts) if count)
+        first_x, first_y = first_element(self.reader(tf.constant(holder)).map(self.parse))
+        filler = (first_x, first_y, tf.constant(0.0))
 
         def epoch_batches(epoch: tf.Tensor) -> tf.data.Dataset:
             files, per_rank = self._assignment(spec, epoch)
@@ -159,7 +163,7 @@ class FileSplit:
             slots = steps * batch
             mine = tf.minimum(per_rank[spec.world.rank], slots)
             real = records.take(slots).map(lambda x, y: (x, y, tf.constant(1.0)))
-            padding = tf.data.Dataset.from_tensors(zeros).repeat(slots - mine)
+            padding = tf.data.Dataset.from_tensors(filler).repeat(slots - mine)
             batches = real.concatenate(padding).batch(batch, drop_remainder=True)
             starts = tf.range(steps, dtype=tf.int64) // spec.accumulation_steps * group
             if spec.remainder == "pad":

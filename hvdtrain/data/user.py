@@ -10,6 +10,9 @@ What Keras ``model.fit`` takes, hvdtrain takes (``KerasData`` holds ``fit``'s da
   shuffling, as Keras takes it.
 * A ``tf.data.Dataset`` (batched or not) or a ``keras.utils.PyDataset``: sharded by rank with
   equal steps (``hvdtrain.data.datasets``).
+* A function that returns any of these (``x=make_dataset``, also for ``validation_data``):
+  called inside the run after every rank was seeded alike, so a pipeline it builds (an
+  unseeded ``shuffle`` included) is the same on every rank.
 * ``hvdtrain.Arrays`` (or ``(x, y)``, ``(x, y, sample_weight)``, or a dict with those keys):
   hvdtrain's own form; without ``x_val`` it holds out ``--validation-split`` of the examples
   chosen by a seeded permutation.
@@ -18,16 +21,18 @@ What Keras ``model.fit`` takes, hvdtrain takes (``KerasData`` holds ``fit``'s da
   epoch, seed, batch size). The factory must give each rank a disjoint part of the data (e.g.
   ``dataset.shard(shard.size, shard.rank)``), batch it by ``shard.batch_size`` and make the
   order a function of ``shard.seed`` and ``shard.epoch``. hvdtrain makes every rank run the
-  same number of steps per epoch (``steps_per_epoch`` if given, else the most batches any rank's
-  epoch-0 pipeline yields, or the fewest under a model's own ``train_step``): a rank whose
-  pipeline runs short is padded with zero-weight batches, one that runs long is cut there. Each
-  step's loss is the mean over the real examples of the global batch (their count is summed
-  across ranks in the step), so uneven batch sizes are weighted exactly.
+  same number of steps per pass (``Pipeline.steps_per_epoch`` if given, else the most batches
+  any rank's first pipeline yields, or the fewest under a model's own ``train_step``): a rank
+  whose pipeline runs short repeats rank 0's first batch with loss weight zero
+  (``hvdtrain.data.equal_steps``); one whose pass is not the agreed length stops with an error
+  naming it. Each step's loss is the mean over the real examples of the global batch (their
+  count is summed across ranks in the step), so uneven batch sizes are weighted exactly.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import dataclasses
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import keras
@@ -38,7 +43,8 @@ from hvdtrain.config import DataConfig
 from hvdtrain.data.arrays import class_count, split_arrays, targets_array
 from hvdtrain.data.contract import (ArraySplit, DataBundle, DataError, checked_bundle,
                                     first_leaf)
-from hvdtrain.data.datasets import DatasetSplit, class_ids, class_weight_table, padding_batch
+from hvdtrain.data.datasets import DatasetSplit, class_ids, class_weight_table
+from hvdtrain.data.equal_steps import even_passes, first_element
 from hvdtrain.data.pipeline import ShardSpec
 from hvdtrain.world import World
 
@@ -89,7 +95,6 @@ class KerasData:
     class_weight: dict | None = None
     validation_data: Any = None
     validation_split: float | None = None
-    steps_per_epoch: int | None = None
     validation_steps: int | None = None
 
 
@@ -258,15 +263,38 @@ def _dataset_bundle(data: KerasData) -> DataBundle:
     if data.validation_split:
         raise DataError("validation_split needs arrays; give the dataset's validation part "
                         "as validation_data")
-    train = DatasetSplit(data.x, data.steps_per_epoch, data.class_weight)
+    train = DatasetSplit(data.x, class_weight=data.class_weight)
     return DataBundle(train, _validation_split(data), None, targets=train.has_targets,
                       sample_weights=train.has_sample_weights)
+
+
+def _builder(value: Any) -> bool:
+    """Whether ``value`` is a function that builds the data (not data, nor a dataset object
+    that happens to be callable)."""
+    return callable(value) and not isinstance(value, (*DATASET_OBJECTS, Pipeline, Arrays, type))
+
+
+def built(data: KerasData) -> KerasData:
+    """``x`` and ``validation_data`` given as functions (``x=make_dataset``) called now, in the
+    run, after every rank was seeded alike (``distribute_datasets_from_function``'s way: a
+    pipeline built here shuffles the same on every rank)."""
+    def call(value: Any, what: str) -> Any:
+        made = value()
+        if made is None or _builder(made):
+            raise DataError(f"the function given as {what} returned {type(made).__name__}; "
+                            "return the data (a tf.data.Dataset, arrays, ...)")
+        return made
+
+    x = call(data.x, "x") if _builder(data.x) else data.x
+    val = data.validation_data
+    val = call(val, "validation_data") if _builder(val) else val
+    return dataclasses.replace(data, x=x, validation_data=val)
 
 
 def user_bundle(value: Any, config: DataConfig, seed: int) -> DataBundle:
     """The splits of whatever the user handed over (``KerasData`` from ``hvdtrain.fit``, or a
     data function's return value)."""
-    data = value if isinstance(value, KerasData) else KerasData(value)
+    data = built(value if isinstance(value, KerasData) else KerasData(value))
     if isinstance(data.x, Pipeline):
         pipeline = data.x
         val = None if pipeline.val is None else PipelineSplit(pipeline.val, pipeline.val_steps)
@@ -304,11 +332,15 @@ def _with_weights(element: Any) -> tuple[Any, Any, tf.Tensor, tf.Tensor]:
 
 @dataclass(frozen=True)
 class PipelineSplit:
-    """A user's per-rank ``tf.data`` factory, evened out to the same steps on every rank."""
+    """A user's per-rank ``tf.data`` factory, evened out to the same steps on every rank
+    (``hvdtrain.data.equal_steps``). ``declared_steps``: the batches of one pass when the user
+    says so, else counted on the first."""
 
     factory: Callable[[Shard], tf.data.Dataset]
     declared_steps: int | None
     normalised: bool = False
+    # The template, once read (rank 0's first batch of the first pass).
+    _template: list = field(default_factory=list, compare=False, repr=False)
 
     @property
     def num_examples(self) -> None:
@@ -328,23 +360,27 @@ class PipelineSplit:
         return tf.nest.map_structure(lambda s: tuple(s.shape[1:]), spec)
 
     def steps_per_epoch(self, spec: ShardSpec) -> int:
-        """This rank's batches in epoch 0 (or the declared count); the run agrees on the most
-        (padding) or the fewest (cutting)."""
+        """This rank's batches in the first pass (or the declared count); the run agrees on the
+        most (filling) or the fewest (cutting)."""
         if self.declared_steps is not None:
             return self.declared_steps
         return int(self._epoch(spec, 0).reduce(np.int64(0), lambda count, _: count + 1))
+
+    def template(self, spec: ShardSpec) -> tuple:
+        """Rank 0's first batch of the first pass: the same real batch on every rank, which
+        fills a short rank at loss weight zero."""
+        if not self._template:
+            first = first_element(self._epoch(dataclasses.replace(
+                spec, world=dataclasses.replace(spec.world, rank=0)), 0))
+            if first is None:
+                raise DataError("the pipeline factory gave rank 0 no batches; give it data")
+            self._template.append(first)
+        return self._template[0]
 
     def dataset(self, spec: ShardSpec, first_epoch: int = 0,
                 end_epoch: int = 1) -> tf.data.Dataset:
         if not spec.equal_steps:
             return self._epoch(spec, first_epoch).prefetch(tf.data.AUTOTUNE)
-        steps = spec.steps_per_epoch
-        epochs = []
-        for epoch in range(first_epoch, end_epoch):
-            batches = self._epoch(spec, epoch)
-            padding = tf.data.Dataset.from_tensors(padding_batch(batches.element_spec))
-            epochs.append(batches.concatenate(padding.repeat()).take(steps))
-        dataset = epochs[0]
-        for more in epochs[1:]:
-            dataset = dataset.concatenate(more)
-        return dataset.prefetch(tf.data.AUTOTUNE)
+        return even_passes(lambda epoch: self._epoch(spec, epoch), self.template(spec),
+                           spec.steps_per_epoch, spec.remainder == "pad", spec.world.rank,
+                           first_epoch, end_epoch).prefetch(tf.data.AUTOTUNE)

@@ -14,6 +14,7 @@ import json
 import math
 import sys
 import time
+import warnings
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -24,6 +25,7 @@ import tensorflow as tf
 
 from hvdtrain.checkpoint import CheckpointStore, atomic_write_text, rank_local_variables
 from hvdtrain.checkpoint_state import CheckpointState
+from hvdtrain.data.equal_steps import RAN_OUT, Passes
 from hvdtrain.errors import CheckpointWriteFailed, StoppedBySignal, TrainingDiverged
 from hvdtrain.startup import process_age_seconds
 from hvdtrain.training.keras_internals import sublayers
@@ -64,6 +66,19 @@ class EpochMetrics(keras.callbacks.Callback):
 
     def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
         logs.update(self.step.epoch_results(logs))
+
+
+class DataRanOut(keras.callbacks.Callback):
+    """Rank 0: Keras' warning when an epoch ends before ``steps_per_epoch`` because its pass
+    over the data ended (``equal_steps.Passes``), as one process's ``fit`` shows it."""
+
+    def __init__(self, passes: Passes) -> None:
+        super().__init__()
+        self.passes = passes
+
+    def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
+        if self.passes.cut_short(epoch):
+            warnings.warn(RAN_OUT, stacklevel=2)
 
 
 class StopOnDivergence(keras.callbacks.Callback):
@@ -366,7 +381,9 @@ class Checkpointing(keras.callbacks.Callback):
         self.plan = hooks.checkpoints
         self.liveness = hooks.liveness
         self.live_state = live_state
+        self.passes = hooks.passes
         self.epoch = 0
+        self.epoch_steps = 0
         self.stop_message = ""
 
     def _stop_reason(self) -> str | None:
@@ -376,6 +393,8 @@ class Checkpointing(keras.callbacks.Callback):
         if self.stop_message:   # agreed at the previous epoch's end
             raise StoppedBySignal(self.stop_message)
         self.epoch = epoch
+        self.epoch_steps = (self.params["steps"] if self.passes is None
+                            else self.passes.epoch_steps(epoch))
         resume = self.plan.resume
         if resume.step and epoch == resume.epoch and self.collectives.world.is_chief:
             for variable, value in zip(self.step.epoch_state_variables, resume.epoch_state):
@@ -398,7 +417,7 @@ class Checkpointing(keras.callbacks.Callback):
 
     def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
         self._callback_stop()
-        done, steps, every = batch + 1, self.params["steps"], self.plan.every_steps
+        done, steps, every = batch + 1, self.epoch_steps, self.plan.every_steps
         if done == steps:   # the epoch end checkpoints (and stops, if agreed)
             return
         stop = float(self.step.stop_votes.numpy()) > 0
@@ -571,6 +590,8 @@ class RunHooks:
     checkpoints: CheckpointPlan
     reporting: Reporting
     liveness: Liveness | None = None
+    # How many steps each epoch has (None: Keras' params["steps"], every epoch alike).
+    passes: Passes | None = None
     evaluate: Callable[[], dict[str, float]] | None = None
     validation_freq: int | list[int] = 1
     plateau: PlateauDecay | None = None
@@ -628,6 +649,7 @@ def standard_callbacks(hooks: RunHooks) -> list[keras.callbacks.Callback]:
     callbacks: list[keras.callbacks.Callback] = [
         *([LivenessHooks(hooks.liveness, hooks.collectives)] if hooks.liveness is not None
           else []),
+        *([DataRanOut(hooks.passes)] if hooks.passes is not None and world.is_chief else []),
         StopOnDivergence(hooks.step, hooks.checkpoints.store),
         *([report.first_step] if report.first_step is not None else []),
         throughput,

@@ -99,3 +99,92 @@ def tf_nest_first(structure: Any) -> Any:
     import tensorflow as tf
 
     return tf.nest.flatten(structure)[0]
+
+
+# tf.data's dataset classes whose two seeds both 0 mean "seed from nothing" in every process.
+_SEEDED_DATASETS = {"_ShuffleDataset": "an unseeded shuffle",
+                    "_RandomDataset": "an unseeded Dataset.random or sample_from_datasets"}
+
+
+def unseeded_randomness(dataset: Any) -> str | None:
+    """What in a ``tf.data`` pipeline orders its elements differently in every process, or None:
+    a shuffle or random dataset made without any seed (tf.data keeps them in ``_seed`` and
+    ``_seed2``), or a parallel map with ``deterministic=False`` (``_deterministic``). Follows
+    every input (``_inputs()``)."""
+    pending = [dataset]
+    while pending:
+        node = pending.pop()
+        name = type(node).__name__
+        seeds = [getattr(node, attribute, None) for attribute in ("_seed", "_seed2")]
+        if name in _SEEDED_DATASETS and all(s is not None and int(s) == 0 for s in seeds):
+            return _SEEDED_DATASETS[name]
+        if getattr(node, "_deterministic", None) == "false":
+            return "a parallel map with deterministic=False"
+        try:
+            pending += list(node._inputs())
+        except (AttributeError, NotImplementedError):
+            continue
+    return None
+
+
+def tf_random_state() -> tuple[Any, Any]:
+    """TensorFlow's eager global seed and the generator it draws operation seeds from
+    (TensorFlow keeps both on its context; ``tf.random.set_seed`` replaces them)."""
+    from tensorflow.python.eager import context
+
+    ctx = context.context()
+    rng = getattr(ctx, "_rng", None)
+    return ctx._seed, None if ctx._seed is None or rng is None else rng.getstate()
+
+
+def set_tf_random_state(state: tuple[Any, Any]) -> None:
+    """Put back what ``tf_random_state`` returned."""
+    from tensorflow.python.eager import context
+
+    seed, rng_state = state
+    ctx = context.context()
+    if seed is None:
+        ctx._seed = None
+        return
+    ctx._set_global_seed(seed)
+    if rng_state is not None:
+        ctx._rng.setstate(rng_state)
+
+
+def keras_random_state() -> tuple[Any, Any, Any]:
+    """Keras' global seed, its global seed generator and that generator's state (Keras keeps
+    them in its global state; ``keras.utils.set_random_seed`` replaces them)."""
+    from keras.src.backend.common import global_state
+    from keras.src.random.seed_generator import GLOBAL_SEED_GENERATOR
+    from keras.src.utils.rng_utils import GLOBAL_RANDOM_SEED
+
+    generator = global_state.get_global_attribute(GLOBAL_SEED_GENERATOR)
+    state = None if generator is None else generator.state.numpy()
+    return global_state.get_global_attribute(GLOBAL_RANDOM_SEED), generator, state
+
+
+def set_keras_random_state(state: tuple[Any, Any, Any]) -> None:
+    """Put back what ``keras_random_state`` returned."""
+    from keras.src.backend.common import global_state
+    from keras.src.random.seed_generator import GLOBAL_SEED_GENERATOR
+    from keras.src.utils.rng_utils import GLOBAL_RANDOM_SEED
+
+    seed, generator, generator_state = state
+    global_state.set_global_attribute(GLOBAL_RANDOM_SEED, seed)
+    global_state.set_global_attribute(GLOBAL_SEED_GENERATOR, generator)
+    if generator is not None:
+        generator.state.assign(generator_state)
+
+
+def op_determinism_enabled() -> bool:
+    """Whether TensorFlow's op determinism is on (TensorFlow exports only the switch to turn
+    it on, not the question or the switch back)."""
+    from tensorflow.python.framework import config
+
+    return bool(config.is_op_determinism_enabled())
+
+
+def set_op_determinism(enabled: bool) -> None:
+    from tensorflow.python.framework import config
+
+    (config.enable_op_determinism if enabled else config.disable_op_determinism)()

@@ -7,36 +7,43 @@ collectives underneath it), so every callback sees the user's model, its optimiz
 ``stop_training`` exactly as under a plain ``model.fit``. The model gets its own step back
 when the run ends. XLA stays off while it trains: Horovod's collective ops have no XLA kernels.
 
-Both paths consume the same dataset (one element per step, every epoch back to back) and fire
-the same callbacks at the same points, with Keras' ``params`` (epochs, steps), so the same
-config gives the same result on both. A run resumed from a mid-epoch checkpoint starts
-``done_steps`` into its first epoch: both skip those batches of the dataset (the data plan is a
-function of seed and epoch, so the rest is what an uninterrupted run would have seen) and
-number the remaining steps from ``done_steps``.
+Both paths consume the same stream of batches (``DataPlan.stream``: every epoch back to back)
+and fire the same callbacks at the same points, with Keras' ``params`` (epochs, steps), so the
+same config gives the same result on both. Each epoch takes as many batches as
+``Passes.epoch_steps`` says (Keras' reading of ``steps_per_epoch``: an epoch ends early where a
+pass over the data ends). A run resumed from a mid-epoch checkpoint starts ``done_steps`` into
+its first epoch (the stream starts there) and numbers the remaining steps from ``done_steps``.
+
+Keras' ``fit`` runs every epoch of one call with the same number of steps, so epochs of
+different lengths (a resumed partial epoch, ``steps_per_epoch`` that does not divide a pass)
+are several ``fit`` calls (``fit_segments``), all reading one iterator of the stream, so no
+call starts the data again.
 """
 
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator
+from dataclasses import dataclass
+from typing import Any, Iterator
 
 import keras
 import tensorflow as tf
 
+from hvdtrain.data.equal_steps import Passes
 from hvdtrain.training.step import TrainingStep
 
 
 class ContinuedHooks(keras.callbacks.CallbackList):
-    """The run's callbacks across the ``fit`` calls of one training: the first call trains the
-    rest of a resumed epoch, whose steps ``fit`` numbers from 0, so batch numbers are shifted
-    by ``offset`` there; train begin and end fire once for the whole training."""
+    """The run's callbacks across the ``fit`` calls of one training: a call that starts inside
+    an epoch (a resumed one) numbers its steps from 0, so batch numbers are shifted by
+    ``offset`` there; train begin fires once, at the first call, and train end once, by
+    ``end_training`` after the last."""
 
     def __init__(self, callbacks: list[keras.callbacks.Callback], model: keras.Model,
                  epochs: int, steps: int) -> None:
         super().__init__(callbacks, add_history=False, add_progbar=False, model=model,
                          epochs=epochs, steps=steps, verbose=0)
         self.offset = 0
-        self.fit_calls_left = 1
         self.begun = False
 
     def on_train_begin(self, logs: dict | None = None) -> None:
@@ -45,9 +52,10 @@ class ContinuedHooks(keras.callbacks.CallbackList):
             super().on_train_begin(logs)
 
     def on_train_end(self, logs: dict | None = None) -> None:
-        self.fit_calls_left -= 1
-        if not self.fit_calls_left:
-            super().on_train_end(logs)
+        """Each ``fit`` call's end: not yet the training's (``end_training``)."""
+
+    def end_training(self, logs: dict | None = None) -> None:
+        super().on_train_end(logs)
 
     def on_train_batch_begin(self, batch: int, logs: dict | None = None) -> None:
         super().on_train_batch_begin(batch + self.offset, logs)
@@ -73,33 +81,69 @@ def step_installed(step: TrainingStep) -> Iterator[None]:
         model.jit_compile = jit
 
 
+@dataclass(frozen=True)
+class Segment:
+    """One ``fit`` call: epochs ``[first, end)`` of ``steps`` steps each, the first of them
+    starting ``offset`` steps in (a resumed epoch: then ``end`` is ``first + 1``)."""
+
+    first: int
+    end: int
+    steps: int
+    offset: int = 0
+
+
+def fit_segments(passes: Passes, initial_epoch: int, epochs: int,
+                 done_steps: int = 0) -> list[Segment]:
+    """The ``fit`` calls that train epochs ``[initial_epoch, epochs)``: consecutive epochs of
+    one length share a call; a resumed partial epoch is a call of its own."""
+    segments: list[Segment] = []
+    for epoch, steps in zip(range(initial_epoch, epochs),
+                            passes.epoch_lengths(initial_epoch, epochs)):
+        offset = done_steps if epoch == initial_epoch else 0
+        last = segments[-1] if segments else None
+        if last is not None and not offset and not last.offset and last.steps == steps:
+            segments[-1] = Segment(last.first, epoch + 1, steps)
+        else:
+            segments.append(Segment(epoch, epoch + 1, steps, offset))
+    return segments
+
+
+def _continuing(batches: Iterator[Any], count: int, spec: Any) -> tf.data.Dataset:
+    """The next ``count`` batches of an iterator the ``fit`` calls share, as a dataset."""
+    def read() -> Iterator[Any]:
+        for _ in range(count):
+            yield next(batches)
+
+    return tf.data.Dataset.from_generator(read, output_signature=spec)
+
+
 def fit_loop(step: TrainingStep, dataset: tf.data.Dataset, epochs: int, initial_epoch: int,
-             steps_per_epoch: int, callbacks: list[keras.callbacks.Callback],
+             passes: Passes, callbacks: list[keras.callbacks.Callback],
              done_steps: int = 0) -> keras.callbacks.History:
     """Train with the model's own ``fit`` (its progress bar off: hvdtrain's own shows on rank
-    0). ``fit`` runs every epoch with the same number of steps, so a resumed partial epoch is
-    one ``fit`` call of its remaining steps, and the epochs after it a second call."""
+    0), one call per ``fit_segments`` segment."""
     model = step.model
     history = keras.callbacks.History()
-    hooks = ContinuedHooks([*callbacks, history], model, epochs, steps_per_epoch)
+    hooks = ContinuedHooks([*callbacks, history], model, epochs, passes.keras_steps)
+    segments = fit_segments(passes, initial_epoch, epochs, done_steps)
+    shared = iter(dataset) if len(segments) > 1 else None
     with step_installed(step):
-        if done_steps:
-            hooks.offset, hooks.fit_calls_left = done_steps, 1 + (initial_epoch + 1 < epochs)
-            model.fit(dataset.skip(done_steps), epochs=initial_epoch + 1,
-                      initial_epoch=initial_epoch, steps_per_epoch=steps_per_epoch - done_steps,
-                      callbacks=hooks, shuffle=False, verbose=0)
-            hooks.offset = 0
-            initial_epoch += 1
-            dataset = dataset.skip(steps_per_epoch)
-        if initial_epoch < epochs and not model.stop_training:
-            model.fit(dataset, epochs=epochs, initial_epoch=initial_epoch,
-                      steps_per_epoch=steps_per_epoch, callbacks=hooks, shuffle=False,
-                      verbose=0)
+        for segment in segments:
+            hooks.offset = segment.offset
+            data = dataset if shared is None else _continuing(
+                shared, (segment.end - segment.first) * (segment.steps - segment.offset),
+                dataset.element_spec)
+            model.fit(data, epochs=segment.end, initial_epoch=segment.first,
+                      steps_per_epoch=segment.steps - segment.offset, callbacks=hooks,
+                      shuffle=False, verbose=0)
+            if model.stop_training:
+                break
+        hooks.end_training()
     return history
 
 
 def custom_loop(step: TrainingStep, dataset: tf.data.Dataset, epochs: int, initial_epoch: int,
-                steps_per_epoch: int, callbacks: list[keras.callbacks.Callback],
+                passes: Passes, callbacks: list[keras.callbacks.Callback],
                 done_steps: int = 0) -> keras.callbacks.History:
     """Train with a plain loop around one ``tf.function`` step, firing the same callbacks. A
     callback may stop training by setting ``model.stop_training``, as under ``fit``."""
@@ -109,13 +153,14 @@ def custom_loop(step: TrainingStep, dataset: tf.data.Dataset, epochs: int, initi
     history = keras.callbacks.History()
     hooks = keras.callbacks.CallbackList([*callbacks, history], add_history=False,
                                          add_progbar=False, model=model, epochs=epochs,
-                                         steps=steps_per_epoch, verbose=0)
-    batches = iter(dataset.skip(done_steps))
+                                         steps=passes.keras_steps, verbose=0)
+    batches = iter(dataset)
     hooks.on_train_begin()
-    for epoch in range(initial_epoch, epochs):
+    for epoch, steps in zip(range(initial_epoch, epochs),
+                            passes.epoch_lengths(initial_epoch, epochs)):
         hooks.on_epoch_begin(epoch)
         logs: dict = {}
-        for batch in range(done_steps if epoch == initial_epoch else 0, steps_per_epoch):
+        for batch in range(done_steps if epoch == initial_epoch else 0, steps):
             element = next(batches)
             hooks.on_train_batch_begin(batch)
             logs = train_step(element)

@@ -8,11 +8,12 @@ optimizers and rates -> a probe batch (metrics built, output kind checked) -> re
 callbacks) -> final model, exact held-out metrics, and a check that every rank ended with the
 same weights.
 
-Global state a run changes (Keras' precision policy, the umask) is restored when it ends, so a
-second run in the same process (a notebook, a test) starts clean. A run that fails on one rank
-shuts Horovod down there, so the other ranks' collectives end with an error at once (one line
-each: another rank failed) instead of waiting, and a second run in the same processes starts
-Horovod afresh.
+Global state a run changes (random generators, Keras' precision policy, the umask, op
+determinism: ``process_state``) is restored when it ends, so a program goes on after it as
+after a plain ``model.fit``, and a second run in the same process starts clean. A run that
+fails on one rank shuts Horovod down there, so the other ranks' collectives end with an error
+at once (one line each: another rank failed) instead of waiting, and a second run in the same
+processes starts Horovod afresh.
 """
 
 from __future__ import annotations
@@ -38,9 +39,10 @@ from hvdtrain.checkpoint import (CheckpointStore, assign_rank_state, atomic_writ
                                  build_optimizers, lock_run_dir)
 from hvdtrain.checkpoint_state import CheckpointState
 from hvdtrain.config import Config, DataConfig, OptimConfig
-from hvdtrain.data.files import LABEL_RANGE_MESSAGE, FileSplit, corrupt_record_message
+from hvdtrain.data.files import LABEL_RANGE_MESSAGE, corrupt_record_message
 from hvdtrain.data.pipeline import ShardSpec
-from hvdtrain.data.contract import ArraySplit, DataBundle, Split
+from hvdtrain.data.contract import ArraySplit, DataBundle
+from hvdtrain.data.equal_steps import count_changed_line
 from hvdtrain.data.load import load_source
 from hvdtrain.errors import (CheckpointWriteFailed, PeerFailed, StoppedBySignal,
                              TrainingDiverged, UserError)
@@ -50,6 +52,8 @@ from hvdtrain.plots import plot_curves
 from hvdtrain.training.elastic import ElasticRun, elastic_loop
 from hvdtrain.training.adapted_state import agree_on_adapted_state
 from hvdtrain.training.autotune_run import Tuning, autotune
+from hvdtrain.training.data_plan import DataPlan, plan_data
+from hvdtrain.training.process_state import run_environment, seed_alike, seed_per_rank
 from hvdtrain.training.callbacks import (CheckpointPlan, FirstStepClock, MetricsFiles,
                                          PlateauDecay, Reporting, ResumePoint, RunHooks,
                                          standard_callbacks)
@@ -159,15 +163,6 @@ def _restore(run: CheckpointState, accept_changes: bool, store: CheckpointStore,
     return Restored(latest.name, state, latest.rank_states())
 
 
-def seed_everything(seed: int, rank: int) -> None:
-    """Python, NumPy and Keras from ``seed + rank`` (weights start apart on purpose: the
-    broadcast must make them agree; Keras' seeded layers, dropout, draw per rank), TensorFlow's
-    global seed from ``seed`` on every rank, so a user pipeline's shuffle makes the same order
-    on every rank and its shards stay disjoint."""
-    keras.utils.set_random_seed(seed + rank)
-    tf.random.set_seed(seed)
-
-
 def raised_here(error: BaseException) -> bool:
     """Whether an error began on this rank (the user's code, a one-rank mistake) while its
     peers may wait for it in a collective, rather than in a collective (a peer's process is
@@ -211,6 +206,9 @@ def data_errors_named(data: DataBundle):
     except tf.errors.DataLossError as error:
         raise UserError(corrupt_record_message((data.train, data.val), str(error))) from error
     except tf.errors.InvalidArgumentError as error:
+        changed = count_changed_line(str(error))
+        if changed:
+            raise UserError(changed) from error
         if LABEL_RANGE_MESSAGE not in str(error):
             raise
         classes = data.num_classes or 0
@@ -234,77 +232,6 @@ def _open_run_dir(config: Config, collectives: Collectives) -> tuple[Path, bool]
     if world.is_chief:
         return _usable_run_dir(config)
     return Path(config.train.run_dir), config.train.resume != "never"
-
-
-def resolved_remainder(config: Config, own_step: str | None) -> str:
-    """``--remainder auto``: pad for hvdtrain's step, drop for a model's own (a mean per rank is
-    exact only over equal batches, and a padded row would count in it)."""
-    remainder = config.data.remainder
-    if own_step is not None and remainder == "pad":
-        raise UserError(f"--remainder pad adds zero-weight examples, which the model's own step "
-                        f"({own_step}) would count in its mean; use --remainder drop (or auto)")
-    if remainder == "auto":
-        return "drop" if own_step is not None else "pad"
-    return remainder
-
-
-def _plan(config: Config, data: DataBundle, collectives: Collectives,
-          own_step: str | None) -> tuple[ShardSpec, int, ShardSpec | None]:
-    """(training shard spec, steps per epoch, validation shard spec), or a one-line error.
-
-    Built-in sources and arrays give every rank the same steps by construction; for a user's
-    pipeline or dataset every rank reports its own count and all take the largest (padding) or
-    the smallest (dropping). Only then is there a collective here: an elastic rank joining a
-    running job starts here and must meet none. Evaluation under a model's own step runs each
-    rank's share unpadded (no collective per step there)."""
-    world = collectives.world
-    batch, optim = config.train.batch_size, config.optim
-    if not data.train.normalised and optim.accumulation_steps > 1:
-        raise UserError("--accumulation-steps needs in-memory or file data (the weights of an "
-                        "update must be known before its first micro-step); raise the pipeline's "
-                        "batch size instead")
-    remainder = resolved_remainder(config, own_step)
-    examples = data.train.num_examples
-    spec = ShardSpec(examples or 0, world, batch, remainder, config.data.shuffle,
-                     config.train.seed, optim.accumulation_steps)
-    wanted = config.train.steps_per_epoch
-    if getattr(data.train, "infinite", False):
-        if not wanted:
-            raise UserError("the training dataset repeats forever; give steps_per_epoch")
-        steps = wanted
-    else:
-        steps = _agreed_steps(data.train, spec, collectives)
-        steps = min(steps, wanted) if wanted else steps
-    spec = dataclasses.replace(spec, agreed_steps=steps)
-    if steps == 0:
-        fix = "lower --batch-size" + (" or use --remainder pad" if own_step is None else "")
-        raise UserError(f"{examples or 'the'} training examples cannot fill one update of "
-                        f"{spec.update_batch} per rank group ({world.size} ranks x {batch} x "
-                        f"{optim.accumulation_steps} accumulation steps); {fix}")
-    if examples is not None and examples < world.size:
-        raise UserError(f"{world.size} ranks but only {examples} training "
-                        "examples: every rank needs at least one; launch fewer ranks")
-    if isinstance(data.train, FileSplit):
-        say(world, f"sharding {len(data.train.files)} file(s) across {world.size} rank(s) by "
-                   f"{data.train.mode(world.size)}")
-    if data.val is None:
-        return spec, steps, None
-    val_spec = ShardSpec(data.val.num_examples or 0, world, batch, "pad", False,
-                         equal_steps=own_step is None)
-    if own_step is not None:
-        return spec, steps, val_spec
-    val_steps = _agreed_steps(data.val, val_spec, collectives)
-    return spec, steps, dataclasses.replace(val_spec, agreed_steps=val_steps)
-
-
-def _agreed_steps(split: Split, spec: ShardSpec, collectives: Collectives) -> int:
-    """The split's steps per epoch; where ranks count their own, the most any rank counts
-    (the others pad) or, when dropping, the fewest (the others stop there)."""
-    steps = split.steps_per_epoch(spec)
-    if split.normalised:
-        return steps
-    counts = collectives.allgather_object(steps)
-    return min(counts) if spec.remainder == "drop" else max(counts)
 
 
 def _resumed(restored: Restored, world: World, run_dir: Path, store: CheckpointStore,
@@ -417,20 +344,6 @@ class RunResult:
     history: keras.callbacks.History | None = None
 
 
-@contextlib.contextmanager
-def run_environment(precision: str):
-    """Set the process-wide state a run needs (Keras' precision policy; a private umask, so run
-    directories and checkpoints stay the user's on a shared cluster) and restore it after."""
-    policy = keras.mixed_precision.global_policy()
-    umask = os.umask(0o077)
-    keras.mixed_precision.set_global_policy(precision)
-    try:
-        yield
-    finally:
-        keras.mixed_precision.set_global_policy(policy)
-        os.umask(umask)
-
-
 @dataclass
 class Prepared:
     """What the setup phase hands the later ones: the world and run directory, the data and
@@ -443,9 +356,7 @@ class Prepared:
     data: DataBundle
     trainable: Trainable
     step: TrainingStep
-    spec: ShardSpec
-    steps: int
-    val_spec: ShardSpec | None
+    plan: DataPlan
     evaluate: Callable[[ShardSpec], dict[str, float]]
     plateau: PlateauDecay | None
     user_callbacks: list[keras.callbacks.Callback]
@@ -454,11 +365,16 @@ class Prepared:
     launched: float
     first_step: FirstStepClock = dataclasses.field(default_factory=FirstStepClock)
 
+    @property
+    def spec(self) -> ShardSpec:
+        """The training shard spec (its ``steps_per_epoch``: one pass, agreed)."""
+        return self.plan.spec
+
     def validate(self) -> dict[str, float]:
         """Exact held-out metrics on this world's shards (none without validation data)."""
         if self.data.val is None:
             return {}
-        spec, world = self.val_spec, self.collectives.world
+        spec, world = self.plan.val_spec, self.collectives.world
         if spec.world != world:   # an elastic job's world changed: this world's shards
             spec = ShardSpec(spec.num_examples, world, spec.batch_size, "pad", False)
         return self.evaluate(spec)
@@ -508,7 +424,8 @@ class Run:
     def execute(self) -> RunResult:
         """Train on this rank; return the final exact metrics (every rank gets them)."""
         launched = time.perf_counter()
-        with run_environment(self.config.train.precision), self.liveness.installed():
+        train = self.config.train
+        with run_environment(train.precision, train.deterministic), self.liveness.installed():
             placed: list[str] = []
             collectives = init_collectives(self.config.train.backend, lambda world: placed.append(
                 place_devices(world, self.config.train.threads)))
@@ -541,9 +458,7 @@ class Run:
         was placed)."""
         config, world = self.config, collectives.world
         _check_backend(config, collectives)
-        if config.train.deterministic:
-            tf.config.experimental.enable_op_determinism()
-        seed_everything(config.train.seed, world.rank)
+        seed_alike(config.train.seed)
         run_dir, resuming = _open_run_dir(config, collectives)
         if world.is_chief:
             output.log_to(run_dir)
@@ -553,12 +468,16 @@ class Run:
         say(world, "resolved config:\n" + config.to_yaml().rstrip())
 
         data = self.data_factory(config.data, config.train.seed)
+        seed_per_rank(config.train.seed, world.rank)
         model = self._model(data)
         own_step = own_step_reason(model, data)
-        spec, steps, val_spec = _plan(config, data, collectives, own_step)
+        plan = plan_data(config, data, collectives, own_step)
+        for note in plan.notes:
+            say(world, note)
         optim = config.optim
-        trainable = prepare(config, model, data, world, steps // optim.accumulation_steps,
-                            own_step)
+        trainable = prepare(config, model, data, world,
+                            plan.passes.epoch_steps(config.train.initial_epoch)
+                            // optim.accumulation_steps, own_step)
         if config.train.elastic and not isinstance(data.train, ArraySplit):
             raise UserError("--elastic supports in-memory datasets (arrays); a pipeline cannot "
                             "be re-sharded at an offset into its epoch")
@@ -572,7 +491,8 @@ class Run:
                 trainable.model.trainable_variables, optim.accumulation_steps > 1))
         evaluate, metric_states = self._evaluation(step, trainable, data, collectives)
         with data_errors_named(data):
-            self._probe(trainable, next(iter(data.train.dataset(spec, 0, 1))), metric_states)
+            self._probe(trainable, next(iter(data.train.dataset(plan.spec, 0, 1))),
+                        metric_states)
         plateau = (PlateauDecay(trainable.schedule, optim.lr_decay_factor, optim.plateau_patience)
                    if optim.lr_schedule == "plateau" else None)
         if plateau is not None and (data.val is None or self.validation_freq != 1):
@@ -584,8 +504,8 @@ class Run:
             optimizer_classes={name: type(optimizer).__name__
                                for name, optimizer in step.optimizers.items()},
             world_size=world.size, config=config.to_dict())
-        return Prepared(collectives, run_dir, resuming, data, trainable, step, spec, steps,
-                        val_spec, evaluate, plateau, self._callbacks(),
+        return Prepared(collectives, run_dir, resuming, data, trainable, step, plan,
+                        evaluate, plateau, self._callbacks(),
                         CheckpointStore(run_dir, config.train.keep_checkpoints), state, launched)
 
     def _callbacks(self) -> list[keras.callbacks.Callback]:
@@ -701,9 +621,7 @@ class Run:
         config, world = self.config, run.collectives.world
         epochs, initial_epoch = config.train.epochs, start.initial_epoch
         say(world, f"training {self.model_label} on {config.data.dataset}: "
-                   f"{run.data.train.num_examples or 'pipeline'} examples, {run.steps} "
-                   f"steps/epoch, global batch {run.spec.global_batch}, remainder policy "
-                   f"'{run.spec.remainder}'")
+                   f"{run.plan.describe(run.data.train)}")
         if config.train.elastic:
             trainable = run.trainable
             elastic_loop(ElasticRun(config, run.collectives, run.data, trainable.model,
@@ -720,17 +638,17 @@ class Run:
             reporting=Reporting(run.run_dir, run.spec.global_batch, config.train.progress,
                                 sys.stdout.isatty() and world.size == 1,
                                 config.train.tensorboard, run.first_step),
-            liveness=self.liveness,
+            liveness=self.liveness, passes=run.plan.passes,
             evaluate=None if run.data.val is None else run.validate,
             validation_freq=self.validation_freq, plateau=run.plateau,
             user_callbacks=run.user_callbacks))
         distributed = (run.step.distributed() if isinstance(run.step, OwnStep)
                        else contextlib.nullcontext())
         with data_errors_named(run.data), distributed:
+            done = start.resume.step if start.resume.epoch == initial_epoch else 0
             return LOOPS[config.train.loop](
-                run.step, run.data.train.dataset(run.spec, initial_epoch, epochs), epochs,
-                initial_epoch, run.steps, callbacks,
-                start.resume.step if start.resume.epoch == initial_epoch else 0)
+                run.step, run.plan.stream(run.data.train, initial_epoch, done, epochs), epochs,
+                initial_epoch, run.plan.passes, callbacks, done)
 
     # --- finish ------------------------------------------------------------------------------
 

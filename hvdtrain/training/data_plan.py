@@ -1,0 +1,160 @@
+"""How a run reads its data: the shard specs of training and validation, the passes each epoch
+trains on, and the checks that come first (one order on every rank, a count every rank agrees
+on). The mechanisms are the data package's (``hvdtrain.data.equal_steps``,
+``hvdtrain.data.order``); this module applies them to one run's config and world.
+
+Built-in sources and arrays give every rank the same steps by construction and need no
+collective here (an elastic rank joining a running job starts here and must meet none); a
+user's dataset or pipeline is checked and counted on every rank, and the ranks agree.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Callable
+
+import tensorflow as tf
+
+from hvdtrain.config import Config
+from hvdtrain.data.contract import DataBundle, Split
+from hvdtrain.data.files import FileSplit
+from hvdtrain.data.equal_steps import Passes, agreed_steps, left_out_line
+from hvdtrain.data.pipeline import ShardSpec
+from hvdtrain.errors import UserError
+from hvdtrain.world import Collectives
+
+
+def resolved_remainder(config: Config, own_step: str | None) -> str:
+    """``--remainder auto``: pad for hvdtrain's step, drop for a model's own (a mean per rank is
+    exact only over equal batches, and a filler row would count in it)."""
+    remainder = config.data.remainder
+    if own_step is not None and remainder == "pad":
+        raise UserError(f"--remainder pad adds zero-weight examples, which the model's own step "
+                        f"({own_step}) would count in its mean; use --remainder drop (or auto)")
+    if remainder == "auto":
+        return "drop" if own_step is not None else "pad"
+    return remainder
+
+
+@dataclass(frozen=True)
+class DataPlan:
+    """The training shard spec (its ``steps_per_epoch``: the steps of one pass, agreed), the
+    passes each epoch reads, the validation shard spec (None: no validation), and what rank 0
+    says about the plan."""
+
+    spec: ShardSpec
+    passes: Passes
+    val_spec: ShardSpec | None
+    notes: tuple[str, ...] = ()
+
+    def describe(self, split: Split) -> str:
+        """The run log's words for the training data: examples, steps and the real global
+        batch (a pre-batched dataset's batches are the user's, times the ranks)."""
+        spec, passes = self.spec, self.passes
+        steps = (f"{passes.steps_per_epoch} steps/epoch (steps_per_epoch; a pass is "
+                 f"{'endless' if passes.pass_steps is None else passes.pass_steps})"
+                 if passes.steps_per_epoch else f"{passes.pass_steps} steps/epoch")
+        if getattr(split, "batched", False) and not getattr(split, "infinite", False):
+            rows = int(tf.shape(tf.nest.flatten(split.template(spec)[0])[0])[0])
+            batch = (f"global batch {spec.world.size} x {rows} = {spec.world.size * rows} "
+                     "(the dataset's own batches, the first's size; --batch-size does not "
+                     "apply)")
+        else:
+            batch = f"global batch {spec.global_batch}"
+        examples = split.num_examples
+        what = "a user dataset" if examples is None else f"{examples} examples"
+        return f"{what}, {steps}, {batch}, remainder policy '{spec.remainder}'"
+
+    def stream(self, split: Split, epoch: int, done_steps: int,
+               end_epoch: int) -> tf.data.Dataset:
+        """The training batches from step ``done_steps`` of ``epoch`` to the end of the epoch
+        before ``end_epoch``, back to back: each epoch takes ``passes.epoch_steps`` of them."""
+        if getattr(split, "infinite", False):     # one endless pass, in the dataset's order
+            return split.dataset(self.spec, 0, 1).skip(done_steps)
+        first_pass, offset, _ = self.passes.start(epoch)
+        dataset = split.dataset(self.spec, first_pass, self.passes.passes_until(end_epoch))
+        skip = offset + done_steps
+        return dataset.skip(skip) if skip else dataset
+
+
+def agreed_pass_steps(split: Split, spec: ShardSpec,
+                      collectives: Collectives) -> tuple[int, list[int]]:
+    """The split's steps per pass (agreed where ranks count their own) and every rank's count."""
+    steps = split.steps_per_epoch(spec)
+    if split.normalised:
+        return steps, [steps] * spec.world.size
+    counts = collectives.allgather_object(steps)
+    return agreed_steps(counts, fill=spec.remainder == "pad"), counts
+
+
+def _left_out(split: Split, spec: ShardSpec, counts: list[int], steps: int,
+              collectives: Collectives) -> list[str]:
+    """Rank 0's line on what stopping every rank at ``steps`` whole batches leaves out of each
+    pass of a user's dataset (an unbatched one's examples are counted)."""
+    rows = getattr(split, "rows_per_pass", lambda _: None)(spec)
+    everyone = None if rows is None else collectives.allgather_object(rows)
+    line = left_out_line(counts, steps, everyone, spec.batch_size)
+    return [line] if line else []
+
+
+def _check_orders(data: DataBundle, gather: Callable) -> None:
+    """Refuse a user dataset whose order differs across ranks (``hvdtrain.data.order``)."""
+    for split, what in ((data.train, "training"), (data.val, "validation")):
+        check = getattr(split, "check_order", None)
+        if check is not None:
+            check(what, gather)
+
+
+def plan_data(config: Config, data: DataBundle, collectives: Collectives,
+              own_step: str | None) -> DataPlan:
+    """The run's ``DataPlan``, or a one-line error. Evaluation under a model's own step runs
+    each rank's share as it is (no collective per step there)."""
+    world = collectives.world
+    batch, optim = config.train.batch_size, config.optim
+    if not data.train.normalised and optim.accumulation_steps > 1:
+        raise UserError("--accumulation-steps needs in-memory or file data (the weights of an "
+                        "update must be known before its first micro-step); raise the pipeline's "
+                        "batch size instead")
+    _check_orders(data, collectives.allgather_object)
+    remainder = resolved_remainder(config, own_step)
+    examples = data.train.num_examples
+    spec = ShardSpec(examples or 0, world, batch, remainder, config.data.shuffle,
+                     config.train.seed, optim.accumulation_steps)
+    wanted = config.train.steps_per_epoch
+    notes: list[str] = []
+    if getattr(data.train, "infinite", False):
+        if not wanted:
+            raise UserError("the training dataset repeats forever; give steps_per_epoch")
+        steps, pass_steps = wanted, None
+    else:
+        steps, counts = agreed_pass_steps(data.train, spec, collectives)
+        pass_steps = steps
+        if remainder == "drop" and not data.train.normalised:
+            notes += _left_out(data.train, spec, counts, steps, collectives)
+    spec = dataclasses.replace(spec, agreed_steps=steps)
+    if steps == 0:
+        fix = "lower --batch-size" + (" or use --remainder pad" if own_step is None else "")
+        raise UserError(f"{examples or 'the'} training examples cannot fill one update of "
+                        f"{spec.update_batch} per rank group ({world.size} ranks x {batch} x "
+                        f"{optim.accumulation_steps} accumulation steps); {fix}")
+    if examples is not None and examples < world.size:
+        raise UserError(f"{world.size} ranks but only {examples} training "
+                        "examples: every rank needs at least one; launch fewer ranks")
+    if examples and remainder == "drop" and spec.remainder_examples:
+        notes.append(f"training data: each pass leaves out {spec.remainder_examples} of "
+                     f"{examples} examples (the last partial update of {spec.update_batch}: "
+                     "--remainder drop), a different part each epoch when shuffled")
+    if isinstance(data.train, FileSplit):
+        notes.append(f"sharding {len(data.train.files)} file(s) across {world.size} rank(s) by "
+                     f"{data.train.mode(world.size)}")
+    passes = Passes(pass_steps, wanted, config.train.initial_epoch)
+    if data.val is None:
+        return DataPlan(spec, passes, None, tuple(notes))
+    val_spec = ShardSpec(data.val.num_examples or 0, world, batch, "pad", False,
+                         equal_steps=own_step is None)
+    if own_step is not None:
+        return DataPlan(spec, passes, val_spec, tuple(notes))
+    val_steps, _ = agreed_pass_steps(data.val, val_spec, collectives)
+    return DataPlan(spec, passes, dataclasses.replace(val_spec, agreed_steps=val_steps),
+                    tuple(notes))
