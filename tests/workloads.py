@@ -149,7 +149,8 @@ def leave_mid_epoch() -> list[keras.callbacks.Callback]:
     """A user's callback that, once, at the second step of the second epoch, rewrites the host
     discovery file ``HVDTRAIN_TEST_HOSTS`` to one slot and then slows that epoch's steps by
     0.1 s: the elastic driver sees one slot leave while most of the epoch is still ahead, so
-    the world changes at a mid-epoch commit however fast the machine trains."""
+    the world changes at a mid-epoch commit however fast the machine trains. It also fails the
+    run if its epoch logs hold a column of hvdtrain's own (they must stay Keras')."""
     import os
     import time
     from pathlib import Path
@@ -165,7 +166,12 @@ def leave_mid_epoch() -> list[keras.callbacks.Callback]:
             hosts.write_text("localhost:1\n")
         time.sleep(0.1)
 
+    def on_epoch_end(epoch, logs):
+        added = {"lr", "examples_per_second", "world_size"} & set(logs)
+        if added:
+            raise AssertionError(f"hvdtrain's own columns in the user's logs: {sorted(added)}")
+
     epoch_now = [0]
     return [keras.callbacks.LambdaCallback(
         on_epoch_begin=lambda epoch, logs: epoch_now.__setitem__(0, epoch),
-        on_train_batch_end=on_batch_end)]
+        on_train_batch_end=on_batch_end, on_epoch_end=on_epoch_end)]
