@@ -135,6 +135,23 @@ def adamw(learning_rate) -> keras.optimizers.Optimizer:
     return keras.optimizers.AdamW(learning_rate=learning_rate, weight_decay=1e-4)
 
 
+class WarmUpCosine(keras.optimizers.schedules.LearningRateSchedule):
+    """A user's rate schedule as the Keras examples write it: a linear warm-up to ``base`` over
+    ``warmup_steps``, then a cosine decay to 0 at ``total_steps``; no ``get_config``, so an
+    optimizer that holds it cannot be rebuilt from its config."""
+
+    def __init__(self, base: float, total_steps: int, warmup_steps: int) -> None:
+        super().__init__()
+        self.base, self.total_steps, self.warmup_steps = base, total_steps, warmup_steps
+
+    def __call__(self, step):
+        step = tf.cast(step, tf.float32)
+        warm = self.base * (step + 1.0) / self.warmup_steps
+        progress = (step - self.warmup_steps) / (self.total_steps - self.warmup_steps)
+        cosine = 0.5 * self.base * (1.0 + tf.cos(np.pi * progress))
+        return tf.where(step < self.warmup_steps, warm, cosine)
+
+
 def slow_steps() -> list[keras.callbacks.Callback]:
     """A user's callback that makes every step 50 ms longer (timing, not the math): a job a test
     interrupts on the TensorFlow backend, whose steps HOROVOD_CYCLE_TIME does not slow, is
