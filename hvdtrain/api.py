@@ -76,8 +76,9 @@ def fit(model: Any, x: Any = "digits", y: Any = None, *, batch_size: int | None 
         validation_steps: int | None = None, validation_batch_size: int | None = None,
         validation_freq: int | list[int] = 1, **options: Any):
     """Train ``model`` data-parallel as ``model.fit`` would in one process; return a
-    ``RunResult`` (run directory, exact global metrics, Keras ``History``, weight fingerprints
-    of every rank, the trained model) on every rank. See the module doc."""
+    ``RunResult`` (run directory, exact global metrics, Keras ``History`` with the keys one
+    process's would have, weight fingerprints of every rank, the trained model, the run's own
+    per-epoch columns) on every rank. See the module doc."""
     from hvdtrain.data.user import KerasData, user_bundle
     from hvdtrain.training.run import Run
 

@@ -60,7 +60,7 @@ class CheckpointState:
     epoch: int = 0
     step: int = 0                  # > 0: a checkpoint within the epoch after ``epoch``
     epoch_state: tuple = ()        # within an epoch: its metric sums over all ranks so far
-    metrics: dict[str, float] = field(default_factory=dict)     # at an epoch's end: its logs
+    metrics: dict[str, float] = field(default_factory=dict)     # at an epoch's end: its metrics row
     # Written by the store: optimizer attribute -> the model variables (paths) it was built
     # for, and file name -> SHA-256.
     optimizers: dict[str, list[str] | None] = field(

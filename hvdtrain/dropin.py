@@ -161,8 +161,12 @@ def DistributedOptimizer(optimizer: keras.optimizers.Optimizer, name: str | None
                          average_aggregated_gradients: bool = False
                          ) -> keras.optimizers.Optimizer:
     """Horovod's ``DistributedOptimizer`` on any Keras 3 optimizer (including
-    ``LossScaleOptimizer`` and optimizers with a learning-rate schedule): a new optimizer of
-    the same class and configuration; the one passed in is left as it was.
+    ``LossScaleOptimizer``, a learning-rate schedule of the user's own and an optimizer subclass
+    with its own arguments): the optimizer passed in, made distributed. Only its class changes,
+    to a subclass of its own that reduces gradients; its schedule, variables, state and
+    attributes stay (Horovod returns a new optimizer rebuilt from ``get_config``, which fails
+    for a schedule without ``get_config`` and loses whatever the config does not hold). Called
+    again on the same optimizer, the new settings replace the old ones. ``name``: its new name.
 
     op: ``Average`` (default), ``Sum`` or ``Adasum``; compression: ``Compression.none`` or
     ``Compression.fp16``; sparse_as_dense: densify ``IndexedSlices`` gradients before the
@@ -175,9 +179,9 @@ def DistributedOptimizer(optimizer: keras.optimizers.Optimizer, name: str | None
     if backward_passes_per_step < 1:
         raise ValueError("backward_passes_per_step must be > 0")
     reduction = gradient_reduction(op, compression, sparse_as_dense, gradient_predivide_factor)
-    cls = reducing_class(type(optimizer), reduction, int(backward_passes_per_step),
-                         bool(average_aggregated_gradients))
-    config = optimizer.get_config()
+    optimizer.__class__ = reducing_class(distributed_optimizer.own_class(optimizer), reduction,
+                                         int(backward_passes_per_step),
+                                         bool(average_aggregated_gradients))
     if name is not None:
-        config["name"] = name
-    return cls.from_config(config)
+        optimizer.name = name
+    return optimizer

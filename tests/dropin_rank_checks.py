@@ -21,6 +21,7 @@ import hvdtrain.keras as hvd
 import hvdtrain.tensorflow as hvd_tf
 from hvdtrain.dropin import reducing_class
 from hvdtrain.errors import UserError
+from workloads import WarmUpCosine
 
 hvd.init()
 ON_HOROVOD = hvd_tf.collectives().backend == "horovod"
@@ -200,6 +201,37 @@ def test_from_config_round_trip_keeps_class_settings_and_schedule():
     assert type(optimizer).__name__ == "Adam"
     assert keras.optimizers.deserialize(keras.optimizers.serialize(optimizer)).get_config() \
         == config
+
+
+def test_a_schedule_without_get_config_trains_as_one_process_with_both_ranks_batches():
+    """Keras examples' warm-up cosine schedule, a user's class with no ``get_config``: the
+    optimizer holding it cannot be rebuilt from its config, so ``DistributedOptimizer`` makes
+    that optimizer itself distributed. Four steps of 4 per rank end, on both ranks, where one
+    process ends with the same schedule and both ranks' 8 examples per step."""
+    steps, batch = 4, 4
+    x, y = rank_data(steps * batch, 4), rank_data(steps * batch, 3)
+
+    def optimizer() -> keras.optimizers.Optimizer:
+        return keras.optimizers.SGD(WarmUpCosine(0.1, total_steps=steps, warmup_steps=2),
+                                    momentum=0.9)
+
+    users = optimizer()
+    model = dense_model(4, 3)
+    model.compile(loss="mse", optimizer=hvd.DistributedOptimizer(users))
+    assert model.optimizer is users
+    model.fit(x, y, batch_size=batch, shuffle=False, verbose=0)
+    assert int(users.iterations) == steps
+    # One process: step s takes rows s*batch... of every rank, in rank order.
+    rows = steps * batch
+    order = [r * rows + s * batch + i for s in range(steps) for r in range(hvd.size())
+             for i in range(batch)]
+    alone = dense_model(4, 3)
+    alone.compile(loss="mse", optimizer=optimizer())
+    alone.fit(hvd.allgather(x).numpy()[order], hvd.allgather(y).numpy()[order],
+              batch_size=batch * hvd.size(), shuffle=False, verbose=0)
+    for left, right in zip(model.get_weights(), alone.get_weights()):
+        np.testing.assert_allclose(left, right, rtol=1e-5, atol=1e-6)
+    assert same_on_every_rank(model.get_weights()[0])
 
 
 def test_learning_rate_schedule_advances_with_applied_updates():

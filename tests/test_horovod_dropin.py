@@ -166,6 +166,45 @@ def test_a_world_of_one_reduces_to_the_scaled_tensor():
     assert reduced[1] is None and reduced[0].numpy().tolist() == [3.0]
 
 
+def test_distributed_optimizer_is_the_users_own_optimizer_made_distributed():
+    """The drop-in's ``DistributedOptimizer`` returns the optimizer passed in, made distributed
+    (only its class changes): what a rebuild from ``get_config`` would lose stays, a schedule
+    without ``get_config`` (Keras examples' warm-up cosine), a subclass's own ``__init__``
+    arguments, variables already built; ``name=`` renames it; a second call replaces the
+    settings instead of reducing twice; ``hvdtrain.tensorflow``'s is the same function."""
+    import keras
+    import tensorflow as tf
+
+    import hvdtrain.keras as hvd
+    import hvdtrain.tensorflow as hvd_tf
+    from hvdtrain.dropin import reducing_class
+    from workloads import WarmUpCosine
+
+    class ScaledSGD(keras.optimizers.SGD):
+        def __init__(self, scale: float, **kwargs) -> None:
+            super().__init__(**kwargs)
+            self.scale = scale
+
+    schedule = WarmUpCosine(0.1, total_steps=10, warmup_steps=2)
+    optimizer = keras.optimizers.SGD(schedule, momentum=0.9)
+    optimizer.build([keras.Variable(tf.zeros(3))])
+    built = [id(variable) for variable in optimizer.variables]
+    with pytest.raises(NotImplementedError):
+        optimizer.get_config()                         # it cannot be rebuilt from its config
+    assert hvd.DistributedOptimizer(optimizer, name="distributed_sgd") is optimizer
+    assert optimizer._learning_rate is schedule        # (where Keras 3 keeps a schedule)
+    assert [id(variable) for variable in optimizer.variables] == built
+    assert optimizer.name == "distributed_sgd" and isinstance(optimizer, keras.optimizers.SGD)
+    assert type(optimizer) is reducing_class(keras.optimizers.SGD, hvd_tf.gradient_reduction(),
+                                             1, False)
+    assert hvd_tf.DistributedOptimizer(optimizer, op=hvd.Sum,
+                                       backward_passes_per_step=2) is optimizer
+    assert type(optimizer) is reducing_class(keras.optimizers.SGD,
+                                             hvd_tf.gradient_reduction(hvd.Sum), 2, False)
+    scaled = ScaledSGD(2.0, learning_rate=0.1)
+    assert hvd.DistributedOptimizer(scaled) is scaled and scaled.scale == 2.0
+
+
 def test_keras_2_checkpoint_names_become_keras_3_names():
     from hvdtrain.keras.callbacks import keras3_checkpoint_path
 

@@ -135,6 +135,23 @@ def adamw(learning_rate) -> keras.optimizers.Optimizer:
     return keras.optimizers.AdamW(learning_rate=learning_rate, weight_decay=1e-4)
 
 
+class WarmUpCosine(keras.optimizers.schedules.LearningRateSchedule):
+    """A user's rate schedule as the Keras examples write it: a linear warm-up to ``base`` over
+    ``warmup_steps``, then a cosine decay to 0 at ``total_steps``; no ``get_config``, so an
+    optimizer that holds it cannot be rebuilt from its config."""
+
+    def __init__(self, base: float, total_steps: int, warmup_steps: int) -> None:
+        super().__init__()
+        self.base, self.total_steps, self.warmup_steps = base, total_steps, warmup_steps
+
+    def __call__(self, step):
+        step = tf.cast(step, tf.float32)
+        warm = self.base * (step + 1.0) / self.warmup_steps
+        progress = (step - self.warmup_steps) / (self.total_steps - self.warmup_steps)
+        cosine = 0.5 * self.base * (1.0 + tf.cos(np.pi * progress))
+        return tf.where(step < self.warmup_steps, warm, cosine)
+
+
 def slow_steps() -> list[keras.callbacks.Callback]:
     """A user's callback that makes every step 50 ms longer (timing, not the math): a job a test
     interrupts on the TensorFlow backend, whose steps HOROVOD_CYCLE_TIME does not slow, is
@@ -149,7 +166,8 @@ def leave_mid_epoch() -> list[keras.callbacks.Callback]:
     """A user's callback that, once, at the second step of the second epoch, rewrites the host
     discovery file ``HVDTRAIN_TEST_HOSTS`` to one slot and then slows that epoch's steps by
     0.1 s: the elastic driver sees one slot leave while most of the epoch is still ahead, so
-    the world changes at a mid-epoch commit however fast the machine trains."""
+    the world changes at a mid-epoch commit however fast the machine trains. It also fails the
+    run if its epoch logs hold a column of hvdtrain's own (they must stay Keras')."""
     import os
     import time
     from pathlib import Path
@@ -165,7 +183,12 @@ def leave_mid_epoch() -> list[keras.callbacks.Callback]:
             hosts.write_text("localhost:1\n")
         time.sleep(0.1)
 
+    def on_epoch_end(epoch, logs):
+        added = {"lr", "examples_per_second", "world_size"} & set(logs)
+        if added:
+            raise AssertionError(f"hvdtrain's own columns in the user's logs: {sorted(added)}")
+
     epoch_now = [0]
     return [keras.callbacks.LambdaCallback(
         on_epoch_begin=lambda epoch, logs: epoch_now.__setitem__(0, epoch),
-        on_train_batch_end=on_batch_end)]
+        on_train_batch_end=on_batch_end, on_epoch_end=on_epoch_end)]

@@ -14,15 +14,16 @@ from typing import Any
 import keras
 import tensorflow as tf
 
-from hvdtrain.dropin import DistributedOptimizer, reducing_class
+from hvdtrain.dropin import DistributedOptimizer
 from hvdtrain.keras import callbacks, elastic
 from hvdtrain import tensorflow as _hvd_tf
 from hvdtrain.tensorflow import (Adasum, Average, Compression, Sum, broadcast_global_variables,
                                  ccl_built, cross_rank, cross_size, cuda_built, ddl_built,
-                                 gloo_built, gloo_enabled, gradient_reduction, init,
-                                 is_initialized, local_rank, local_size, mpi_built, mpi_enabled,
-                                 mpi_threads_supported, nccl_built, rank, rocm_built, shutdown,
-                                 size, start_timeline, stop_timeline)
+                                 gloo_built, gloo_enabled, init, is_initialized, local_rank,
+                                 local_size, mpi_built, mpi_enabled, mpi_threads_supported,
+                                 nccl_built, rank, rocm_built, shutdown, size, start_timeline,
+                                 stop_timeline)
+from hvdtrain.tensorflow import gradient_reduction  # noqa: F401  (as hvdtrain.tensorflow has it)
 
 __all__ = [
     "Adasum", "Average", "Compression", "DistributedOptimizer", "Sum", "allgather", "allreduce",
@@ -73,8 +74,5 @@ def load_model(filepath: Any, custom_optimizers: list[type] | None = None,
     model = keras.models.load_model(filepath, custom_objects=objects)
     optimizer = getattr(model, "optimizer", None)
     if isinstance(optimizer, keras.optimizers.Optimizer):
-        # Same object, same variables: only its class changes, to the reducing subclass.
-        optimizer.__class__ = reducing_class(type(optimizer),
-                                             gradient_reduction(compression=compression), 1,
-                                             False)
+        DistributedOptimizer(optimizer, compression=compression)   # in place, state kept
     return model

@@ -135,6 +135,7 @@ def DistributedGradientTape(gradtape: tf.GradientTape, compression: Any = Compre
 
 
 def DistributedOptimizer(optimizer: Any, name: str | None = None, **options: Any) -> Any:
-    """A Keras 3 optimizer whose updates use gradients combined across ranks; the arguments
-    are ``hvdtrain.keras.DistributedOptimizer``'s (Horovod's, by keyword)."""
+    """The Keras 3 optimizer passed in, made distributed in place: its updates use gradients
+    combined across ranks; the arguments are ``hvdtrain.keras.DistributedOptimizer``'s
+    (Horovod's, by keyword)."""
     return dropin.DistributedOptimizer(optimizer, name=name, **options)

@@ -1,9 +1,11 @@
 """Rank-aware epoch hooks, shared by the Keras ``fit`` path and the custom loop.
 
 Order matters and is fixed by ``standard_callbacks``: training metrics are reduced across ranks,
-then validation runs (every rank, reduced exactly), then the learning rate is logged, then rank 0
-checkpoints, writes the metrics files and prints the epoch summary. Every rank runs the hooks
-that hold collectives, in the same order, so no allreduce is left waiting.
+then validation runs (every rank, reduced exactly), then the run's own columns (rates,
+throughput) are noted beside the logs, then the user's callbacks run, then rank 0 checkpoints,
+writes the metrics files and prints the epoch summary. Every rank runs the hooks that hold
+collectives, in the same order, so no allreduce is left waiting. The logs Keras passes along
+hold only what one plain ``model.fit`` would put there (``run_columns``).
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import math
 import sys
 import time
 import warnings
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -30,20 +32,15 @@ from hvdtrain.errors import CheckpointWriteFailed, StoppedBySignal, TrainingDive
 from hvdtrain.startup import process_age_seconds
 from hvdtrain.training.keras_internals import sublayers
 from hvdtrain.training.liveness import Liveness
+from hvdtrain.training.run_columns import NoteRunColumns, RunColumnsLog, Throughput
 from hvdtrain.training.schedule import WarmupScaledRate
 from hvdtrain.training.step import TrainingStep
 from hvdtrain.world import Collectives, World
 from hvdtrain.writes import RunFileWriter, json_rows
 
 
-RUN_COLUMNS = ("lr", "examples_per_second")
-
-
 def _column_key(name: str) -> tuple[int, int, str]:
-    """Training metrics (loss first), then validation metrics (val_loss first), then the run's
-    own columns, then anything else."""
-    if name in RUN_COLUMNS:
-        return (2, RUN_COLUMNS.index(name), "")
+    """Training metrics (loss first), then validation metrics (val_loss first)."""
     validation = name.startswith("val_")
     base = name[4:] if validation else name
     return (int(validation), 0 if base == "loss" else 1, base)
@@ -52,6 +49,12 @@ def _column_key(name: str) -> tuple[int, int, str]:
 def ordered(logs: dict) -> dict[str, float]:
     """Epoch logs as floats in one fixed column order (the two loops fill logs differently)."""
     return {name: float(logs[name]) for name in sorted(logs, key=_column_key)}
+
+
+def epoch_row(epoch: int, logs: dict, columns: RunColumnsLog) -> dict[str, float]:
+    """What the run records of Keras' epoch ``epoch``: its logs in a fixed order, then the
+    run's own columns (which win over a log of the same name)."""
+    return {**ordered(logs), **columns.columns(epoch)}
 
 
 class EpochMetrics(keras.callbacks.Callback):
@@ -162,32 +165,6 @@ class LivenessHooks(keras.callbacks.Callback):
         self.liveness.training_ended()
 
 
-class Throughput(keras.callbacks.Callback):
-    """Add ``examples_per_second`` (global examples over the epoch's training time) to the logs;
-    a resumed epoch counts the steps it ran."""
-
-    def __init__(self, global_batch: int) -> None:
-        super().__init__()
-        self.global_batch = global_batch
-        self.steps = 0
-        self.started = self.last_batch_end = 0.0
-
-    def rate(self) -> float:
-        """Global examples per second over this epoch's steps so far."""
-        return self.steps * self.global_batch / max(self.last_batch_end - self.started, 1e-9)
-
-    def on_epoch_begin(self, epoch: int, logs: dict | None = None) -> None:
-        self.started = self.last_batch_end = time.perf_counter()
-        self.steps = 0
-
-    def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
-        self.last_batch_end = time.perf_counter()
-        self.steps += 1
-
-    def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
-        logs["examples_per_second"] = self.rate()
-
-
 class AverageBatchNormStatistics(keras.callbacks.Callback):
     """Average batch-norm moving statistics across ranks at the end of every epoch.
 
@@ -295,16 +272,17 @@ class RateControl(keras.callbacks.Callback):
 
 
 class TensorBoardEvents(keras.callbacks.Callback):
-    """Rank 0 writes every epoch's logs (losses, metrics, rate, examples/second) as TensorBoard
-    scalars under ``run_dir/tensorboard``."""
+    """Rank 0 writes every epoch's logs (losses, metrics) and the run's own columns (rate,
+    examples/second) as TensorBoard scalars under ``run_dir/tensorboard``."""
 
-    def __init__(self, directory: Path) -> None:
+    def __init__(self, directory: Path, columns: RunColumnsLog) -> None:
         super().__init__()
         self.writer = tf.summary.create_file_writer(str(directory))
+        self.columns = columns
 
     def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
         with self.writer.as_default(step=epoch + 1):
-            for name, value in ordered(logs).items():
+            for name, value in epoch_row(epoch, logs, self.columns).items():
                 tf.summary.scalar(name, value)
         self.writer.flush()
 
@@ -332,20 +310,6 @@ class Validation(keras.callbacks.Callback):
     def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
         if validates_after(epoch, self.frequency):
             logs.update(self.evaluate())
-
-
-class LearningRateLog(keras.callbacks.Callback):
-    """Log the rate of the epoch's last step: ``lr``, or ``<optimizer>_lr`` for each of a
-    model's several optimizers (those that have trained)."""
-
-    def __init__(self, optimizers: dict[str, keras.optimizers.Optimizer]) -> None:
-        super().__init__()
-        self.optimizers = optimizers
-
-    def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
-        used = {name: o for name, o in self.optimizers.items() if o.built}
-        for name, optimizer in used.items():
-            logs["lr" if len(used) == 1 else f"{name}_lr"] = float(optimizer.learning_rate)
 
 
 @dataclass(frozen=True)
@@ -380,6 +344,7 @@ class Checkpointing(keras.callbacks.Callback):
         self.collectives = hooks.collectives
         self.plan = hooks.checkpoints
         self.liveness = hooks.liveness
+        self.columns = hooks.run_columns
         self.live_state = live_state
         self.passes = hooks.passes
         self.epoch = 0
@@ -435,7 +400,8 @@ class Checkpointing(keras.callbacks.Callback):
                                   "continue with the same command and --resume auto")
 
     def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
-        name, reasons, stop_training = self._save({"epoch": epoch + 1, "metrics": ordered(logs)})
+        name, reasons, stop_training = self._save({
+            "epoch": epoch + 1, "metrics": epoch_row(epoch, logs, self.columns)})
         self.model.stop_training = stop_training
         if reasons:
             self.stop_message = (f"stopped by {reasons} after epoch {epoch + 1}; checkpoint "
@@ -475,15 +441,17 @@ def batch_values(logs: dict | None) -> str:
 
 
 class MetricsFiles(keras.callbacks.Callback):
-    """Rank 0 appends one row per epoch to ``metrics.jsonl`` and ``metrics.csv``."""
+    """Rank 0 appends one row per epoch to ``metrics.jsonl`` and ``metrics.csv``: Keras' logs,
+    then the run's own columns."""
 
-    def __init__(self, run_dir: Path) -> None:
+    def __init__(self, run_dir: Path, columns: RunColumnsLog) -> None:
         super().__init__()
         self.jsonl = run_dir / "metrics.jsonl"
         self.csv = run_dir / "metrics.csv"
+        self.columns = columns
 
     def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
-        row = {"epoch": epoch + 1, **ordered(logs)}
+        row = {"epoch": epoch + 1, **epoch_row(epoch, logs, self.columns)}
         with open(self.jsonl, "a") as handle:
             handle.write(json.dumps(row) + "\n")
         new_file = not self.csv.exists()
@@ -493,31 +461,36 @@ class MetricsFiles(keras.callbacks.Callback):
                 writer.writeheader()
             writer.writerow(row)
 
-    def resume_at(self, epoch: int, checkpoint_metrics: dict[str, float]) -> None:
-        """Make the files end at ``epoch``, the resumed checkpoint's: drop rows of epochs
-        that were lost with the crash, and restore that epoch's row from the checkpoint if
-        the crash came between saving it and writing the row. No epoch appears twice."""
-        rows = [row for row in json_rows(self.jsonl) if row["epoch"] <= epoch]
-        if checkpoint_metrics and (not rows or rows[-1]["epoch"] < epoch):
-            rows.append({"epoch": epoch, **checkpoint_metrics})
-        atomic_write_text(self.jsonl, "".join(json.dumps(row) + "\n" for row in rows))
-        if rows:
-            text = io.StringIO()
-            writer = csv.DictWriter(text, fieldnames=list(rows[0]), extrasaction="ignore")
-            writer.writeheader()
-            writer.writerows(rows)
-            atomic_write_text(self.csv, text.getvalue())
+
+def resume_metrics_files(run_dir: Path, epoch: int, checkpoint_metrics: dict[str, float]) -> None:
+    """Make ``MetricsFiles``' files end at ``epoch``, the resumed checkpoint's: drop rows of
+    epochs that were lost with the crash, and restore that epoch's row (the run's columns
+    included) from the checkpoint if the crash came between saving it and writing the row. No
+    epoch appears twice."""
+    jsonl = run_dir / "metrics.jsonl"
+    rows = [row for row in json_rows(jsonl) if row["epoch"] <= epoch]
+    if checkpoint_metrics and (not rows or rows[-1]["epoch"] < epoch):
+        rows.append({"epoch": epoch, **checkpoint_metrics})
+    atomic_write_text(jsonl, "".join(json.dumps(row) + "\n" for row in rows))
+    if rows:
+        text = io.StringIO()
+        writer = csv.DictWriter(text, fieldnames=list(rows[0]), extrasaction="ignore")
+        writer.writeheader()
+        writer.writerows(rows)
+        atomic_write_text(run_dir / "metrics.csv", text.getvalue())
 
 
 class Progress(keras.callbacks.Callback):
-    """Rank 0: a progress bar with examples/second, then a one-line summary per epoch. Epochs
-    and steps come from Keras' ``params``; the rate from the run's ``Throughput``."""
+    """Rank 0: a progress bar with examples/second, then a one-line summary per epoch: Keras'
+    logs, then the run's own columns. Epochs and steps come from Keras' ``params``; the bar's
+    rate from the run's ``Throughput``."""
 
-    def __init__(self, throughput: Throughput, show_bar: bool, interactive: bool,
-                 stream=None) -> None:
+    def __init__(self, throughput: Throughput, columns: RunColumnsLog, show_bar: bool,
+                 interactive: bool, stream=None) -> None:
         """``interactive``: redraw one line in place (a terminal, no launcher prefixing lines)."""
         super().__init__()
         self.throughput = throughput
+        self.columns = columns
         self.show_bar = show_bar
         self.stream = stream or sys.stdout
         self.interactive = interactive
@@ -545,12 +518,10 @@ class Progress(keras.callbacks.Callback):
     def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
         if self.show_bar and self.interactive:
             self.stream.write("\n")
-        values = ordered(logs)
-        rate = values.pop("examples_per_second", 0.0)
-        lr = values.pop("lr", None)
-        text = "  ".join(f"{name} {value:.4f}" for name, value in values.items())
-        if lr is not None:
-            text += f"  lr {lr:.5g}"
+        own = self.columns.columns(epoch)
+        rate = own.pop("examples_per_second", 0.0)
+        text = "  ".join(f"{name} {value:.4f}" for name, value in ordered(logs).items())
+        text += "".join(f"  {name} {value:.5g}" for name, value in own.items())
         self.stream.write(f"epoch {epoch + 1}/{self.params['epochs']}  {text}  {rate:,.0f} "
                           "ex/s\n")
         self.stream.flush()
@@ -582,7 +553,9 @@ class Reporting:
 
 @dataclass(frozen=True)
 class RunHooks:
-    """What the callbacks of one run act on (built by the run, for whichever loop trains)."""
+    """What the callbacks of one run act on (built by the run, for whichever loop trains).
+    ``run_columns``: where the run's own columns go (the run keeps it for ``RunResult``);
+    ``world_size_column``: they include the world size (an elastic run's, which changes)."""
 
     collectives: Collectives
     step: TrainingStep
@@ -596,6 +569,8 @@ class RunHooks:
     validation_freq: int | list[int] = 1
     plateau: PlateauDecay | None = None
     user_callbacks: Sequence[keras.callbacks.Callback] = ()
+    run_columns: RunColumnsLog = field(default_factory=RunColumnsLog)
+    world_size_column: bool = False
 
 
 # Keras callbacks that write files or print: on rank 0 only, as one process would write them.
@@ -640,10 +615,12 @@ def rank_aware(callbacks: Sequence[keras.callbacks.Callback],
 
 def standard_callbacks(hooks: RunHooks) -> list[keras.callbacks.Callback]:
     """The callbacks of a run, in the order they must fire at the end of an epoch: first the
-    ones every rank runs (they hold collectives), then the user's callbacks (every rank; the
-    logs they see already hold the exact global metrics, validation and rate, equal on every
-    rank, so decisions such as early stopping agree; writers run on rank 0 only), then the
-    checkpoint and stop agreement, then rank 0's writers and its report."""
+    ones every rank runs (they hold collectives; the last of them notes the run's own columns
+    beside the logs), then the user's callbacks (every rank; the logs they see already hold the
+    exact global metrics and validation, equal on every rank, so decisions such as early
+    stopping agree, and no key one plain ``model.fit`` would not have; writers run on rank 0
+    only), then the checkpoint and stop agreement, then rank 0's writers and its report, which
+    add the run's columns to what they record."""
     model, world, report = hooks.step.model, hooks.collectives.world, hooks.reporting
     throughput = Throughput(report.global_batch)
     callbacks: list[keras.callbacks.Callback] = [
@@ -658,7 +635,8 @@ def standard_callbacks(hooks: RunHooks) -> list[keras.callbacks.Callback]:
         AverageBatchNormStatistics(model, hooks.collectives),
         *([Validation(hooks.evaluate, hooks.validation_freq)] if hooks.evaluate is not None
           else []),
-        LearningRateLog(hooks.step.optimizers),
+        NoteRunColumns(throughput, hooks.step.optimizers, hooks.run_columns,
+                       world.size if hooks.world_size_column else None),
     ]
     if hooks.plateau is not None:
         callbacks.append(hooks.plateau)
@@ -671,10 +649,12 @@ def standard_callbacks(hooks: RunHooks) -> list[keras.callbacks.Callback]:
 
     callbacks.append(Checkpointing(hooks, live_state))
     if world.is_chief:
-        run_dir = report.run_dir
-        callbacks.append(RunFileWriter(lambda: MetricsFiles(run_dir), run_dir, "the metrics files"))
+        run_dir, columns = report.run_dir, hooks.run_columns
+        callbacks.append(RunFileWriter(lambda: MetricsFiles(run_dir, columns), run_dir,
+                                       "the metrics files"))
         if report.tensorboard:
-            callbacks.append(RunFileWriter(lambda: TensorBoardEvents(run_dir / "tensorboard"),
-                                           run_dir, "TensorBoard events"))
-        callbacks.append(Progress(throughput, report.show_progress, report.interactive))
+            callbacks.append(RunFileWriter(
+                lambda: TensorBoardEvents(run_dir / "tensorboard", columns), run_dir,
+                "TensorBoard events"))
+        callbacks.append(Progress(throughput, columns, report.show_progress, report.interactive))
     return callbacks

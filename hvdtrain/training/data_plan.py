@@ -48,20 +48,27 @@ class DataPlan:
     val_spec: ShardSpec | None
     notes: tuple[str, ...] = ()
 
+    def global_batch(self, split: Split) -> tuple[int, bool]:
+        """(the global batch, whether it is the data's own): a pre-batched dataset's batches
+        are the user's (the first one's size), times the ranks; else ``--batch-size`` times
+        the ranks."""
+        spec = self.spec
+        if getattr(split, "batched", False) and not getattr(split, "infinite", False):
+            rows = int(tf.shape(tf.nest.flatten(split.template(spec)[0])[0])[0])
+            return spec.world.size * rows, True
+        return spec.global_batch, False
+
     def describe(self, split: Split) -> str:
         """The run log's words for the training data: examples, steps and the real global
-        batch (a pre-batched dataset's batches are the user's, times the ranks)."""
+        batch."""
         spec, passes = self.spec, self.passes
         steps = (f"{passes.steps_per_epoch} steps/epoch (steps_per_epoch; a pass is "
                  f"{'endless' if passes.pass_steps is None else passes.pass_steps})"
                  if passes.steps_per_epoch else f"{passes.pass_steps} steps/epoch")
-        if getattr(split, "batched", False) and not getattr(split, "infinite", False):
-            rows = int(tf.shape(tf.nest.flatten(split.template(spec)[0])[0])[0])
-            batch = (f"global batch {spec.world.size} x {rows} = {spec.world.size * rows} "
-                     "(the dataset's own batches, the first's size; --batch-size does not "
-                     "apply)")
-        else:
-            batch = f"global batch {spec.global_batch}"
+        size, own = self.global_batch(split)
+        batch = (f"global batch {spec.world.size} x {size // spec.world.size} = {size} (the "
+                 "dataset's own batches, the first's size; --batch-size does not apply)"
+                 if own else f"global batch {size}")
         examples = split.num_examples
         what = "a user dataset" if examples is None else f"{examples} examples"
         return f"{what}, {steps}, {batch}, remainder policy '{spec.remainder}'"

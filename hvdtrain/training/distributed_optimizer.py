@@ -7,8 +7,10 @@ of the user's optimizer class with the same name (so ``isinstance`` checks,
 ``get_config``/``from_config`` and a saved model's optimizer entry stay the optimizer's own).
 Only ``apply`` is overridden; Keras 3 routes ``apply_gradients`` and ``model.fit`` through it.
 The settings are class attributes: ``from_config`` on the class makes another optimizer that
-reduces the same way, and an existing optimizer becomes distributed, keeping its variables, by
-changing its class (``distributed_for_the_run``).
+reduces the same way, and an existing optimizer becomes distributed, keeping everything it holds
+(variables, a rate schedule, a subclass's own attributes), by changing its class: the drop-in's
+``DistributedOptimizer`` and ``load_model`` do so for good, ``distributed_for_the_run`` for a
+run.
 
 ``passes`` k > 1 adds k calls' gradients up locally (in variables outside
 ``optimizer.variables``, so saved models and broadcasts do not carry them) and reduces and
@@ -82,6 +84,14 @@ class _ReducingOptimizer:
                 self._hvdtrain_calls = tf.Variable(0, dtype=tf.int64, trainable=False,
                                                    name="hvdtrain_backward_passes")
         return self._hvdtrain_accumulated
+
+
+def own_class(optimizer: keras.optimizers.Optimizer) -> type:
+    """The optimizer's class as its user made it (a distributed optimizer's class is a reducing
+    subclass of it), so that making it distributed again replaces the settings instead of
+    reducing twice."""
+    cls = type(optimizer)
+    return cls.__bases__[1] if issubclass(cls, _ReducingOptimizer) else cls
 
 
 @functools.cache

@@ -19,7 +19,8 @@ How the guarantees hold when the world changes:
   given), and everything else is synchronised by the elastic state.
 
 Rank 0 records every (re)start of an epoch segment in ``elastic.jsonl`` (epoch, offset, world
-size) and the metrics rows carry ``world_size``. Training loss and accuracy of an epoch cover
+size) and the metrics rows carry ``world_size`` (a run column: the logs the user's callbacks see
+stay Keras' own). Training loss and accuracy of an epoch cover
 the part after its last change; validation is always exact over the whole validation set
 (sharded for the current world). Not supported with elastic: plateau decay (its state would not
 reach joining ranks). Schedule lengths (warmup, cosine, step decay) count optimizer updates as
@@ -43,6 +44,7 @@ from hvdtrain.checkpoint import CheckpointStore
 from hvdtrain.checkpoint_state import CheckpointState
 from hvdtrain.training.callbacks import (CheckpointPlan, RateControl, Reporting, RunHooks,
                                          standard_callbacks)
+from hvdtrain.training.run_columns import RunColumnsLog
 from hvdtrain.training.schedule import WarmupScaledRate, world_scale
 from hvdtrain.training.step import StepMath
 from hvdtrain.world import Collectives, tf_variables
@@ -67,6 +69,7 @@ class ElasticRun:
     run_dir: Path
     initial_epoch: int
     user_callbacks: list[keras.callbacks.Callback]
+    run_columns: RunColumnsLog   # kept across worlds; its rows carry each epoch's world size
 
 
 def _log_segment(run_dir: Path, epoch: int, offset: int, world_size: int, lr: float) -> None:
@@ -103,7 +106,8 @@ def elastic_loop(run: ElasticRun) -> None:
             checkpoints=CheckpointPlan(run.store, run.state),
             reporting=Reporting(run.run_dir, world.size * config.train.batch_size,
                                 config.train.progress, tensorboard=config.train.tensorboard),
-            evaluate=lambda: run.evaluate(val_spec), user_callbacks=run.user_callbacks)),
+            evaluate=lambda: run.evaluate(val_spec), user_callbacks=run.user_callbacks,
+            run_columns=run.run_columns, world_size_column=True)),
             add_history=False, add_progbar=False, model=run.model, epochs=epochs, steps=None,
             verbose=0)
         run.model.stop_training = False
@@ -128,9 +132,7 @@ def elastic_loop(run: ElasticRun) -> None:
                     break
                 if (index + 1) % config.train.commit_every == 0:
                     state.commit()
-            logs = {name: float(value) for name, value in logs.items()}
-            logs["world_size"] = float(world.size)
-            hooks.on_epoch_end(state.epoch, logs)
+            hooks.on_epoch_end(state.epoch, {name: float(value) for name, value in logs.items()})
             if run.model.stop_training:
                 break
             state.epoch += 1

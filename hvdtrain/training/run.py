@@ -54,15 +54,16 @@ from hvdtrain.training.adapted_state import agree_on_adapted_state
 from hvdtrain.training.autotune_run import Tuning, autotune
 from hvdtrain.training.data_plan import DataPlan, plan_data
 from hvdtrain.training.process_state import run_environment, seed_alike, seed_per_rank
-from hvdtrain.training.callbacks import (CheckpointPlan, FirstStepClock, MetricsFiles,
-                                         PlateauDecay, Reporting, ResumePoint, RunHooks,
-                                         standard_callbacks)
+from hvdtrain.training.callbacks import (CheckpointPlan, FirstStepClock, PlateauDecay,
+                                         Reporting, ResumePoint, RunHooks,
+                                         resume_metrics_files, standard_callbacks)
 from hvdtrain.training.keras_internals import initial_epoch_of, set_initial_epoch, sublayers
 from hvdtrain.training.liveness import Liveness, liveness_for
 from hvdtrain.training.loops import LOOPS
 from hvdtrain.training.objective import probe
 from hvdtrain.training.own_step import OwnStep
 from hvdtrain.training.resume_check import check_resumable, optimizers_changed
+from hvdtrain.training.run_columns import RunColumns, RunColumnsLog
 from hvdtrain.training.step import Evaluation, StepMath, StepOptions, TrainingStep
 from hvdtrain.training.trainable import Trainable, own_step_reason, prepare
 from hvdtrain.world import (Collectives, GradientReduction, World, ended_by_another_rank,
@@ -250,7 +251,7 @@ def _resumed(restored: Restored, world: World, run_dir: Path, store: CheckpointS
     start = restored.resume
     if world.is_chief:
         with run_files(run_dir, "the metrics files"):
-            MetricsFiles(run_dir).resume_at(start.epoch, saved.metrics)
+            resume_metrics_files(run_dir, start.epoch, saved.metrics)
     where = f", step {start.step}" if start.step else ""
     say(world, f"resuming after epoch {start.epoch}{where} from "
                f"{store.directory / restored.name}")
@@ -278,7 +279,7 @@ def _starting_point(config: Config, run: CheckpointState, collectives: Collectiv
             restored = restore()
             start = ResumePoint(restored.state.epoch)
             with run_files(run_dir, "the metrics files"):
-                MetricsFiles(run_dir).resume_at(start.epoch, restored.state.metrics)
+                resume_metrics_files(run_dir, start.epoch, restored.state.metrics)
     elif resuming:
         start = _resumed(chief_decides(collectives, restore), world, run_dir, store, step,
                          trainable, plateau)
@@ -334,14 +335,17 @@ class RunSummary:
 @dataclass(frozen=True)
 class RunResult:
     """What ``Run.execute`` (and ``hvdtrain.fit``) returns on every rank: the run directory,
-    the exact final metrics, every rank's weight fingerprint, the trained model and Keras'
-    ``History`` of the epochs' logs (``history.history["val_loss"]``...)."""
+    the exact final metrics, every rank's weight fingerprint, the trained model, Keras'
+    ``History`` of the epochs' logs (``history.history["val_loss"]``...: the keys one plain
+    ``model.fit`` has) and, for the same epochs, the run's own columns (``run_columns``: the
+    learning rates and throughput that ``metrics.jsonl`` adds to the logs)."""
 
     run_dir: Path
     metrics: dict[str, float]
     fingerprints: list[str]
     model: keras.Model
     history: keras.callbacks.History | None = None
+    run_columns: list[RunColumns] = dataclasses.field(default_factory=list)
 
 
 @dataclass
@@ -364,6 +368,7 @@ class Prepared:
     state: CheckpointState
     launched: float
     first_step: FirstStepClock = dataclasses.field(default_factory=FirstStepClock)
+    run_columns: RunColumnsLog = dataclasses.field(default_factory=RunColumnsLog)
 
     @property
     def spec(self) -> ShardSpec:
@@ -627,7 +632,7 @@ class Run:
             elastic_loop(ElasticRun(config, run.collectives, run.data, trainable.model,
                                     trainable.optimizer, trainable.schedule, trainable.rates,
                                     run.step, run.evaluate, run.store, run.state, run.run_dir,
-                                    initial_epoch, run.user_callbacks))
+                                    initial_epoch, run.user_callbacks, run.run_columns))
             return None
         if initial_epoch >= epochs:
             return None
@@ -635,13 +640,14 @@ class Run:
             collectives=run.collectives, step=run.step, rates=run.trainable.rates,
             checkpoints=CheckpointPlan(run.store, run.state, config.train.checkpoint_every_steps,
                                        start.resume),
-            reporting=Reporting(run.run_dir, run.spec.global_batch, config.train.progress,
+            reporting=Reporting(run.run_dir, run.plan.global_batch(run.data.train)[0],
+                                config.train.progress,
                                 sys.stdout.isatty() and world.size == 1,
                                 config.train.tensorboard, run.first_step),
             liveness=self.liveness, passes=run.plan.passes,
             evaluate=None if run.data.val is None else run.validate,
             validation_freq=self.validation_freq, plateau=run.plateau,
-            user_callbacks=run.user_callbacks))
+            user_callbacks=run.user_callbacks, run_columns=run.run_columns))
         distributed = (run.step.distributed() if isinstance(run.step, OwnStep)
                        else contextlib.nullcontext())
         with data_errors_named(run.data), distributed:
@@ -671,7 +677,8 @@ class Run:
                                  None if run.data.val is None else run.data.val.num_examples,
                                  [facts for _, facts in gathered])
             _write_outputs(run.run_dir, self._float32_copy(model, run.data), summary)
-        return RunResult(run.run_dir, metrics, fingerprints, model, history)
+        return RunResult(run.run_dir, metrics, fingerprints, model, history,
+                         list(run.run_columns.rows))
 
     def _float32_copy(self, model: keras.Model, data: DataBundle) -> keras.Model:
         """The trained model rebuilt under the float32 policy, for saving and inference."""
