@@ -167,9 +167,11 @@ class TrainConfig:
                          minimum=1)
     initial_epoch: int = option(0, "the epoch to start at (Keras' initial_epoch; a resumed run "
                                    "starts where its checkpoint is)", minimum=0)
-    steps_per_epoch: int | None = option(None, "steps per epoch (default: one pass over the "
-                                               "data; required for a dataset that repeats "
-                                               "forever)", minimum=1)
+    steps_per_epoch: int | None = option(None, "steps per epoch, read as Keras reads it: the data "
+                                               "is one stream across epochs and an epoch ends "
+                                               "early where a pass ends (default: one pass; "
+                                               "required for a dataset that repeats forever)",
+                                         minimum=1)
     validation_freq: int = option(1, "validate after every N-th epoch (Keras' "
                                      "validation_freq)", minimum=1)
     batch_size: int = option(32, "examples per rank per step (global batch = this x ranks)",
@@ -340,6 +342,10 @@ def validate(config: Config) -> Config:
     if every % accumulation:
         raise ConfigError(f"--checkpoint-every-steps {every} must be a multiple of "
                           f"--accumulation-steps {accumulation}: checkpoints fall between updates")
+    steps = config.train.steps_per_epoch
+    if steps and steps % accumulation:
+        raise ConfigError(f"--steps-per-epoch {steps} must be a multiple of --accumulation-steps "
+                          f"{accumulation}: an epoch would end between updates")
     if config.train.elastic:
         _check_elastic(config)
     if config.train.backend == "tensorflow":
@@ -379,6 +385,9 @@ def _check_elastic(config: Config) -> None:
     if config.train.checkpoint_every_steps:
         raise ConfigError("--checkpoint-every-steps does not apply to --elastic, which commits "
                           "its state every --commit-every steps")
+    if config.train.steps_per_epoch:
+        raise ConfigError("--steps-per-epoch does not apply to --elastic, whose epochs are whole "
+                          "passes over the data (re-sharded when the world changes); drop it")
     if not config.train.run_dir:
         raise ConfigError("--elastic needs --run-dir: ranks that join later must find the run")
     if config.data.dataset in ("tfrecord", "csv") or config.optim.accumulation_steps != 1:

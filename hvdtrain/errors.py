@@ -8,6 +8,15 @@ for ``--stall-timeout`` (its liveness monitor ended it).
 
 import errno
 import os
+import re
+
+
+def first_sentence(text: str) -> str:
+    """Another library's message as one whole sentence for a one-line report: its lines joined,
+    up to the end of its first sentence (never cut inside one)."""
+    flat = " ".join(text.split())
+    match = re.search(r"[.!?](\s|$)", flat)
+    return flat[:match.end()].strip() if match else flat
 
 
 class UserError(Exception):

@@ -526,10 +526,17 @@ def cpu_threads_per_rank(local_size: int, affinity: int, cores: int) -> int:
     return max(1, cores // max(1, local_size))
 
 
+# This process's placement, once made (TensorFlow keeps it for the process's lifetime).
+_placed: list[str] = []
+
+
 def place_devices(world: World, threads: int | None = None) -> str:
     """Pin one GPU per local rank (memory growth on), or size CPU thread pools; say which.
 
-    Must run before TensorFlow creates its runtime (before the first op).
+    Must run before TensorFlow creates its runtime (before the first op). Once it has, the
+    placement stands: an earlier run's, or TensorFlow's own defaults when the script used
+    TensorFlow (built a model, a dataset) before hvdtrain could place the rank, which the line
+    says, with the fix.
     """
     import tensorflow as tf
 
@@ -539,17 +546,27 @@ def place_devices(world: World, threads: int | None = None) -> str:
             gpu = gpus[world.local_rank % len(gpus)]
             tf.config.experimental.set_memory_growth(gpu, True)
             tf.config.set_visible_devices(gpu, "GPU")
-            return f"GPU {gpu.name} (local rank {world.local_rank} of {len(gpus)} GPUs)"
-        affinity = len(os.sched_getaffinity(0))
-        count = threads or cpu_threads_per_rank(world.local_size, affinity, os.cpu_count() or 1)
-        tf.config.threading.set_intra_op_parallelism_threads(count)
-        tf.config.threading.set_inter_op_parallelism_threads(min(2, count))
-        return f"CPU, {count} thread(s) for this rank"
+            _placed.append(f"GPU {gpu.name} (local rank {world.local_rank} of {len(gpus)} "
+                           "GPUs)")
+        else:
+            affinity = len(os.sched_getaffinity(0))
+            count = threads or cpu_threads_per_rank(world.local_size, affinity,
+                                                    os.cpu_count() or 1)
+            tf.config.threading.set_intra_op_parallelism_threads(count)
+            tf.config.threading.set_inter_op_parallelism_threads(min(2, count))
+            _placed.append(f"CPU, {count} thread(s) for this rank")
+        return _placed[-1]
     except RuntimeError:
-        # A second run in the same process (a notebook, a test): TensorFlow's runtime exists
-        # and keeps the placement the first run chose.
-        placed = tf.config.get_visible_devices("GPU") or ["CPU"]
-        return f"{placed[0]}, as placed by an earlier run in this process"
+        if _placed:   # a second run in the same process (a notebook, a test)
+            return f"{_placed[-1]}, as placed by an earlier run in this process"
+        visible = tf.config.get_visible_devices("GPU")
+        threads_now = tf.config.threading.get_intra_op_parallelism_threads() or "default"
+        where = (f"every rank sees all {len(visible)} GPUs" if len(visible) > 1 else
+                 f"{visible[0].name}" if visible else
+                 f"CPU, TensorFlow's own {threads_now} thread(s) per rank")
+        return (f"{where}: TensorFlow had started before hvdtrain could place this rank (the "
+                "script used it first); call hvdtrain.init() at the top of the script to pin "
+                "one GPU per rank or split the cores")
 
 
 def init_collectives(backend: str = "auto", prepare: Callable[[World], Any] = lambda world: None,

@@ -35,7 +35,7 @@ from hvdtrain.data import METADATA_FILE
 from hvdtrain.data.equal_steps import first_element
 from hvdtrain.data.pipeline import ShardSpec
 from hvdtrain.data.records import DamagedRecordFile, count_records, damaged_record_at
-from hvdtrain.errors import UserError
+from hvdtrain.errors import UserError, first_sentence
 
 
 Parser = Callable[[tf.Tensor], tuple[tf.Tensor, tf.Tensor]]
@@ -243,7 +243,7 @@ def corrupt_record_message(splits: Sequence[object], detail: str) -> str:
                  for name in split.files]
         found = damaged_record_at(files, int(offset.group(1)))
     if found is None:
-        return (f"a TFRecord file is corrupt ({detail.splitlines()[0][:160]}); regenerate it "
+        return (f"a TFRecord file is corrupt ({first_sentence(detail)}); regenerate it "
                 "with 'hvdtrain convert'")
     return (f"{found[0]}: record {found[1]} is corrupt (its checksum does not match); "
             "regenerate the file with 'hvdtrain convert'")

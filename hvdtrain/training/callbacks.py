@@ -71,6 +71,21 @@ class EpochMetrics(keras.callbacks.Callback):
         logs.update(self.step.epoch_results(logs))
 
 
+class StepPosition(keras.callbacks.Callback):
+    """Where training is (epoch and step), for the note a failing step's error gets."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.epoch: int | None = None
+        self.batch = 0
+
+    def on_epoch_begin(self, epoch: int, logs: dict | None = None) -> None:
+        self.epoch = epoch
+
+    def on_train_batch_begin(self, batch: int, logs: dict | None = None) -> None:
+        self.batch = batch
+
+
 class DataRanOut(keras.callbacks.Callback):
     """Rank 0: Keras' warning when an epoch ends before ``steps_per_epoch`` because its pass
     over the data ended (``equal_steps.Passes``), as one process's ``fit`` shows it."""

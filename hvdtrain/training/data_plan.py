@@ -47,6 +47,18 @@ class DataPlan:
     passes: Passes
     val_spec: ShardSpec | None
     notes: tuple[str, ...] = ()
+    # This rank's own batches per pass where ranks count their own (beyond them it fills).
+    own_count: int | None = None
+
+    def describe_step(self, epoch: int, batch: int) -> str:
+        """Which batch a step of ``epoch`` trained on, in words for an error note."""
+        pass_index, offset, _ = self.passes.start(epoch)
+        position = offset + batch
+        if self.own_count is not None and position >= self.own_count:
+            return (f"a repeat of the data's first batch at loss weight zero (this rank's pass "
+                    f"has {self.own_count} batches; every rank runs {self.passes.pass_steps})")
+        return (f"batch {position + 1} of this rank's pass {pass_index + 1} over the training "
+                "data, as given")
 
     def global_batch(self, split: Split) -> tuple[int, bool]:
         """(the global batch, whether it is the data's own): a pre-batched dataset's batches
@@ -130,6 +142,7 @@ def plan_data(config: Config, data: DataBundle, collectives: Collectives,
                      config.train.seed, optim.accumulation_steps)
     wanted = config.train.steps_per_epoch
     notes: list[str] = []
+    own_count = None
     if getattr(data.train, "infinite", False):
         if not wanted:
             raise UserError("the training dataset repeats forever; give steps_per_epoch")
@@ -137,6 +150,7 @@ def plan_data(config: Config, data: DataBundle, collectives: Collectives,
     else:
         steps, counts = agreed_pass_steps(data.train, spec, collectives)
         pass_steps = steps
+        own_count = None if data.train.normalised else counts[world.rank]
         if remainder == "drop" and not data.train.normalised:
             notes += _left_out(data.train, spec, counts, steps, collectives)
     spec = dataclasses.replace(spec, agreed_steps=steps)
@@ -157,11 +171,10 @@ def plan_data(config: Config, data: DataBundle, collectives: Collectives,
                      f"{data.train.mode(world.size)}")
     passes = Passes(pass_steps, wanted, config.train.initial_epoch)
     if data.val is None:
-        return DataPlan(spec, passes, None, tuple(notes))
+        return DataPlan(spec, passes, None, tuple(notes), own_count)
     val_spec = ShardSpec(data.val.num_examples or 0, world, batch, "pad", False,
                          equal_steps=own_step is None)
-    if own_step is not None:
-        return DataPlan(spec, passes, val_spec, tuple(notes))
-    val_steps, _ = agreed_pass_steps(data.val, val_spec, collectives)
-    return DataPlan(spec, passes, dataclasses.replace(val_spec, agreed_steps=val_steps),
-                    tuple(notes))
+    if own_step is None:
+        val_steps, _ = agreed_pass_steps(data.val, val_spec, collectives)
+        val_spec = dataclasses.replace(val_spec, agreed_steps=val_steps)
+    return DataPlan(spec, passes, val_spec, tuple(notes), own_count)

@@ -45,7 +45,7 @@ from hvdtrain.data.contract import ArraySplit, DataBundle
 from hvdtrain.data.equal_steps import count_changed_line
 from hvdtrain.data.load import load_source
 from hvdtrain.errors import (CheckpointWriteFailed, PeerFailed, StoppedBySignal,
-                             TrainingDiverged, UserError)
+                             TrainingDiverged, UserError, first_sentence)
 from hvdtrain.models import build_model, check_input_shape
 from hvdtrain.plugins import load_callable
 from hvdtrain.plots import plot_curves
@@ -55,7 +55,7 @@ from hvdtrain.training.autotune_run import Tuning, autotune
 from hvdtrain.training.data_plan import DataPlan, plan_data
 from hvdtrain.training.process_state import run_environment, seed_alike, seed_per_rank
 from hvdtrain.training.callbacks import (CheckpointPlan, FirstStepClock, PlateauDecay,
-                                         Reporting, ResumePoint, RunHooks,
+                                         Reporting, ResumePoint, RunHooks, StepPosition,
                                          resume_metrics_files, standard_callbacks)
 from hvdtrain.training.keras_internals import initial_epoch_of, set_initial_epoch, sublayers
 from hvdtrain.training.liveness import Liveness, liveness_for
@@ -580,9 +580,10 @@ class Run:
         try:
             model(batch[0], training=False)
         except Exception as error:  # noqa: BLE001 - whatever a user's call raises
+            why = f"{type(error).__name__}: {first_sentence(str(error))}"
             raise UserError(f"model '{self.model_label}' is not built and calling it on a batch "
-                            f"failed ({type(error).__name__}: {str(error)[:160]}); build it "
-                            "(and its sub-models) before training") from error
+                            f"failed ({why}); build it (and its sub-models) before training"
+                            ) from error
 
     # --- autotune (instead of restore, train and finish) ---------------------------------------
 
@@ -650,11 +651,19 @@ class Run:
             user_callbacks=run.user_callbacks, run_columns=run.run_columns))
         distributed = (run.step.distributed() if isinstance(run.step, OwnStep)
                        else contextlib.nullcontext())
+        position = StepPosition()
         with data_errors_named(run.data), distributed:
             done = start.resume.step if start.resume.epoch == initial_epoch else 0
-            return LOOPS[config.train.loop](
-                run.step, run.plan.stream(run.data.train, initial_epoch, done, epochs), epochs,
-                initial_epoch, run.plan.passes, callbacks, done)
+            try:
+                return LOOPS[config.train.loop](
+                    run.step, run.plan.stream(run.data.train, initial_epoch, done, epochs),
+                    epochs, initial_epoch, run.plan.passes, [position, *callbacks], done)
+            except tf.errors.OpError as error:
+                if position.epoch is not None:
+                    error.add_note(f"hvdtrain: rank {world.rank} failed in epoch "
+                                   f"{position.epoch + 1}, step {position.batch + 1}, on "
+                                   f"{run.plan.describe_step(position.epoch, position.batch)}")
+                raise
 
     # --- finish ------------------------------------------------------------------------------
 
@@ -709,7 +718,7 @@ def _save_model(run_dir: Path, model: keras.Model) -> Path:
             partial.unlink(missing_ok=True)
             path = run_dir / "model.weights.h5"
             model.save_weights(path)
-            why = str(error).strip().splitlines()[0][:120] if str(error).strip() else "no config"
+            why = first_sentence(str(error)) or "no config"
             print(f"note: Keras cannot save this model whole ({type(error).__name__}: {why}); "
                   f"saved its weights to {path} (give the class get_config/from_config to "
                   "save it whole)", flush=True)
