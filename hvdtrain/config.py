@@ -98,7 +98,8 @@ class DataConfig:
     shuffle: bool = option(True, "shuffle the training examples every epoch (in-memory and "
                                  "file data; a user's dataset object shuffles itself)")
     remainder: str = option("auto", "last partial global batch each epoch: pad (every example "
-                                    "once, zero-weight padding), drop (skip it), or auto (pad "
+                                    "once; filled with real examples at weight zero), drop "
+                                    "(skip it), or auto (pad "
                                     "for hvdtrain's step; drop for a model's own train_step, "
                                     "whose per-rank mean needs equal batches)",
                             choices=("auto", "pad", "drop"))

@@ -69,6 +69,12 @@ def test_field_names_are_unique_across_sections():
     ({"elastic": True, "run_dir": "r", "autotune": True},
      "--autotune times fixed settings on a fixed set of ranks; run it without --elastic, then "
      "give the elastic run the flags it prints"),
+    ({"elastic": True, "run_dir": "r", "steps_per_epoch": 5},
+     "--steps-per-epoch does not apply to --elastic, whose epochs are whole passes over the "
+     "data (re-sharded when the world changes); drop it"),
+    ({"steps_per_epoch": 5, "accumulation_steps": 2},
+     "--steps-per-epoch 5 must be a multiple of --accumulation-steps 2: an epoch would end "
+     "between updates"),
 ])
 def test_bad_values_are_named_in_one_line(overrides, message):
     with pytest.raises(ConfigError) as caught:

@@ -24,8 +24,9 @@ def test_a_model_with_its_own_step_refuses_hvdtrains_optimizer_and_padding(capsy
                "--optimizer/--learning-rate choose hvdtrain's optimizer, but this model trains "
                "with its own step (it defines train_step) and its own optimizers; drop them")
     fails_with(capsys, [*GAN, "--remainder", "pad", "--run-dir", str(tmp_path / "b")],
-               "--remainder pad adds zero-weight examples, which the model's own step (it "
-               "defines train_step) would count in its mean; use --remainder drop (or auto)")
+               "--remainder pad fills the last global batch with repeated examples at weight "
+               "zero, which the model's own step (it defines train_step) would count in its "
+               "mean; use --remainder drop (or auto)")
 
 
 def test_steps_per_execution_is_refused(capsys, tmp_path, monkeypatch):

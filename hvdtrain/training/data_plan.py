@@ -30,8 +30,9 @@ def resolved_remainder(config: Config, own_step: str | None) -> str:
     exact only over equal batches, and a filler row would count in it)."""
     remainder = config.data.remainder
     if own_step is not None and remainder == "pad":
-        raise UserError(f"--remainder pad adds zero-weight examples, which the model's own step "
-                        f"({own_step}) would count in its mean; use --remainder drop (or auto)")
+        raise UserError(f"--remainder pad fills the last global batch with repeated examples "
+                        f"at weight zero, which the model's own step ({own_step}) would count "
+                        "in its mean; use --remainder drop (or auto)")
     if remainder == "auto":
         return "drop" if own_step is not None else "pad"
     return remainder

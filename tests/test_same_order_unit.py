@@ -1,0 +1,111 @@
+"""Shards never overlap and fit leaves no trace, single process: which pipelines read in a
+different order on every rank (``hvdtrain.data.order``), the data built by a function the user
+hands over, and the random state a run puts back (``process_state``)."""
+
+from __future__ import annotations
+
+import random
+import subprocess
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from conftest import BIN, REPO, RUN_TIMEOUT, rank_env
+from hvdtrain.data.contract import DataError
+from hvdtrain.data.datasets import keras_parts
+from hvdtrain.data.order import fingerprint, refusal
+from hvdtrain.data.user import KerasData, built
+from hvdtrain.training.keras_internals import op_determinism_enabled
+from hvdtrain.training.process_state import run_environment, seed_alike, seed_per_rank
+
+ROWS = np.arange(101, dtype=np.int64)
+
+# Run in a fresh process: whether a shuffle is seeded depends on TensorFlow's global seed,
+# which the test process may have set.
+PIPELINES = """
+import numpy as np, tensorflow as tf
+from hvdtrain.training.keras_internals import unseeded_randomness
+rows = tf.data.Dataset.from_tensor_slices(np.arange(101))
+found = [
+    unseeded_randomness(rows.shuffle(101).batch(4)),
+    unseeded_randomness(rows.shuffle(101, seed=3).batch(4)),
+    unseeded_randomness(tf.data.Dataset.sample_from_datasets([rows, rows])),
+    unseeded_randomness(rows.map(lambda v: v + 1, num_parallel_calls=2, deterministic=False)),
+    unseeded_randomness(rows.map(lambda v: v + 1, num_parallel_calls=2)),
+    unseeded_randomness(tf.data.Dataset.zip(rows, rows.shuffle(8)).batch(2)),
+]
+tf.random.set_seed(5)
+found.append(unseeded_randomness(rows.shuffle(101)))
+print(found)
+"""
+
+
+def test_unseeded_randomness_is_found_without_reading_the_data():
+    result = subprocess.run([str(BIN / "python"), "-c", PIPELINES], cwd=REPO, env=rank_env(),
+                            text=True, capture_output=True, timeout=RUN_TIMEOUT,
+                            stdin=subprocess.DEVNULL)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.strip().splitlines()[-1] == str([
+        "an unseeded shuffle", None, "an unseeded Dataset.random or sample_from_datasets",
+        "a parallel map with deterministic=False", None, "an unseeded shuffle", None])
+
+
+def test_the_fingerprint_follows_the_targets_not_a_random_augmentation():
+    """Features augmented differently on every rank move no example to another rank: the
+    fingerprint reads the targets; an order that differs changes it."""
+    def pipeline(noise: float, order: np.ndarray) -> tf.data.Dataset:
+        x = (ROWS[order] + noise).astype(np.float32)
+        return tf.data.Dataset.from_tensor_slices((x, ROWS[order]))
+
+    same = np.arange(101)
+    assert (fingerprint(pipeline(0.0, same), False, keras_parts)
+            == fingerprint(pipeline(0.5, same), False, keras_parts))
+    assert (fingerprint(pipeline(0.0, same), False, keras_parts)
+            != fingerprint(pipeline(0.0, same[::-1]), False, keras_parts))
+
+
+def test_the_refusal_names_what_differs_and_both_fixes():
+    assert refusal("training", [(None, "a"), (None, "a")]) is None
+    seeded = refusal("training", [("an unseeded shuffle", None), ("an unseeded shuffle", None)])
+    assert seeded.startswith("the training dataset's order differs on every rank (an unseeded "
+                             "shuffle, built before hvdtrain.fit)")
+    drawn = refusal("validation", [(None, "a"), (None, "b")])
+    assert "validation dataset's first elements differ across ranks" in drawn
+    for line in (seeded, drawn):
+        assert "seed=" in line and "x=make_dataset" in line and "\n" not in line
+
+
+def test_data_given_as_a_function_is_built_in_the_run():
+    made = built(KerasData(lambda: tf.data.Dataset.from_tensor_slices(ROWS),
+                           validation_data=lambda: (ROWS, ROWS)))
+    assert isinstance(made.x, tf.data.Dataset) and made.validation_data[0] is ROWS
+    dataset = tf.data.Dataset.from_tensor_slices(ROWS)
+    assert built(KerasData(dataset)).x is dataset                    # data stays as given
+    with pytest.raises(DataError, match="the function given as x returned NoneType"):
+        built(KerasData(lambda: None))
+
+
+def _draws() -> tuple:
+    return (random.random(), float(np.random.rand()), float(tf.random.uniform(())),
+            float(keras.random.uniform(())))
+
+
+def test_a_run_puts_every_random_generator_and_op_determinism_back():
+    """What the program draws after the run is what it would draw had the run not been there,
+    whatever the run seeded (alike, then per rank)."""
+    keras.utils.set_random_seed(11)
+    _draws()
+    expected = _draws()
+    keras.utils.set_random_seed(11)
+    _draws()
+    before = op_determinism_enabled()
+    with run_environment("float32", deterministic=True):
+        assert op_determinism_enabled()
+        seed_alike(42)
+        _draws()
+        seed_per_rank(42, 1)
+        _draws()
+    assert op_determinism_enabled() == before
+    assert _draws() == expected
