@@ -1,6 +1,7 @@
-"""Shards never overlap and fit leaves no trace, single process: which pipelines read in a
-different order on every rank (``hvdtrain.data.order``), the data built by a function the user
-hands over, and the random state a run puts back (``process_state``)."""
+"""What ``fit`` does to a user's program, single process: which pipelines read in a different
+order on every rank (``hvdtrain.data.order``), the data built by a function the user hands
+over, the random state a run puts back (``process_state``), and the placement line of a script
+that used TensorFlow first."""
 
 from __future__ import annotations
 
@@ -109,3 +110,24 @@ def test_a_run_puts_every_random_generator_and_op_determinism_back():
         _draws()
     assert op_determinism_enabled() == before
     assert _draws() == expected
+
+
+PLACEMENT = """
+import tensorflow as tf
+from hvdtrain.world import World, place_devices
+tf.constant(1.0)                                  # the script used TensorFlow first
+print(place_devices(World(0, 2, 0, 2)))
+"""
+
+
+def test_the_placement_line_says_when_tensorflow_started_first():
+    """A script that built its model before ``fit``: the line says TensorFlow's own placement
+    stands and how to get hvdtrain's (no "earlier run" that never was)."""
+    result = subprocess.run([str(BIN / "python"), "-c", PLACEMENT], cwd=REPO, env=rank_env(),
+                            text=True, capture_output=True, timeout=RUN_TIMEOUT,
+                            stdin=subprocess.DEVNULL)
+    assert result.returncode == 0, result.stderr[-2000:]
+    line = result.stdout.strip().splitlines()[-1]
+    assert line.startswith("CPU, TensorFlow's own") and "earlier run" not in line, line
+    assert "TensorFlow had started before hvdtrain could place this rank" in line
+    assert "call hvdtrain.init() at the top of the script" in line
