@@ -50,6 +50,14 @@ def test_a_rank_that_may_not_fill_stops_at_the_agreed_count():
     assert len(batches) == 6 and all(float(b[3].numpy().min()) == 1.0 for b in batches)
 
 
+def test_a_declared_count_takes_that_many_batches_and_leaves_the_rest():
+    """``validation_steps=2`` (a count the user gave, not one counted): rank 0's 4 batches
+    give 2, as Keras' evaluate takes 2; no error for the rest."""
+    split = DatasetSplit(_strings(7), declared_steps=2)
+    spec = ShardSpec(0, World(0, 2), 4, "pad", agreed_steps=2)
+    assert [float(b[3].numpy().sum()) for b in split.dataset(spec, 0, 1)] == [4.0, 4.0]
+
+
 def _pass_of(lengths: list[int]) -> tf.data.Dataset:
     """A dataset whose k-th pass yields ``lengths[k]`` batches (a random filter's effect)."""
     passes = iter(lengths)

@@ -207,8 +207,8 @@ class DatasetSplit:
         if template is None:
             raise DatasetError("the dataset is empty; give it examples")
         return even_passes(lambda _: batches, template, spec.steps_per_epoch,
-                           spec.remainder == "pad", spec.world.rank, first_epoch,
-                           end_epoch).prefetch(tf.data.AUTOTUNE)
+                           spec.remainder == "pad", spec.world.rank, first_epoch, end_epoch,
+                           counted=self.declared_steps is None).prefetch(tf.data.AUTOTUNE)
 
 
 def _one_world() -> Any:

@@ -101,16 +101,17 @@ def _is_filler(element: tuple) -> tf.Tensor:
 
 
 def evened(batches: tf.data.Dataset, steps: int, template: tuple, fill: bool,
-           rank: int) -> tf.data.Dataset:
+           rank: int, counted: bool = True) -> tf.data.Dataset:
     """One pass of this rank's batches, exactly ``steps`` of them (module doc). ``fill``: a
-    short pass goes on with ``template`` at loss weight zero, and a pass longer than ``steps``
-    (the most any rank counted) is an error; else every rank has at least ``steps`` real
-    batches (the fewest any rank counted), the rest of a pass is left out, and a pass shorter
-    than ``steps`` is an error. ``batches`` are ``(x, y, sample_weight, weight)``, weight 1
-    for real rows."""
+    short pass goes on with ``template`` at loss weight zero; else every rank has at least
+    ``steps`` real batches (the fewest any rank counted), the rest of a pass is left out, and a
+    shorter pass is an error. ``counted``: ``steps`` is the most any rank counted, so a longer
+    pass is an error too (not when the user declared the count, e.g. ``validation_steps``:
+    then the rest is left out, as Keras leaves it). ``batches`` are ``(x, y, sample_weight,
+    weight)``, weight 1 for real rows."""
     filler = tf.data.Dataset.from_tensors(zero_weighted(template)).repeat()
-    # Filling reads one batch past the count: the filler there, or a longer pass.
-    checked = batches.concatenate(filler).take(steps + 1 if fill else steps).enumerate()
+    look_past = fill and counted         # read one batch past the count: filler, or too long
+    checked = batches.concatenate(filler).take(steps + 1 if look_past else steps).enumerate()
     fix = ("make the dataset's length the same every pass (no random filter), or give "
            "steps_per_epoch for a dataset that repeats")
 
@@ -122,16 +123,28 @@ def evened(batches: tf.data.Dataset, steps: int, template: tuple, fill: bool,
         else:
             wrong = _is_filler(element)
             message = [f"{COUNT_CHANGED} on rank {rank}: a pass ended after", index,
-                       f"batches, fewer than the {steps} every rank agreed on (counted on "
-                       f"the first pass), and a model's own train_step cannot be given "
-                       f"filler; {fix}"]
+                       f"batches, fewer than the {steps} every rank runs, and a model's own "
+                       f"train_step cannot be given filler; {fix}"]
         with tf.control_dependencies([tf.debugging.Assert(tf.logical_not(wrong), message)]):
             return index, tf.nest.map_structure(tf.identity, element)
 
     checked = checked.map(check)
-    if fill:
+    if look_past:
         checked = checked.filter(lambda index, _: index < steps)
     return checked.map(lambda _, element: element)
+
+
+def even_passes(one_pass: Callable[[int], tf.data.Dataset], template: tuple, steps: int,
+                fill: bool, rank: int, first_pass: int, end_pass: int,
+                counted: bool = True) -> tf.data.Dataset:
+    """Passes ``[first_pass, end_pass)`` of a rank's batches back to back, each ``evened`` to
+    ``steps``. ``one_pass(index)``: the rank's batches of that pass (reading a user's dataset
+    again is its next pass: a ``shuffle`` in it reshuffles, as under Keras)."""
+    stream = evened(one_pass(first_pass), steps, template, fill, rank, counted)
+    for index in range(first_pass + 1, end_pass):
+        stream = stream.concatenate(evened(one_pass(index), steps, template, fill, rank,
+                                           counted))
+    return stream
 
 
 @dataclass(frozen=True)
@@ -188,17 +201,6 @@ class Passes:
     def passes_until(self, end_epoch: int) -> int:
         """The pass after the last one that epochs before ``end_epoch`` read (exclusive end)."""
         return self.start(end_epoch - 1)[0] + 1
-
-
-def even_passes(one_pass: Callable[[int], tf.data.Dataset], template: tuple, steps: int,
-                fill: bool, rank: int, first_pass: int, end_pass: int) -> tf.data.Dataset:
-    """Passes ``[first_pass, end_pass)`` of a rank's batches back to back, each ``evened`` to
-    ``steps``. ``one_pass(index)``: the rank's batches of that pass (reading a user's dataset
-    again is its next pass: a ``shuffle`` in it reshuffles, as under Keras)."""
-    stream = evened(one_pass(first_pass), steps, template, fill, rank)
-    for index in range(first_pass + 1, end_pass):
-        stream = stream.concatenate(evened(one_pass(index), steps, template, fill, rank))
-    return stream
 
 
 def first_element(dataset: tf.data.Dataset) -> Any:

@@ -383,4 +383,5 @@ class PipelineSplit:
             return self._epoch(spec, first_epoch).prefetch(tf.data.AUTOTUNE)
         return even_passes(lambda epoch: self._epoch(spec, epoch), self.template(spec),
                            spec.steps_per_epoch, spec.remainder == "pad", spec.world.rank,
-                           first_epoch, end_epoch).prefetch(tf.data.AUTOTUNE)
+                           first_epoch, end_epoch,
+                           counted=self.declared_steps is None).prefetch(tf.data.AUTOTUNE)
