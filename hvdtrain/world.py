@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any, Callable, Mapping, Protocol, Sequence
 
+from hvdtrain.errors import first_sentence
+
 # Environment variables that a launcher sets in every rank it starts: horovodrun with Gloo,
 # Open MPI's mpirun (also used by horovodrun with MPI), PMIx (srun --mpi=pmix), MPICH/PMI2.
 LAUNCHER_VARIABLES = ("HOROVOD_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_RANK",
@@ -512,7 +514,7 @@ def chosen_backend(requested: str, environ: Mapping[str, str] | None = None
     problem = horovod_usable()
     if problem is None:
         return "horovod", "auto: Horovod is installed and loads"
-    return "tensorflow", f"auto: Horovod is not usable here ({problem[:120]})"
+    return "tensorflow", f"auto: Horovod is not usable here ({first_sentence(problem)})"
 
 
 def cpu_threads_per_rank(local_size: int, affinity: int, cores: int) -> int:

@@ -12,8 +12,8 @@ import pytest
 import tensorflow as tf
 
 from hvdtrain.data.datasets import DatasetSplit
-from hvdtrain.data.equal_steps import (COUNT_CHANGED, Passes, count_changed_line, evened,
-                                       left_out_line)
+from hvdtrain.data.equal_steps import (COUNT_CHANGED, Evening, Passes, count_changed_line,
+                                       even_passes, left_out_line)
 from hvdtrain.data.pipeline import ShardSpec
 from hvdtrain.world import World
 
@@ -71,17 +71,32 @@ def _pass_of(lengths: list[int]) -> tf.data.Dataset:
         lambda x: (x, (), tf.ones([2]), tf.ones([2])))
 
 
-@pytest.mark.parametrize("fill, lengths, wrong", [(False, [3, 2], "ended after 2 batches"),
-                                                  (True, [3, 4], "more than the 3 batches")])
-def test_a_pass_of_another_length_than_counted_stops_with_one_line(fill, lengths, wrong):
+@pytest.mark.parametrize("fill, own, lengths, wrong", [
+    (False, 3, [3, 2], "a pass had 2 batch(es), fewer than the 3 batches counted"),
+    (True, 3, [3, 4], "a pass had more than the 3 batches counted"),
+    (True, 2, [2, 1], "a pass had 1 batch(es), fewer than the 2 batches counted")])
+def test_a_pass_of_another_length_than_counted_stops_with_one_line(fill, own, lengths, wrong):
+    """Every pass must have the length its rank counted on the first (no more reading than
+    that): a model's own step cannot be filled, and a filled rank must not lose batches."""
     template = (tf.zeros([2, 1]), (), tf.ones([2]), tf.ones([2]))
+    evening = Evening(3, own, fill, any_short=own < 3)
     one = _pass_of(lengths)
-    stream = evened(one, 3, template, fill, rank=1).concatenate(evened(one, 3, template, fill, 1))
-    with pytest.raises(tf.errors.InvalidArgumentError) as raised:
+    stream = even_passes(lambda _: one, evening, template, 0, 2)
+    with pytest.raises(tf.errors.FailedPreconditionError) as raised:
         list(stream)
-    line = count_changed_line(str(raised.value))
-    assert line.startswith(f"{COUNT_CHANGED} on rank 1") and wrong in line, line
-    assert "\n" not in line and "[" not in line
+    line = count_changed_line(str(raised.value), 1)
+    assert line.startswith(f"{COUNT_CHANGED} on rank 1: {wrong}"), line
+    assert "\n" not in line and "steps_per_epoch" in line
+
+
+def test_the_filler_is_read_only_when_some_rank_fills():
+    """Ranks that all counted the same read no template (a seeded shuffle's order then moves
+    no further than the counting and the probe move it); one short rank makes every rank
+    read it."""
+    assert not Evening(3, 3, True, any_short=False).needs_template
+    assert Evening(3, 3, True, any_short=True).needs_template
+    assert Evening(3, None, True, any_short=True).needs_template     # a declared count
+    assert not Evening(3, 4, False, any_short=False).needs_template  # a model's own step
 
 
 def test_the_left_out_line_counts_examples_or_batches():

@@ -35,7 +35,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from hvdtrain.data.equal_steps import even_passes, first_element
+from hvdtrain.data.equal_steps import even_passes, evening_for, first_element
 from hvdtrain.data.order import check_same_order
 from hvdtrain.data.pipeline import ShardSpec
 from hvdtrain.errors import UserError
@@ -203,12 +203,13 @@ class DatasetSplit:
         batches = self._weighted(self._rank_batches(spec, first_epoch))
         if not spec.equal_steps or self.infinite:
             return batches.prefetch(tf.data.AUTOTUNE)
-        template = self.template(spec)
-        if template is None:
+        evening = evening_for(spec, self.declared_steps is not None,
+                              lambda: self.steps_per_epoch(spec))
+        template = self.template(spec) if evening.needs_template else None
+        if evening.needs_template and template is None:
             raise DatasetError("the dataset is empty; give it examples")
-        return even_passes(lambda _: batches, template, spec.steps_per_epoch,
-                           spec.remainder == "pad", spec.world.rank, first_epoch, end_epoch,
-                           counted=self.declared_steps is None).prefetch(tf.data.AUTOTUNE)
+        return even_passes(lambda _: batches, evening, template, first_epoch,
+                           end_epoch).prefetch(tf.data.AUTOTUNE)
 
 
 def _one_world() -> Any:

@@ -19,10 +19,10 @@ kept, for every form of data (arrays, files, a user's ``tf.data`` dataset batche
   model's code cannot be told to ignore a row, so it never sees a filler: every rank stops at
   the fewest real batches any rank has, and rank 0 says how many examples a pass leaves out
   (``left_out_line``).
-* **Checked.** A pass is read until one batch past the agreed count. A rank whose pass ends
-  before it while it may not fill (a model's own step), or runs past it (a pipeline whose
-  length changed from the pass that was counted), stops with an error naming the problem
-  (``COUNT_CHANGED``) instead of leaving the other ranks waiting or leaving data out unsaid.
+* **Checked.** Every pass must have the length its rank counted (TensorFlow's
+  ``assert_cardinality``, no extra reading): a pipeline whose length changed from the counted
+  pass stops its rank with one line (``count_changed_line``) instead of leaving the other
+  ranks waiting or data out unsaid. The filler is read only when some rank needs it.
 * **Epochs and passes (``Passes``).** Without ``steps_per_epoch`` an epoch is one pass. With
   it, the data is one stream across epochs, as Keras' ``fit`` reads it: an epoch takes the next
   ``steps_per_epoch`` batches of the current pass, ends early when the pass ends (Keras'
@@ -38,12 +38,14 @@ which everything here does.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 import re
 from collections import deque
+from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
 import tensorflow as tf
+
+from hvdtrain.data.pipeline import ShardSpec
 
 # Keras' own words when an epoch's data runs out before ``steps_per_epoch`` (keras 3.15,
 # ``EpochIterator._interrupted_warning``): the user sees what one process would show.
@@ -77,14 +79,23 @@ def left_out_line(counts: list[int], steps: int, rows: list[int] | None,
             f"train_step never sees filler, so every rank stops at {steps} whole batches")
 
 
-def count_changed_line(message: str) -> str | None:
-    """The one line of a ``COUNT_CHANGED`` error raised inside TensorFlow (which wraps the
-    assertion's parts in brackets), or None for any other error."""
-    start = message.find(COUNT_CHANGED)
-    if start < 0:
+_CARDINALITY = re.compile(r"expected to contain (\d+) elements? but contained (only|at least) "
+                          r"(\d+) elements?")
+
+
+def count_changed_line(message: str, rank: int) -> str | None:
+    """The one line for a pass whose length is not the one counted (TensorFlow's
+    ``assert_cardinality`` error, raised where ``Evening.evened`` checks it), or None for any
+    other error."""
+    found = _CARDINALITY.search(message)
+    if found is None:
         return None
-    text = message[start:].splitlines()[0].replace("\\'", "'")
-    return re.sub(r"\]?\s*\[|\]\s*$", " ", text).replace("  ", " ").strip()
+    expected, how, seen = found.groups()
+    length = f"{seen} batch(es), fewer than" if how == "only" else "more than"
+    return (f"{COUNT_CHANGED} on rank {rank}: a pass had {length} the {expected} batches "
+            "counted on the first pass (every rank's steps are agreed from those counts); make "
+            "the dataset's length the same every pass (no random filter), or give "
+            "steps_per_epoch for a dataset that repeats")
 
 
 def zero_weighted(element: tuple) -> tuple:
@@ -93,57 +104,59 @@ def zero_weighted(element: tuple) -> tuple:
     return x, y, sample_weight, tf.zeros_like(weight)
 
 
-def _is_filler(element: tuple) -> tf.Tensor:
-    """Whether a batch is the filler (every loss weight zero; a real batch of a user's dataset
-    has weight 1 per row)."""
-    weight = element[3]
-    return tf.logical_and(tf.size(weight) > 0, tf.reduce_all(tf.equal(weight, 0.0)))
+@dataclass(frozen=True)
+class Evening:
+    """How one rank evens out a pass: ``steps`` every rank runs, ``own`` the batches this rank
+    counted (None: ``steps`` is a count the user declared, e.g. ``validation_steps``), whether
+    it ``fill``s (hvdtrain's step) or is cut (a model's own), and ``any_short``: whether any
+    rank fills, so that every rank reads the template or none does (the same reads
+    everywhere)."""
+
+    steps: int
+    own: int | None
+    fill: bool
+    any_short: bool
+
+    @property
+    def needs_template(self) -> bool:
+        return self.fill and (self.any_short or self.own is None)
+
+    def evened(self, batches: tf.data.Dataset, template: tuple | None) -> tf.data.Dataset:
+        """One pass of this rank's batches, exactly ``steps`` of them (module doc). A counted
+        pass must have the length counted (TensorFlow's ``assert_cardinality`` raises
+        otherwise); a declared count takes that many batches and leaves the rest, as Keras'
+        ``validation_steps`` does. ``batches``: ``(x, y, sample_weight, weight)``."""
+        if not self.fill:
+            return batches.take(self.steps).apply(
+                tf.data.experimental.assert_cardinality(self.steps))
+        if self.own is not None:
+            batches = batches.apply(tf.data.experimental.assert_cardinality(self.own))
+            if self.own >= self.steps:
+                return batches
+        filler = tf.data.Dataset.from_tensors(zero_weighted(template)).repeat()
+        return batches.concatenate(filler).take(self.steps)
 
 
-def evened(batches: tf.data.Dataset, steps: int, template: tuple, fill: bool,
-           rank: int, counted: bool = True) -> tf.data.Dataset:
-    """One pass of this rank's batches, exactly ``steps`` of them (module doc). ``fill``: a
-    short pass goes on with ``template`` at loss weight zero; else every rank has at least
-    ``steps`` real batches (the fewest any rank counted), the rest of a pass is left out, and a
-    shorter pass is an error. ``counted``: ``steps`` is the most any rank counted, so a longer
-    pass is an error too (not when the user declared the count, e.g. ``validation_steps``:
-    then the rest is left out, as Keras leaves it). ``batches`` are ``(x, y, sample_weight,
-    weight)``, weight 1 for real rows."""
-    filler = tf.data.Dataset.from_tensors(zero_weighted(template)).repeat()
-    look_past = fill and counted         # read one batch past the count: filler, or too long
-    checked = batches.concatenate(filler).take(steps + 1 if look_past else steps).enumerate()
-    fix = ("make the dataset's length the same every pass (no random filter), or give "
-           "steps_per_epoch for a dataset that repeats")
-
-    def check(index: tf.Tensor, element: tuple) -> tuple:
-        if fill:
-            wrong = tf.logical_and(index >= steps, tf.logical_not(_is_filler(element)))
-            message = [f"{COUNT_CHANGED} on rank {rank}: a pass has more than the {steps} "
-                       f"batches counted on the first pass; {fix}"]
-        else:
-            wrong = _is_filler(element)
-            message = [f"{COUNT_CHANGED} on rank {rank}: a pass ended after", index,
-                       f"batches, fewer than the {steps} every rank runs, and a model's own "
-                       f"train_step cannot be given filler; {fix}"]
-        with tf.control_dependencies([tf.debugging.Assert(tf.logical_not(wrong), message)]):
-            return index, tf.nest.map_structure(tf.identity, element)
-
-    checked = checked.map(check)
-    if look_past:
-        checked = checked.filter(lambda index, _: index < steps)
-    return checked.map(lambda _, element: element)
+def evening_for(spec: ShardSpec, declared: bool, count: Callable[[], int]) -> Evening:
+    """How this rank evens out its passes under ``spec``: ``declared``: its steps are the
+    user's count; else every rank's counts are ``spec.rank_counts`` (a world of one that was
+    not told them counts its own, ``count()``)."""
+    fill, steps = spec.remainder == "pad", spec.steps_per_epoch
+    if declared:
+        return Evening(steps, None, fill, True)
+    counts = spec.rank_counts or (count(),)
+    own = counts[spec.world.rank] if spec.rank_counts else counts[0]
+    return Evening(steps, own, fill, min(counts) < steps)
 
 
-def even_passes(one_pass: Callable[[int], tf.data.Dataset], template: tuple, steps: int,
-                fill: bool, rank: int, first_pass: int, end_pass: int,
-                counted: bool = True) -> tf.data.Dataset:
-    """Passes ``[first_pass, end_pass)`` of a rank's batches back to back, each ``evened`` to
-    ``steps``. ``one_pass(index)``: the rank's batches of that pass (reading a user's dataset
-    again is its next pass: a ``shuffle`` in it reshuffles, as under Keras)."""
-    stream = evened(one_pass(first_pass), steps, template, fill, rank, counted)
+def even_passes(one_pass: Callable[[int], tf.data.Dataset], evening: Evening,
+                template: tuple | None, first_pass: int, end_pass: int) -> tf.data.Dataset:
+    """Passes ``[first_pass, end_pass)`` of a rank's batches back to back, each evened out.
+    ``one_pass(index)``: the rank's batches of that pass (reading a user's dataset again is its
+    next pass: a ``shuffle`` in it reshuffles, as under Keras)."""
+    stream = evening.evened(one_pass(first_pass), template)
     for index in range(first_pass + 1, end_pass):
-        stream = stream.concatenate(evened(one_pass(index), steps, template, fill, rank,
-                                           counted))
+        stream = stream.concatenate(evening.evened(one_pass(index), template))
     return stream
 
 

@@ -58,6 +58,9 @@ class ShardSpec:
     # False: this rank's share alone, unpadded, however many steps it takes (evaluation under
     # a model's own test_step).
     equal_steps: bool = True
+    # Every rank's own count of batches per pass, for sources whose ranks count their own (the
+    # agreed ``steps_per_epoch`` comes from them); None: not counted (planned sources).
+    rank_counts: tuple[int, ...] | None = None
 
     @property
     def remaining(self) -> int:

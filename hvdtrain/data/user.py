@@ -44,7 +44,7 @@ from hvdtrain.data.arrays import class_count, split_arrays, targets_array
 from hvdtrain.data.contract import (ArraySplit, DataBundle, DataError, checked_bundle,
                                     first_leaf)
 from hvdtrain.data.datasets import DatasetSplit, class_ids, class_weight_table
-from hvdtrain.data.equal_steps import even_passes, first_element
+from hvdtrain.data.equal_steps import even_passes, evening_for, first_element
 from hvdtrain.data.pipeline import ShardSpec
 from hvdtrain.world import World
 
@@ -381,7 +381,8 @@ class PipelineSplit:
                 end_epoch: int = 1) -> tf.data.Dataset:
         if not spec.equal_steps:
             return self._epoch(spec, first_epoch).prefetch(tf.data.AUTOTUNE)
-        return even_passes(lambda epoch: self._epoch(spec, epoch), self.template(spec),
-                           spec.steps_per_epoch, spec.remainder == "pad", spec.world.rank,
-                           first_epoch, end_epoch,
-                           counted=self.declared_steps is None).prefetch(tf.data.AUTOTUNE)
+        evening = evening_for(spec, self.declared_steps is not None,
+                              lambda: self.steps_per_epoch(spec))
+        template = self.template(spec) if evening.needs_template else None
+        return even_passes(lambda epoch: self._epoch(spec, epoch), evening, template,
+                           first_epoch, end_epoch).prefetch(tf.data.AUTOTUNE)

@@ -48,16 +48,16 @@ class DataPlan:
     passes: Passes
     val_spec: ShardSpec | None
     notes: tuple[str, ...] = ()
-    # This rank's own batches per pass where ranks count their own (beyond them it fills).
-    own_count: int | None = None
 
     def describe_step(self, epoch: int, batch: int) -> str:
         """Which batch a step of ``epoch`` trained on, in words for an error note."""
         pass_index, offset, _ = self.passes.start(epoch)
         position = offset + batch
-        if self.own_count is not None and position >= self.own_count:
+        counts = self.spec.rank_counts
+        own = None if counts is None else counts[self.spec.world.rank]
+        if own is not None and position >= own:
             return (f"a repeat of the data's first batch at loss weight zero (this rank's pass "
-                    f"has {self.own_count} batches; every rank runs {self.passes.pass_steps})")
+                    f"has {own} batches; every rank runs {self.passes.pass_steps})")
         return (f"batch {position + 1} of this rank's pass {pass_index + 1} over the training "
                 "data, as given")
 
@@ -108,6 +108,12 @@ def agreed_pass_steps(split: Split, spec: ShardSpec,
     return agreed_steps(counts, fill=spec.remainder == "pad"), counts
 
 
+def counted(spec: ShardSpec, steps: int, counts: list[int], split: Split) -> ShardSpec:
+    """``spec`` with the agreed steps, and every rank's count where ranks count their own."""
+    return dataclasses.replace(spec, agreed_steps=steps, rank_counts=None if split.normalised
+                               else tuple(counts))
+
+
 def _left_out(split: Split, spec: ShardSpec, counts: list[int], steps: int,
               collectives: Collectives) -> list[str]:
     """Rank 0's line on what stopping every rank at ``steps`` whole batches leaves out of each
@@ -143,18 +149,17 @@ def plan_data(config: Config, data: DataBundle, collectives: Collectives,
                      config.train.seed, optim.accumulation_steps)
     wanted = config.train.steps_per_epoch
     notes: list[str] = []
-    own_count = None
     if getattr(data.train, "infinite", False):
         if not wanted:
             raise UserError("the training dataset repeats forever; give steps_per_epoch")
         steps, pass_steps = wanted, None
+        spec = dataclasses.replace(spec, agreed_steps=steps)
     else:
         steps, counts = agreed_pass_steps(data.train, spec, collectives)
         pass_steps = steps
-        own_count = None if data.train.normalised else counts[world.rank]
         if remainder == "drop" and not data.train.normalised:
             notes += _left_out(data.train, spec, counts, steps, collectives)
-    spec = dataclasses.replace(spec, agreed_steps=steps)
+        spec = counted(spec, steps, counts, data.train)
     if steps == 0:
         fix = "lower --batch-size" + (" or use --remainder pad" if own_step is None else "")
         raise UserError(f"{examples or 'the'} training examples cannot fill one update of "
@@ -172,10 +177,10 @@ def plan_data(config: Config, data: DataBundle, collectives: Collectives,
                      f"{data.train.mode(world.size)}")
     passes = Passes(pass_steps, wanted, config.train.initial_epoch)
     if data.val is None:
-        return DataPlan(spec, passes, None, tuple(notes), own_count)
+        return DataPlan(spec, passes, None, tuple(notes))
     val_spec = ShardSpec(data.val.num_examples or 0, world, batch, "pad", False,
                          equal_steps=own_step is None)
     if own_step is None:
-        val_steps, _ = agreed_pass_steps(data.val, val_spec, collectives)
-        val_spec = dataclasses.replace(val_spec, agreed_steps=val_steps)
-    return DataPlan(spec, passes, val_spec, tuple(notes), own_count)
+        val_spec = counted(val_spec, *agreed_pass_steps(data.val, val_spec, collectives),
+                           data.val)
+    return DataPlan(spec, passes, val_spec, tuple(notes))

@@ -188,3 +188,12 @@ def set_op_determinism(enabled: bool) -> None:
     from tensorflow.python.framework import config
 
     (config.enable_op_determinism if enabled else config.disable_op_determinism)()
+
+
+def build_compiled_metrics(model: keras.Model, y_true: Any, y_pred: Any) -> None:
+    """Create the state of the model's compiled metrics (it depends on the outputs' shapes)
+    without updating them: Keras builds them at the first ``compute_metrics``, which would
+    count a batch the user's metrics must not see (``model._compile_metrics``)."""
+    metrics = getattr(model, "_compile_metrics", None)
+    if metrics is not None and not metrics.built:
+        metrics.build(y_true, y_pred)

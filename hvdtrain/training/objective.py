@@ -31,7 +31,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from hvdtrain.errors import UserError
+from hvdtrain.errors import UserError, first_sentence
 from hvdtrain.training.keras_internals import (compile_arguments, compile_metrics,
                                                flat_compiled_metrics, same_rank)
 from hvdtrain.world import Collectives
@@ -178,10 +178,10 @@ class Objective:
 
     @property
     def output_loss_names(self) -> list[str]:
-        """The per-output loss columns Keras reports for multi-output models."""
-        if len(self.names) == 1:
-            return []
-        return [f"{name}_loss" for name, loss in zip(self.names, self.losses) if loss]
+        """The per-output loss columns Keras reports: one per output with a loss, when two or
+        more outputs have one (Keras' ``CompileLoss.build``)."""
+        named = [f"{name}_loss" for name, loss in zip(self.names, self.losses) if loss]
+        return named if len(named) > 1 else []
 
     def per_example_losses(self, y_true: Any, y_pred: Any) -> tuple[tf.Tensor, list[tf.Tensor]]:
         """(weighted sum over outputs, each output's own), one float32 value per example."""
@@ -358,8 +358,8 @@ def probe(model: keras.Model, objective: Objective, batch: tuple,
         predictions = model(features, training=False)
         objective.per_example_losses(targets, predictions)
     except (ValueError, TypeError, tf.errors.InvalidArgumentError) as error:
-        first = str(error).strip().splitlines()[0][:200] if str(error).strip() else ""
-        raise UserError(f"model '{label}' cannot be trained on this data: {first}; check that "
+        raise UserError(f"model '{label}' cannot be trained on this data: "
+                        f"{first_sentence(str(error))}; check that "
                         "the model's inputs and outputs match the features and targets") \
             from error
     check_output_kind(objective, predictions)

@@ -57,7 +57,8 @@ from hvdtrain.training.process_state import run_environment, seed_alike, seed_pe
 from hvdtrain.training.callbacks import (CheckpointPlan, FirstStepClock, PlateauDecay,
                                          Reporting, ResumePoint, RunHooks, StepPosition,
                                          resume_metrics_files, standard_callbacks)
-from hvdtrain.training.keras_internals import initial_epoch_of, set_initial_epoch, sublayers
+from hvdtrain.training.keras_internals import (build_compiled_metrics, initial_epoch_of,
+                                               set_initial_epoch, sublayers)
 from hvdtrain.training.liveness import Liveness, liveness_for
 from hvdtrain.training.loops import LOOPS
 from hvdtrain.training.objective import probe
@@ -200,16 +201,19 @@ def check_elastic(collectives: Collectives) -> None:
 
 
 @contextlib.contextmanager
-def data_errors_named(data: DataBundle):
-    """Turn TensorFlow's errors about bad records mid-run into one line naming the problem."""
+def data_errors_named(data: DataBundle, rank: int = 0):
+    """Turn TensorFlow's errors about bad records, or a pass of another length than counted,
+    mid-run into one line naming the problem."""
     try:
         yield
     except tf.errors.DataLossError as error:
         raise UserError(corrupt_record_message((data.train, data.val), str(error))) from error
+    except tf.errors.FailedPreconditionError as error:
+        changed = count_changed_line(str(error), rank)
+        if changed is None:
+            raise
+        raise UserError(changed) from error
     except tf.errors.InvalidArgumentError as error:
-        changed = count_changed_line(str(error))
-        if changed:
-            raise UserError(changed) from error
         if LABEL_RANGE_MESSAGE not in str(error):
             raise
         classes = data.num_classes or 0
@@ -330,6 +334,8 @@ class RunSummary:
     first_step_unix_time: float | None
     validation_examples: int | None
     ranks: list[dict[str, Any]]   # every rank's World: host, local and cross rank and size
+    # The epoch (from 1) after which ``metrics`` were measured (None: after training).
+    validation_epoch: int | None = None
 
 
 @dataclass(frozen=True)
@@ -369,6 +375,8 @@ class Prepared:
     launched: float
     first_step: FirstStepClock = dataclasses.field(default_factory=FirstStepClock)
     run_columns: RunColumnsLog = dataclasses.field(default_factory=RunColumnsLog)
+    # The last validation during training: (epoch, the weights' fingerprint, exact metrics).
+    validated: tuple[int, str, dict[str, float]] | None = None
 
     @property
     def spec(self) -> ShardSpec:
@@ -569,11 +577,9 @@ class Run:
         if trainable.own_step is None:
             probe(model, trainable.objective, batch, metric_states, self.model_label)
             # Keras' fit reads the model's own compiled metrics at every epoch end (hvdtrain's
-            # exact values replace them): they must be built.
-            features, targets, sample_weight = batch[:3]
-            model.compute_metrics(features, targets, model(features, training=False),
-                                  sample_weight=sample_weight)
-            model.reset_metrics()
+            # exact values replace them): they must be built, and see no batch here.
+            features, targets = batch[:2]
+            build_compiled_metrics(model, targets, model(features, training=False))
             return
         if all(layer.built for layer in sublayers(model)) and model.weights:
             return
@@ -637,6 +643,13 @@ class Run:
             return None
         if initial_epoch >= epochs:
             return None
+        position = StepPosition()
+
+        def validate_epoch() -> dict[str, float]:
+            metrics = run.validate()
+            run.validated = (position.epoch, weight_fingerprint(run.trainable.model), metrics)
+            return metrics
+
         callbacks = standard_callbacks(RunHooks(
             collectives=run.collectives, step=run.step, rates=run.trainable.rates,
             checkpoints=CheckpointPlan(run.store, run.state, config.train.checkpoint_every_steps,
@@ -646,13 +659,12 @@ class Run:
                                 sys.stdout.isatty() and world.size == 1,
                                 config.train.tensorboard, run.first_step),
             liveness=self.liveness, passes=run.plan.passes,
-            evaluate=None if run.data.val is None else run.validate,
+            evaluate=None if run.data.val is None else validate_epoch,
             validation_freq=self.validation_freq, plateau=run.plateau,
             user_callbacks=run.user_callbacks, run_columns=run.run_columns))
         distributed = (run.step.distributed() if isinstance(run.step, OwnStep)
                        else contextlib.nullcontext())
-        position = StepPosition()
-        with data_errors_named(run.data), distributed:
+        with data_errors_named(run.data, world.rank), distributed:
             done = start.resume.step if start.resume.epoch == initial_epoch else 0
             try:
                 return LOOPS[config.train.loop](
@@ -675,16 +687,24 @@ class Run:
         collectives = run.collectives
         world = collectives.world   # elastic: the world the job ended with
         model = run.trainable.model
-        metrics = run.validate()
-        gathered = collectives.allgather_object((weight_fingerprint(model),
-                                                 dataclasses.asdict(world)))
-        fingerprints = [fingerprint for fingerprint, _ in gathered]
+        # The last validation during training, when the weights are still the ones it measured:
+        # reading the validation data once more would show the user's metrics a pass one
+        # process never makes. A callback that changed them (EarlyStopping restoring its best)
+        # or no validation yet: measured now, on every rank if on any (it holds collectives).
+        fingerprint = weight_fingerprint(model)
+        epoch, measured, metrics = run.validated or (None, None, {})
+        gathered = collectives.allgather_object((fingerprint, dataclasses.asdict(world),
+                                                 measured != fingerprint))
+        if any(stale for _, _, stale in gathered):
+            epoch, metrics = None, run.validate()
+        fingerprints = [each for each, _, _ in gathered]
         if world.is_chief:
             summary = RunSummary(metrics, world.size, len(set(fingerprints)) == 1, fingerprints,
                                  start.before_broadcast, trained, started - run.launched,
                                  run.first_step.seconds, run.first_step.unix_time,
                                  None if run.data.val is None else run.data.val.num_examples,
-                                 [facts for _, facts in gathered])
+                                 [facts for _, facts, _ in gathered],
+                                 None if epoch is None else epoch + 1)
             _write_outputs(run.run_dir, self._float32_copy(model, run.data), summary)
         return RunResult(run.run_dir, metrics, fingerprints, model, history,
                          list(run.run_columns.rows))
@@ -747,7 +767,9 @@ def _write_outputs(run_dir: Path, model: keras.Model, summary: RunSummary) -> No
     if metrics:   # the compiled metrics first, then the losses
         names = sorted(metrics, key=lambda name: name.endswith("loss"))
         shown = ", ".join(f"{name[4:]}: {metrics[name]:.4f}" for name in names)
+        when = ("" if summary.validation_epoch is None
+                else f" (after epoch {summary.validation_epoch})")
         print(f"held-out {shown} on {summary.validation_examples or 'the validation'} "
-              f"examples; model saved to {saved}", flush=True)
+              f"examples{when}; model saved to {saved}", flush=True)
     else:
         print(f"no validation data; model saved to {saved}", flush=True)
