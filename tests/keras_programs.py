@@ -187,13 +187,13 @@ def _fabrics(rng: np.random.Generator, n: int) -> tuple[dict[str, np.ndarray], n
 
 def lookup_uneven_batches(ctx: Context) -> Outcome:
     """Tabular data with a closed vocabulary: ``StringLookup(num_oov_indices=0)`` raises on any
-    string outside it. 851 rows in batches of 8 per rank are 107 batches, 54 on rank 0 and 53 on
-    rank 1; one process batches 16 and runs 54 steps, the last of 3 rows. Validation: 37 rows,
-    5 batches of 8, split 3/2."""
+    string outside it. 1,699 rows in batches of 16 per rank are 107 batches, 54 on rank 0 and
+    53 on rank 1 (the issue's split); one process batches 32 and runs 54 steps, the last of 3
+    rows."""
     rng = np.random.default_rng(101)
-    features, label = _fabrics(rng, 851 + 37)
+    features, label = _fabrics(rng, 1699)
     keras.utils.set_random_seed(102)
-    counts = counter(VAL_IDS + 37)
+    counts = counter(1699)
     colour = keras.Input((1,), dtype="string", name="colour")
     weight = keras.Input((1,), name="weight")
     example_id = example_id_input()
@@ -215,9 +215,7 @@ def lookup_uneven_batches(ctx: Context) -> Outcome:
         return tf.data.Dataset.from_tensor_slices((x, {"label": label[start:stop],
                                                        "ids": x["example_id"]}))
 
-    train = rows(0, 851, 0).batch(ctx.batch)
-    val = rows(851, 888, VAL_IDS).batch(ctx.batch)
-    ctx.fit(model, train, validation_data=val, epochs=2)
+    ctx.fit(model, rows(0, 1699, 0).batch(ctx.batch), epochs=2)
     return Outcome({"model": model}, {"ids": counts})
 
 
@@ -225,8 +223,8 @@ def lookup_uneven_batches(ctx: Context) -> Outcome:
 
 def timeseries_uneven_validation(ctx: Context) -> Outcome:
     """The keras-io weather-forecast shape: ``timeseries_dataset_from_array`` windows of 12 hours
-    of two readings predict the next temperature. 160 training windows (20 batches of 8 per
-    rank: 10 each), 37 validation windows (5 batches of 8: 3 and 2). Each window's id is its
+    of two readings predict the next temperature. 160 training windows (10 batches of 16 per
+    rank: 5 each), 37 validation windows (3 batches of 16: 2 and 1). Each window's id is its
     first row, carried in the series as a third column and split off in the pipeline."""
     hours = np.arange(400, dtype=np.float32)
     rng = np.random.default_rng(103)
@@ -269,9 +267,9 @@ def timeseries_uneven_validation(ctx: Context) -> Outcome:
 def steps_beyond_the_data(ctx: Context) -> Outcome:
     """A regression whose pipeline drops the rows with a missing target (19 of 200): the
     program computes ``steps_per_epoch`` from the raw row count and its batch size, so each
-    epoch asks for more batches than one pass has (12 of 16, last 5 rows), and Keras ends the
-    epoch when the pass ends ('Your input ran out of data'). Then ``steps_per_epoch=5`` over 4
-    epochs: a stream of passes, epochs of 5, 5, 2 and 5 steps."""
+    epoch asks for more batches than one pass has (6 of 32, the last of 21 rows), and Keras ends
+    the epoch when the pass ends ('Your input ran out of data'). Then ``steps_per_epoch=4`` over
+    4 epochs: a stream of passes, epochs of 4, 2, 4 and 2 steps."""
     rng = np.random.default_rng(105)
     x = rng.normal(size=(200, 4)).astype(np.float32)
     y = (x @ np.array([0.5, -1.0, 0.25, 2.0], np.float32) + 0.1).astype(np.float32)
@@ -292,7 +290,7 @@ def steps_beyond_the_data(ctx: Context) -> Outcome:
         lambda x, y: tf.logical_not(tf.math.is_nan(y["target"]))))
     steps_per_epoch = math.ceil(len(x) / ctx.batch)
     ctx.fit(model, dataset, batch_size=ctx.batch, epochs=2, steps_per_epoch=steps_per_epoch)
-    ctx.fit(model, dataset, batch_size=ctx.batch, epochs=4, steps_per_epoch=5)
+    ctx.fit(model, dataset, batch_size=ctx.batch, epochs=4, steps_per_epoch=4)
     return Outcome({"model": model}, {"ids": counts}, notes={"steps_per_epoch": steps_per_epoch})
 
 
@@ -320,8 +318,8 @@ def _digit_rows(count: int) -> tf.data.Dataset:
 
 def seeded_shuffle(ctx: Context) -> Outcome:
     """A user's pipeline shuffled with a seed before ``fit`` (reshuffled every pass): 301
-    examples, 151 and 150 per rank. The drop-in user shards after the seeded shuffle, which
-    orders alike on every rank."""
+    examples, 151 and 150 per rank, 10 batches each. The drop-in user shards after the seeded
+    shuffle, which orders alike on every rank."""
     keras.utils.set_random_seed(107)
     counts = counter(301)
     model = _digit_classifier(ctx, counts)
@@ -522,7 +520,8 @@ def distillation(ctx: Context) -> Outcome:
 def dict_inputs_sample_weights(ctx: Context) -> Outcome:
     """Structured data as a dict of named columns (numbers, and a sector code through an
     ``IntegerLookup`` with an OOV bucket), per-example sample weights for training and
-    validation, arrays: 331 training rows (166 and 165 per rank), 61 validation rows."""
+    validation, arrays: 331 training rows (166 and 165 per rank, 11 batches each), 61 validation
+    rows."""
     rng = np.random.default_rng(112)
     n = 331 + 61
     sector = rng.integers(1, 5, n).astype(np.int64)
@@ -565,13 +564,13 @@ def dict_inputs_sample_weights(ctx: Context) -> Outcome:
 # --- 11. A pre-batched pipeline -------------------------------------------------------------
 
 def prebatched_pipeline(ctx: Context) -> Outcome:
-    """A user batches (and prefetches) the pipeline and passes no ``batch_size``: 157 digits in
-    batches of 8 per rank are 20 batches, 10 per rank, the last of 5 rows (one process: 10
-    batches of 16, the last of 13). Rank 0's log must state the real global batch, 16."""
+    """A user batches (and prefetches) the pipeline and passes no ``batch_size``: 149 digits in
+    batches of 16 per rank are 10 batches, 5 per rank, the last of 5 rows (one process: 5
+    batches of 32, the last of 21). Rank 0's log must state the real global batch, 32."""
     keras.utils.set_random_seed(114)
-    counts = counter(157)
+    counts = counter(149)
     model = _digit_classifier(ctx, counts, rate=0.1)
-    dataset = ctx.shard_dataset(_digit_rows(157).map(
+    dataset = ctx.shard_dataset(_digit_rows(149).map(
         lambda x, y: ({"image": x["image"] * 2.0 - 1.0, "example_id": x["example_id"]}, y)
     ).batch(ctx.batch)).prefetch(tf.data.AUTOTUNE)
     ctx.fit(model, dataset, epochs=2)
@@ -626,7 +625,7 @@ def text_classification(ctx: Context) -> Outcome:
 def feature_space(ctx: Context) -> Outcome:
     """The keras-io FeatureSpace shape: named columns (an integer code, a string category with
     ``num_oov_indices=0``, two numbers), a ``FeatureSpace`` adapted on the features and
-    applied in the pipeline after batching: 320 patients, 80 for validation."""
+    applied in the pipeline after batching: 320 patients."""
     rng = np.random.default_rng(117)
     n = 400
     columns = {"smoker": rng.integers(0, 2, n).astype(np.int64),
@@ -656,8 +655,7 @@ def feature_space(ctx: Context) -> Outcome:
     model = keras.Model(encoded, keras.layers.Dense(1, activation="sigmoid")(hidden))
     model.compile(optimizer=ctx.optimizer(keras.optimizers.Adam(0.01)),
                   loss="binary_crossentropy", metrics=["accuracy"])
-    ctx.fit(model, ctx.shard_dataset(pipeline(slice(0, 320))),
-            validation_data=pipeline(slice(320, n)), epochs=2)
+    ctx.fit(model, ctx.shard_dataset(pipeline(slice(0, 320))), epochs=2)
     return Outcome({"model": model})
 
 
@@ -688,7 +686,7 @@ def imbalanced_class_weight(ctx: Context) -> Outcome:
     """The keras-io fraud-detection shape: about 6% positives, ``class_weight`` of one over each
     class's count, confusion counts, precision and recall: 640 transactions."""
     rng = np.random.default_rng(120)
-    n = 640 + 160
+    n = 640
     x = rng.normal(size=(n, 12)).astype(np.float32)
     score = x[:, 0] * 1.5 + x[:, 1] - x[:, 2] * 0.5
     y = (score + rng.normal(0, 0.5, n) > 3.0).astype(np.int64)
@@ -705,8 +703,7 @@ def imbalanced_class_weight(ctx: Context) -> Outcome:
                            keras.metrics.Recall(name="recall")])
     x_train, y_train = ctx.shard(x[:640], y[:640])
     ctx.fit(model, x_train, y_train, batch_size=ctx.batch, epochs=2, shuffle=False,
-            class_weight={0: 1.0 / negatives, 1: 1.0 / positives},
-            validation_data=(x[640:], y[640:]))
+            class_weight={0: 1.0 / negatives, 1: 1.0 / positives})
     return Outcome({"model": model}, notes={"positives": int(positives)})
 
 
