@@ -37,17 +37,20 @@ from keras_programs import PROGRAMS, Context, Outcome
 
 
 class EpochSteps(keras.callbacks.Callback):
-    """The batches Keras' callbacks saw in each epoch: the user's step count."""
+    """The batches Keras' callbacks saw in each epoch (the user's step count) and the keys of
+    the batch logs they were given."""
 
     def __init__(self) -> None:
         super().__init__()
         self.counts: list[int] = []
+        self.batch_keys: set[str] = set()
 
     def on_epoch_begin(self, epoch: int, logs: dict | None = None) -> None:
         self.counts.append(0)
 
     def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
         self.counts[-1] += 1
+        self.batch_keys.update(logs or {})
 
 
 def _keras_form(value: Any, batch_size: int | None) -> Any:
@@ -70,7 +73,8 @@ def fit_in_mode(mode: str, directory: Path, fits: list[dict], model: keras.Model
     fits.append(record)
     said = io.StringIO()
     try:
-        with contextlib.redirect_stdout(said), warnings.catch_warnings(record=True) as caught:
+        with contextlib.redirect_stdout(said), contextlib.redirect_stderr(said), \
+                warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             try:
                 if mode == "hvdtrain":
@@ -103,6 +107,7 @@ def fit_in_mode(mode: str, directory: Path, fits: list[dict], model: keras.Model
     finally:
         record["said"] = said.getvalue().splitlines()
         record["epoch_steps"] = steps.counts
+        record["batch_keys"] = sorted(steps.batch_keys)
         sys.stdout.write(said.getvalue())
         sys.stdout.flush()
     record["history"] = {key: [float(v) for v in values] for key, values in history.items()}
@@ -150,7 +155,9 @@ def main() -> None:
             continue
         fits: list[dict] = []
         prefix = f"{mode}-{name}"
-        ctx = Context(mode, rank, size, batch, partial(fit_in_mode, mode, out / prefix, fits))
+        ctx = Context(mode, rank, size, batch, partial(fit_in_mode, mode, out / prefix, fits),
+                      out / prefix)
+        ctx.directory.mkdir(parents=True, exist_ok=True)
         started = time.perf_counter()
         record: dict[str, Any] = {"error": None}
         try:

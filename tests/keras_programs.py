@@ -43,6 +43,7 @@ from __future__ import annotations
 import math
 import random
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable
 
 import keras
@@ -63,6 +64,7 @@ class Context:
     size: int
     batch: int
     fit_function: Callable[..., dict[str, Any]]
+    directory: Path                  # for the files a program's callbacks write
 
     def fit(self, model: keras.Model, x: Any = None, y: Any = None, **kwargs: Any) -> dict:
         """``model.fit`` (``hvdtrain.fit`` in hvdtrain mode); returns the History's dict."""
@@ -79,6 +81,11 @@ class Context:
     def shard_dataset(self, dataset: tf.data.Dataset) -> tf.data.Dataset:
         """The drop-in user's ``dataset.shard(hvd.size(), hvd.rank())``."""
         return dataset.shard(self.size, self.rank) if self.mode == "dropin" else dataset
+
+    def writers(self, *callbacks: keras.callbacks.Callback) -> list[keras.callbacks.Callback]:
+        """Callbacks that write files: the drop-in user gives them to rank 0 alone
+        (``if hvd.rank() == 0``); hvdtrain takes them on every rank and writes from rank 0."""
+        return list(callbacks) if self.mode != "dropin" or self.rank == 0 else []
 
     def optimizer(self, optimizer: keras.optimizers.Optimizer) -> keras.optimizers.Optimizer:
         """The drop-in user's ``hvd.DistributedOptimizer(optimizer)`` (no rate scaling)."""
@@ -663,8 +670,9 @@ def feature_space(ctx: Context) -> Outcome:
 
 def augmented_images(ctx: Context) -> Outcome:
     """The keras-io image-classification shape: random flips and rotations as the model's first
-    layers (active in training only), a small convnet: 320 digits, 3 epochs. The augmentation
-    draws at random on every rank, so losses are compared within 10%."""
+    layers (active in training only), a small convnet, a checkpoint of the model after every
+    epoch and a CSV log: 320 digits, 3 epochs. The augmentation draws at random on every rank,
+    so losses are compared within a stated tolerance."""
     x, y = _digits()
     keras.utils.set_random_seed(119)
     augmentation = keras.Sequential([keras.layers.RandomFlip("horizontal"),
@@ -676,7 +684,10 @@ def augmented_images(ctx: Context) -> Outcome:
     model.compile(optimizer=ctx.optimizer(keras.optimizers.Adam(0.005)),
                   loss="sparse_categorical_crossentropy", metrics=["accuracy"])
     x_train, y_train = ctx.shard(x[:320], y[:320])
-    ctx.fit(model, x_train, y_train, batch_size=ctx.batch, epochs=3)
+    callbacks = ctx.writers(
+        keras.callbacks.ModelCheckpoint(str(ctx.directory / "save_at_{epoch}.keras")),
+        keras.callbacks.CSVLogger(str(ctx.directory / "log.csv")))
+    ctx.fit(model, x_train, y_train, batch_size=ctx.batch, epochs=3, callbacks=callbacks)
     return Outcome({"model": model})
 
 
@@ -721,9 +732,10 @@ PROGRAMS: dict[str, Spec] = {
                                 **UNEVEN_DROPIN),
     "text_classification": Spec(text_classification),
     "feature_space": Spec(feature_space),
-    # Random flips and rotations drawn per rank: the third epoch's loss measured 6-10% off.
+    # Random flips and rotations drawn per rank: the third epoch's loss measured 6-10% off
+    # one process (and 8% apart across six one-process runs with other draws).
     "augmented_images": Spec(augmented_images, tolerance=None, dropin_tolerance=None,
-                             loss_tolerance=0.2),
+                             loss_tolerance=0.25),
     "imbalanced_class_weight": Spec(imbalanced_class_weight, rank_averaged={
         "fn": "count", "fp": "count", "precision": "ratio", "recall": "ratio"}),
     "steps_beyond_the_data": Spec(steps_beyond_the_data, counted="as one process",
