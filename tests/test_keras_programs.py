@@ -12,7 +12,7 @@ once, when a test first needs it. The checks, per program and run:
   (1e-5 relative where the program draws nothing at random; the drop-in's is wider where a
   rank's last batch is smaller than the other's, since its update is a mean of the ranks'
   means; see ``keras_programs.Spec``);
-* the History (what users' callbacks see) has exactly one process's keys;
+* the History and the batch logs (what users' callbacks see) have exactly one process's keys;
 * every epoch runs as many steps as in one process, on both ranks, and a model's own
   ``train_step`` runs as often as in one process;
 * every example is trained on (and validated on) as often as in one process, counted per
@@ -27,14 +27,17 @@ once, when a test first needs it. The checks, per program and run:
   filler. The count therefore also holds hvdtrain to updating a user's compiled metrics
   nowhere else (no probe batch, no extra evaluation);
 * and the program-specific checks below: the unseeded shuffle's refusal, random state after
-  ``fit``, ``steps_per_epoch`` beyond the data, the pre-batched pipeline's global batch, the
-  drop-in keeping the user's optimizer (a schedule without ``get_config``).
+  ``fit``, ``steps_per_epoch`` beyond the data, the pre-batched pipeline's global batch,
+  callbacks that write files writing each once, the drop-in keeping the user's optimizer (a
+  schedule without ``get_config``).
 
 Cost on the project's 2-core VM (shared with other work), measured on the code these tests
 were written against: hvdtrain on Horovod 61-94 s, on TensorFlow's collectives 43-63 s (both
 shortened there by the programs that fail early), the drop-in 25-42 s, one process 17-19 s;
 150-222 s for the file. Each job's wall time is printed (``-s``) and its output kept in
-``<mode>.log`` under the test's temporary directory.
+``<mode>.log`` under the test's temporary directory. Working on the checks alone,
+``KERAS_PROGRAMS_REUSE=DIR`` reads earlier jobs' files from ``DIR/<mode>-<backend>/`` instead of
+running them (``keras-auto``, ``dropin-auto``, ``hvdtrain-horovod``, ``hvdtrain-tensorflow``).
 """
 
 from __future__ import annotations
