@@ -359,37 +359,29 @@ def convnet_callback_list(directory: str) -> list[keras.callbacks.Callback]:
 
 # --- 8. A user's own tf.data.Dataset, unbatched, odd-sized, shuffled every epoch --------------
 
-class CountExamples(keras.layers.Layer):
-    """Counts, per example id, how often a training step saw it (ids start at 1; the counts
-    live outside the model's weights, so every rank keeps its own)."""
-
-    def __init__(self, counts: tf.Variable | None = None, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
-        self._counts = [counts]
-
-    def call(self, inputs, training=None):
-        image, example_id = inputs
-        if training and self._counts[0] is not None:
-            self._counts[0].scatter_nd_add(example_id[:, None],
-                                           tf.ones_like(example_id, tf.int64))
-        return image
-
-
 def user_dataset(batch_size: int) -> Program:
+    """Examples are counted per id (from 1) by ``keras_programs.SeenIds``, a compiled metric
+    on an output that echoes the id: hvdtrain's step updates compiled metrics with real rows
+    only, where a layer counting in the forward pass would also count the rows of the real
+    batches that fill a rank running short."""
+    from keras_programs import SeenIds, echoed, example_id_input
+
     x, y = _digits()
     keras.utils.set_random_seed(12)
     n = 1001                                  # odd: the ranks' shares differ by one example
     ids = np.arange(1, n + 1, dtype=np.int64)
-    dataset = tf.data.Dataset.from_tensor_slices(((x[:n], ids), y[:n])).shuffle(
+    dataset = tf.data.Dataset.from_tensor_slices(
+        ((x[:n], ids), {"digit": y[:n], "ids": ids})).shuffle(
         n, seed=3, reshuffle_each_iteration=True)
     counts = tf.Variable(tf.zeros([n + 1], tf.int64), trainable=False)
     image = keras.Input((8, 8, 1))
-    example_id = keras.Input((), dtype="int64")
-    seen = CountExamples(counts)([image, example_id])
-    hidden = keras.layers.Dense(32, activation="relu")(keras.layers.Flatten()(seen))
-    model = keras.Model([image, example_id], keras.layers.Dense(10, activation="softmax")(hidden))
-    model.compile(optimizer=keras.optimizers.SGD(0.05), loss="sparse_categorical_crossentropy",
-                  metrics=["accuracy"])
+    example_id = example_id_input()
+    hidden = keras.layers.Dense(32, activation="relu")(keras.layers.Flatten()(image))
+    digit = keras.layers.Dense(10, activation="softmax", name="digit")(hidden)
+    model = keras.Model([image, example_id], {"digit": digit, "ids": echoed(example_id)})
+    model.compile(optimizer=keras.optimizers.SGD(0.05),
+                  loss={"digit": "sparse_categorical_crossentropy"},
+                  metrics={"digit": ["accuracy"], "ids": [SeenIds(counts)]})
     return Program(model, {"x": dataset, "epochs": 2}, exact=False,
                    notes={"examples": n, "counts": counts})
 
