@@ -740,7 +740,12 @@ PROGRAMS: dict[str, Spec] = {
         "fn": "count", "fp": "count", "precision": "ratio", "recall": "ratio"}),
     "steps_beyond_the_data": Spec(steps_beyond_the_data, counted="as one process",
                                   **UNEVEN_DROPIN),
-    "seeded_shuffle": Spec(seeded_shuffle, counted="once per epoch", **UNEVEN_DROPIN),
+    # Seeded, so the same order on every rank; but hvdtrain reads the dataset before training
+    # (the order check, the probe), on every rank alike, and each read draws the shuffle's next
+    # seeded order: its epochs see later orders than one process's (README, "What every rank
+    # is given"). Counted exactly; compared as another shuffle of the same data.
+    "seeded_shuffle": Spec(seeded_shuffle, tolerance=None, dropin_tolerance=None,
+                           loss_tolerance=0.05, counted="once per epoch"),
     # Unseeded shuffles: orders differ from run to run (measured: within 10%).
     "dataset_function": Spec(dataset_function, tolerance=None, dropin_tolerance=None,
                              loss_tolerance=0.15, counted="once per epoch"),
