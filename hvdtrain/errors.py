@@ -25,6 +25,12 @@ class UserError(Exception):
     exit_code = 2
 
 
+class AgreedError(UserError):
+    """A mistake every rank found together, after a collective (rank 0's decision broadcast, a
+    check of every rank's data): each raises the same line at the same point, so no peer waits
+    for another and the job's collectives stay usable for a next run in the same processes."""
+
+
 class TrainingDiverged(UserError):
     """The loss stopped being finite; the run stopped without saving the bad weights."""
 

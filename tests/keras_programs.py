@@ -740,6 +740,12 @@ PROGRAMS: dict[str, Spec] = {
         "fn": "count", "fp": "count", "precision": "ratio", "recall": "ratio"}),
     "steps_beyond_the_data": Spec(steps_beyond_the_data, counted="as one process",
                                   **UNEVEN_DROPIN),
+    # Refused on every rank alike, before any step: the programs after it run in the same
+    # processes, so they also show that the job's collectives stay usable (both backends).
+    "unseeded_shuffle_refused": Spec(
+        unseeded_shuffle_refused, ("hvdtrain",), counted="once per epoch",
+        skipped="drop-in and one process: an unseeded shuffle is the user's own business "
+                "there (the drop-in user shards before shuffling: dataset_function)"),
     # Seeded, so the same order on every rank; but hvdtrain reads the dataset before training
     # (the order check, the probe), on every rank alike, and each read draws the shuffle's next
     # seeded order: its epochs see later orders than one process's (README, "What every rank
@@ -755,10 +761,4 @@ PROGRAMS: dict[str, Spec] = {
         lookup_uneven_batches, ("hvdtrain", "keras"), counted="once per epoch",
         skipped="drop-in: the user's dataset.shard gives 54 and 53 batches; Horovod ranks that "
                 "run different step counts wait for each other forever (hvdtrain's point)"),
-    # A refusal is an error inside the job: last, so nothing after it depends on how the
-    # collectives come out of it.
-    "unseeded_shuffle_refused": Spec(
-        unseeded_shuffle_refused, ("hvdtrain",), counted="once per epoch",
-        skipped="drop-in and one process: an unseeded shuffle is the user's own business "
-                "there (the drop-in user shards before shuffling: dataset_function)"),
 }

@@ -30,7 +30,7 @@ from typing import Any, Callable
 
 import tensorflow as tf
 
-from hvdtrain.data.contract import DataError
+from hvdtrain.errors import AgreedError
 from hvdtrain.training.keras_internals import unseeded_randomness
 
 # Elements (unbatched) or batches whose fingerprint is compared.
@@ -80,4 +80,4 @@ def check_same_order(dataset: tf.data.Dataset, batched: bool,
     """Refuse, on every rank alike, a dataset whose order differs across ranks (module doc)."""
     line = refusal(what, allgather_object(order_facts(dataset, batched, parts)))
     if line:
-        raise DataError(line)
+        raise AgreedError(line)

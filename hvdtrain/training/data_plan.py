@@ -5,7 +5,9 @@ on). The mechanisms are the data package's (``hvdtrain.data.equal_steps``,
 
 Built-in sources and arrays give every rank the same steps by construction and need no
 collective here (an elastic rank joining a running job starts here and must meet none); a
-user's dataset or pipeline is checked and counted on every rank, and the ranks agree.
+user's dataset or pipeline is checked and counted on every rank, and the ranks agree. Every
+refusal here is reached by every rank alike (``AgreedError``): no peer is left waiting, and
+the job's collectives stay usable for a next run in the same processes.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from hvdtrain.data.contract import DataBundle, Split
 from hvdtrain.data.files import FileSplit
 from hvdtrain.data.equal_steps import Passes, agreed_steps, left_out_line
 from hvdtrain.data.pipeline import ShardSpec
-from hvdtrain.errors import UserError
+from hvdtrain.errors import AgreedError
 from hvdtrain.world import Collectives
 
 
@@ -30,9 +32,9 @@ def resolved_remainder(config: Config, own_step: str | None) -> str:
     exact only over equal batches, and a filler row would count in it)."""
     remainder = config.data.remainder
     if own_step is not None and remainder == "pad":
-        raise UserError(f"--remainder pad fills the last global batch with repeated examples "
-                        f"at weight zero, which the model's own step ({own_step}) would count "
-                        "in its mean; use --remainder drop (or auto)")
+        raise AgreedError(f"--remainder pad fills the last global batch with repeated examples "
+                          f"at weight zero, which the model's own step ({own_step}) would count "
+                          "in its mean; use --remainder drop (or auto)")
     if remainder == "auto":
         return "drop" if own_step is not None else "pad"
     return remainder
@@ -139,9 +141,9 @@ def plan_data(config: Config, data: DataBundle, collectives: Collectives,
     world = collectives.world
     batch, optim = config.train.batch_size, config.optim
     if not data.train.normalised and optim.accumulation_steps > 1:
-        raise UserError("--accumulation-steps needs in-memory or file data (the weights of an "
-                        "update must be known before its first micro-step); raise the pipeline's "
-                        "batch size instead")
+        raise AgreedError("--accumulation-steps needs in-memory or file data (the weights of an "
+                          "update must be known before its first micro-step); raise the pipeline's "
+                          "batch size instead")
     _check_orders(data, collectives.allgather_object)
     remainder = resolved_remainder(config, own_step)
     examples = data.train.num_examples
@@ -151,7 +153,7 @@ def plan_data(config: Config, data: DataBundle, collectives: Collectives,
     notes: list[str] = []
     if getattr(data.train, "infinite", False):
         if not wanted:
-            raise UserError("the training dataset repeats forever; give steps_per_epoch")
+            raise AgreedError("the training dataset repeats forever; give steps_per_epoch")
         steps, pass_steps = wanted, None
         spec = dataclasses.replace(spec, agreed_steps=steps)
     else:
@@ -162,12 +164,12 @@ def plan_data(config: Config, data: DataBundle, collectives: Collectives,
         spec = counted(spec, steps, counts, data.train)
     if steps == 0:
         fix = "lower --batch-size" + (" or use --remainder pad" if own_step is None else "")
-        raise UserError(f"{examples or 'the'} training examples cannot fill one update of "
-                        f"{spec.update_batch} per rank group ({world.size} ranks x {batch} x "
-                        f"{optim.accumulation_steps} accumulation steps); {fix}")
+        raise AgreedError(f"{examples or 'the'} training examples cannot fill one update of "
+                          f"{spec.update_batch} per rank group ({world.size} ranks x {batch} x "
+                          f"{optim.accumulation_steps} accumulation steps); {fix}")
     if examples is not None and examples < world.size:
-        raise UserError(f"{world.size} ranks but only {examples} training "
-                        "examples: every rank needs at least one; launch fewer ranks")
+        raise AgreedError(f"{world.size} ranks but only {examples} training "
+                          "examples: every rank needs at least one; launch fewer ranks")
     if examples and remainder == "drop" and spec.remainder_examples:
         notes.append(f"training data: each pass leaves out {spec.remainder_examples} of "
                      f"{examples} examples (the last partial update of {spec.update_batch}: "

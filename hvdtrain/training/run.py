@@ -44,7 +44,7 @@ from hvdtrain.data.pipeline import ShardSpec
 from hvdtrain.data.contract import ArraySplit, DataBundle
 from hvdtrain.data.equal_steps import count_changed_line
 from hvdtrain.data.load import load_source
-from hvdtrain.errors import (CheckpointWriteFailed, PeerFailed, StoppedBySignal,
+from hvdtrain.errors import (AgreedError, CheckpointWriteFailed, PeerFailed, StoppedBySignal,
                              TrainingDiverged, UserError, first_sentence)
 from hvdtrain.models import build_model, check_input_shape
 from hvdtrain.plugins import load_callable
@@ -97,7 +97,7 @@ def chief_decides(collectives: Collectives, decide: Callable[[], Any]) -> Any:
             outcome = (None, str(error))
     value, error = collectives.broadcast_object(outcome)
     if error:
-        raise UserError(error)
+        raise AgreedError(error)
     return value
 
 
@@ -169,8 +169,10 @@ def raised_here(error: BaseException) -> bool:
     """Whether an error began on this rank (the user's code, a one-rank mistake) while its
     peers may wait for it in a collective, rather than in a collective (a peer's process is
     gone: shutting Horovod down then waits on it, until Slurm kills the rank, measured) or by
-    agreement of every rank (a stop, a divergence, a failed checkpoint write)."""
-    if isinstance(error, (StoppedBySignal, TrainingDiverged, CheckpointWriteFailed)):
+    agreement of every rank (a stop, a divergence, a failed checkpoint write, a refusal all
+    ranks reached together)."""
+    if isinstance(error, (StoppedBySignal, TrainingDiverged, CheckpointWriteFailed,
+                          AgreedError)):
         return False
     return ("Horovod" not in str(error) and not ended_by_another_rank(error)
             and not isinstance(error, (tf.errors.UnavailableError, tf.errors.AbortedError)))
