@@ -50,6 +50,8 @@ class DataPlan:
     passes: Passes
     val_spec: ShardSpec | None
     notes: tuple[str, ...] = ()
+    # Rows of this rank's first batch (read by the probe): a pre-batched dataset's batch size.
+    first_rows: int | None = None
 
     def describe_step(self, epoch: int, batch: int) -> str:
         """Which batch a step of ``epoch`` trained on, in words for an error note."""
@@ -68,9 +70,8 @@ class DataPlan:
         are the user's (the first one's size), times the ranks; else ``--batch-size`` times
         the ranks."""
         spec = self.spec
-        if getattr(split, "batched", False) and not getattr(split, "infinite", False):
-            rows = int(tf.shape(tf.nest.flatten(split.template(spec)[0])[0])[0])
-            return spec.world.size * rows, True
+        if getattr(split, "batched", False) and self.first_rows is not None:
+            return spec.world.size * self.first_rows, True
         return spec.global_batch, False
 
     def describe(self, split: Split) -> str:

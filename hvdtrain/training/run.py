@@ -506,8 +506,9 @@ class Run:
                 trainable.model.trainable_variables, optim.accumulation_steps > 1))
         evaluate, metric_states = self._evaluation(step, trainable, data, collectives)
         with data_errors_named(data):
-            self._probe(trainable, next(iter(data.train.dataset(plan.spec, 0, 1))),
-                        metric_states)
+            first = next(iter(data.train.dataset(plan.spec, 0, 1)))
+            self._probe(trainable, first, metric_states)
+        plan = dataclasses.replace(plan, first_rows=int(tf.shape(tf.nest.flatten(first[0])[0])[0]))
         plateau = (PlateauDecay(trainable.schedule, optim.lr_decay_factor, optim.plateau_patience)
                    if optim.lr_schedule == "plateau" else None)
         if plateau is not None and (data.val is None or self.validation_freq != 1):
