@@ -73,7 +73,8 @@ def test_the_refusal_names_what_differs_and_both_fixes():
     assert seeded.startswith("the training dataset's order differs on every rank (an unseeded "
                              "shuffle, built before hvdtrain.fit)")
     drawn = refusal("validation", [(None, "a"), (None, "b")])
-    assert "validation dataset's first elements differ across ranks" in drawn
+    assert "validation dataset's first elements differ across ranks (already sharded" in drawn
+    assert "give every rank the whole dataset (hvdtrain shards it)" in drawn
     for line in (seeded, drawn):
         assert "seed=" in line and "x=make_dataset" in line and "\n" not in line
 

@@ -69,8 +69,9 @@ def refusal(what: str, facts: list[tuple[str | None, str | None]]) -> str | None
         return (f"the {what} dataset's order differs on every rank ({found}, built before "
                 f"hvdtrain.fit), so its shards would overlap; {fixes}")
     if len({digest for _, digest in facts}) > 1:
-        return (f"the {what} dataset's first elements differ across ranks (its order, or what "
-                f"it yields, is random per process), so its shards would overlap; {fixes}")
+        return (f"the {what} dataset's first elements differ across ranks (already sharded "
+                "per rank, or random per process), so hvdtrain's shards of it would overlap or "
+                f"miss examples; give every rank the whole dataset (hvdtrain shards it), {fixes}")
     return None
 
 
