@@ -66,3 +66,32 @@ def test_batched_datasets_are_recognised():
     assert not internals.dataset_is_batched(rows.batch(2).unbatch())
     assert internals.dataset_is_batched(keras.utils.timeseries_dataset_from_array(
         np.zeros((20, 2)), None, sequence_length=4, batch_size=3))
+
+
+def test_compiled_metrics_build_without_counting_a_batch():
+    """The probe builds the model's compiled metrics (Keras reads them at epoch ends) without
+    the update Keras' own first ``compute_metrics`` would make."""
+    model = _compiled()
+    y = np.array([0, 1])
+    internals.build_compiled_metrics(model, y, model(np.ones((2, 4), np.float32)))
+    metrics = model._compile_metrics
+    assert metrics.built
+    assert all(float(np.sum(v.numpy())) == 0.0 for v in metrics.variables)
+
+
+def test_random_states_and_op_determinism_round_trip():
+    """TensorFlow's global seed and operation-seed counter, Keras' global seed generator and
+    op determinism are where hvdtrain reads and restores them."""
+    keras.utils.set_random_seed(5)
+    float(tf.random.uniform(()))
+    float(keras.random.uniform(()))
+    tf_state, keras_state = internals.tf_random_state(), internals.keras_random_state()
+    expected = float(tf.random.uniform(())), float(keras.random.uniform(()))
+    keras.utils.set_random_seed(9)
+    internals.set_tf_random_state(tf_state)
+    internals.set_keras_random_state(keras_state)
+    assert (float(tf.random.uniform(())), float(keras.random.uniform(()))) == expected
+    before = internals.op_determinism_enabled()
+    internals.set_op_determinism(not before)
+    assert internals.op_determinism_enabled() == (not before)
+    internals.set_op_determinism(before)
