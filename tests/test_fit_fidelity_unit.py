@@ -132,3 +132,40 @@ def test_the_placement_line_says_when_tensorflow_started_first():
     assert line.startswith("CPU, TensorFlow's own") and "earlier run" not in line, line
     assert "TensorFlow had started before hvdtrain could place this rank" in line
     assert "call hvdtrain.init() at the top of the script" in line
+
+
+def test_other_libraries_reasons_are_quoted_as_whole_sentences():
+    """Keras' reason for not saving a subclass whole spans lines; the note quotes its first
+    sentence whole (it was cut to "Object Distiller was created by passing")."""
+    from hvdtrain.errors import first_sentence
+
+    reason = ("Object Distiller was created by passing\nnon-serializable argument values in "
+              "`__init__()`, and therefore the object must override `get_config()` in order "
+              "to be serializable. Please implement `get_config()`.")
+    assert first_sentence(reason) == (
+        "Object Distiller was created by passing non-serializable argument values in "
+        "`__init__()`, and therefore the object must override `get_config()` in order to be "
+        "serializable.")
+    assert first_sentence("no full stop here") == "no full stop here"
+
+
+class _FailsAtThirdStep(keras.layers.Layer):
+    """A user's layer whose check fails on the third training batch (ids 64 and up)."""
+
+    def call(self, inputs):
+        tf.debugging.assert_less(inputs[:, :1], 64.0, message="an id the layer refuses")
+        return inputs
+
+
+def test_a_failing_step_says_which_rank_epoch_step_and_batch(tmp_path):
+    import hvdtrain
+
+    x = np.arange(96, dtype=np.float32)[:, None]
+    model = keras.Sequential([keras.Input((1,)), _FailsAtThirdStep(), keras.layers.Dense(2)])
+    model.compile("sgd", keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    with pytest.raises(tf.errors.InvalidArgumentError) as raised:
+        hvdtrain.fit(model, x, np.zeros(96, np.int64), batch_size=32, shuffle=False, epochs=1,
+                     run_dir=str(tmp_path / "run"), progress=False, tensorboard=False)
+    notes = getattr(raised.value, "__notes__", [])
+    assert notes == ["hvdtrain: rank 0 failed in epoch 1, step 3, on batch 3 of this rank's "
+                     "pass 1 over the training data, as given"], notes
