@@ -11,9 +11,21 @@ import os
 import re
 
 
+# Keras wraps an error raised inside a layer's call: a preamble, the reason in ANSI bold, and
+# the call's arguments after it.
+_KERAS_CALL = re.compile(r"^Exception encountered when calling [^\n]*\n+(.*?)"
+                         r"(\n\s*Arguments received by .*)?$", re.S)
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+
 def first_sentence(text: str) -> str:
     """Another library's message as one whole sentence for a one-line report: its lines joined,
-    up to the end of its first sentence (never cut inside one)."""
+    up to the end of its first sentence (never cut inside one); of an error Keras wrapped
+    around a layer's call, the reason inside."""
+    text = _ANSI.sub("", text).strip()
+    wrapped = _KERAS_CALL.match(text)
+    if wrapped:
+        text = wrapped.group(1)
     flat = " ".join(text.split())
     match = re.search(r"[.!?](\s|$)", flat)
     return flat[:match.end()].strip() if match else flat

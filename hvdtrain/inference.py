@@ -63,6 +63,7 @@ def evaluate(args: argparse.Namespace) -> int:
     from hvdtrain.data.load import load_source
     from hvdtrain.models import check_input_shape
     from hvdtrain.training.objective import Objective, probe
+    from hvdtrain.training.process_state import seed_alike
     from hvdtrain.training.step import Evaluation
     from hvdtrain.world import init_collectives, place_devices
 
@@ -78,9 +79,16 @@ def evaluate(args: argparse.Namespace) -> int:
         check_input_shape(model, str(args.run_dir), split.input_shape)
         where = str(args.data_path)
     else:
+        seed_alike(config.train.seed)       # a data function builds alike on every rank
         split = load_source(config.data, config.train.seed).val
         where = f"the {config.data.dataset} validation split"
-    spec = ShardSpec(split.num_examples, world, config.train.batch_size, "pad", False)
+    # A user's dataset (its size unknown) is evaluated as each rank's own share, unpadded: an
+    # evaluation holds no collective per step, and every example is read once.
+    spec = ShardSpec(split.num_examples or 0, world, config.train.batch_size, "pad", False,
+                     equal_steps=split.normalised)
+    check = getattr(split, "check_order", None)
+    if check is not None:
+        check("validation", collectives.allgather_object)
     evaluation = Evaluation(model, collectives, Objective.for_model(model))
     probe(model, evaluation.objective, next(iter(split.dataset(spec))), [evaluation.metrics],
           str(args.run_dir))

@@ -12,8 +12,8 @@ import pytest
 import tensorflow as tf
 
 from hvdtrain.data.datasets import DatasetSplit
-from hvdtrain.data.equal_steps import (COUNT_CHANGED, Evening, Passes, count_changed_line,
-                                       even_passes, left_out_line)
+from hvdtrain.data.equal_steps import (COUNT_CHANGED, EqualPass, Passes, count_changed_line,
+                                       left_out_line)
 from hvdtrain.data.pipeline import ShardSpec
 from hvdtrain.world import World
 
@@ -52,10 +52,15 @@ def test_a_rank_that_may_not_fill_stops_at_the_agreed_count():
 
 def test_a_declared_count_takes_that_many_batches_and_leaves_the_rest():
     """``validation_steps=2`` (a count the user gave, not one counted): rank 0's 4 batches
-    give 2, as Keras' evaluate takes 2; no error for the rest."""
+    give 2, as Keras' evaluate takes 2; no error for the rest; a validation dataset that
+    repeats forever gives 2 too, filled or as one rank's own share (a model's own step)."""
     split = DatasetSplit(_strings(7), declared_steps=2)
     spec = ShardSpec(0, World(0, 2), 4, "pad", agreed_steps=2)
     assert [float(b[3].numpy().sum()) for b in split.dataset(spec, 0, 1)] == [4.0, 4.0]
+    endless = DatasetSplit(_strings(7).repeat(), declared_steps=2)
+    assert len(list(endless.dataset(spec, 0, 1))) == 2
+    unpadded = ShardSpec(0, World(0, 2), 4, "pad", False, equal_steps=False)
+    assert len(list(endless.dataset(unpadded))) == 2
 
 
 def _pass_of(lengths: list[int]) -> tf.data.Dataset:
@@ -79,9 +84,9 @@ def test_a_pass_of_another_length_than_counted_stops_with_one_line(fill, own, le
     """Every pass must have the length its rank counted on the first (no more reading than
     that): a model's own step cannot be filled, and a filled rank must not lose batches."""
     template = (tf.zeros([2, 1]), (), tf.ones([2]), tf.ones([2]))
-    evening = Evening(3, own, fill, any_short=own < 3)
+    shape = EqualPass(3, own, fill, any_short=own < 3)
     one = _pass_of(lengths)
-    stream = even_passes(lambda _: one, evening, template, 0, 2)
+    stream = shape.apply(one, template).concatenate(shape.apply(one, template))
     with pytest.raises(tf.errors.FailedPreconditionError) as raised:
         list(stream)
     line = count_changed_line(str(raised.value), 1)
@@ -90,13 +95,13 @@ def test_a_pass_of_another_length_than_counted_stops_with_one_line(fill, own, le
 
 
 def test_the_filler_is_read_only_when_some_rank_fills():
-    """Ranks that all counted the same read no template (a seeded shuffle's order then moves
-    no further than the counting and the probe move it); one short rank makes every rank
-    read it."""
-    assert not Evening(3, 3, True, any_short=False).needs_template
-    assert Evening(3, 3, True, any_short=True).needs_template
-    assert Evening(3, None, True, any_short=True).needs_template     # a declared count
-    assert not Evening(3, 4, False, any_short=False).needs_template  # a model's own step
+    """Ranks that all counted the same read no filler (a seeded shuffle's order then moves
+    no further than the order check and the probe move it); one short rank, or a count the
+    user declared, makes every rank read it."""
+    assert not EqualPass(3, 3, True, any_short=False).needs_filler
+    assert EqualPass(3, 3, True, any_short=True).needs_filler
+    assert EqualPass(3, None, True, any_short=True).needs_filler     # a declared count
+    assert not EqualPass(3, 4, False, any_short=False).needs_filler  # a model's own step
 
 
 def test_the_left_out_line_counts_examples_or_batches():

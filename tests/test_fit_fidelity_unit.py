@@ -147,6 +147,13 @@ def test_other_libraries_reasons_are_quoted_as_whole_sentences():
         "`__init__()`, and therefore the object must override `get_config()` in order to be "
         "serializable.")
     assert first_sentence("no full stop here") == "no full stop here"
+    wrapped = ("Exception encountered when calling Sequential.call().\n\n\x1b[1mInput 0 of "
+               "layer 'dense' is incompatible with the layer: expected axis -1 of input shape "
+               "to have value 4, but received input with shape (2, 3)\x1b[0m\n\nArguments "
+               "received by Sequential.call():\n  • inputs=tf.Tensor(shape=(2, 3))")
+    assert first_sentence(wrapped) == (
+        "Input 0 of layer 'dense' is incompatible with the layer: expected axis -1 of input "
+        "shape to have value 4, but received input with shape (2, 3)")
 
 
 class _FailsAtThirdStep(keras.layers.Layer):

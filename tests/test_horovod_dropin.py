@@ -125,7 +125,7 @@ assert dropin.BACKEND == "tensorflow", dropin.BACKEND
 print("why:", dropin.BACKEND_WHY)
 assert not [name for name in sys.modules if name.split(".")[0] == "horovod"]
 assert (hvd.Average, hvd.Sum, hvd.Adasum, hvd_tf.Min, hvd_tf.Max, hvd_tf.Product) == tuple(range(6))
-assert hvd.gradient_reduction(hvd.Sum, hvd.Compression.fp16).fp16
+assert hvd_tf.gradient_reduction(hvd.Sum, hvd.Compression.fp16).fp16
 for refused in (lambda: hvd.DistributedOptimizer(keras.optimizers.SGD(), op=hvd.Adasum),
                 lambda: hvd.elastic.run(print), lambda: hvd.elastic.KerasState(None),
                 hvd_tf.join, lambda: hvd.start_timeline("t.json"),

@@ -48,12 +48,27 @@ class Recorder(keras.callbacks.Callback):
         self._note("batch_end", batch)
 
 
+class FinalizingSGD(keras.optimizers.SGD):
+    """SGD that notes when ``fit`` finalizes its variables (an EMA optimizer swaps its
+    averages into the weights there: once, at the end of the training) in the recorder
+    ``RECORDING[0]``."""
+
+    def finalize_variable_values(self, var_list):
+        RECORDING[0].calls.append(("finalize", None, None, None))
+        super().finalize_variable_values(var_list)
+
+
+RECORDING: list[Recorder] = []
+
+
 def _run(loop: str, initial_epoch: int, done_steps: int, passes: Passes) -> list[tuple]:
     keras.utils.set_random_seed(1)
     model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
-    model.compile(loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    optimizer = FinalizingSGD(0.1)
+    model.compile(optimizer=optimizer,
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
     objective = Objective.for_model(model)
-    step = StepMath(model, keras.optimizers.SGD(0.1), LocalCollectives(), objective)
+    step = StepMath(model, optimizer, LocalCollectives(), objective)
     rows = 8 * STEPS * (EPOCHS - initial_epoch)
     x = np.random.default_rng(0).standard_normal((rows, 4)).astype(np.float32)
     y = (x[:, 0] > 0).astype(np.int32)
@@ -61,6 +76,7 @@ def _run(loop: str, initial_epoch: int, done_steps: int, passes: Passes) -> list
     dataset = tf.data.Dataset.from_tensor_slices((x, y, ones, weights)).batch(8)
     probe(model, objective, next(iter(dataset)), [step.train_metrics], "test model")
     recorder = Recorder()
+    RECORDING[:] = [recorder]
     LOOPS[loop](step, dataset, EPOCHS, initial_epoch, passes, [recorder], done_steps)
     return recorder.calls
 
@@ -76,7 +92,9 @@ def test_fit_and_the_custom_loop_fire_the_same_hooks_with_the_same_params(
     assert fit[0][0] == "train_begin" and fit[-1][0] == "train_end"
     hooks = [call[0] for call in fit]
     assert hooks.count("train_begin") == 1 == hooks.count("train_end")
+    assert hooks.count("finalize") == 1 and hooks[-2] == "finalize"     # once, before the end
     batches = [c[1] for c in fit if c[0] == "batch_begin"]
+    fit = [call for call in fit if call[0] != "finalize"]
     lengths = passes.epoch_lengths(initial_epoch, EPOCHS)
     if steps_per_epoch:
         assert lengths == [2, 1, 2]          # a pass of 3 read 2 at a time, as Keras reads it

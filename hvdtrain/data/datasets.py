@@ -35,7 +35,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from hvdtrain.data.equal_steps import even_passes, evening_for, first_element
+from hvdtrain.data.equal_steps import count_batches, equal_passes, first_element
 from hvdtrain.data.order import check_same_order
 from hvdtrain.data.pipeline import ShardSpec
 from hvdtrain.errors import UserError
@@ -145,10 +145,7 @@ class DatasetSplit:
             return None
         key = (spec.world.rank, spec.world.size)
         if key not in self._rows:
-            shard = self.source.shard(spec.world.size, spec.world.rank)
-            known = int(shard.cardinality())
-            self._rows[key] = known if known >= 0 else int(
-                shard.reduce(np.int64(0), lambda count, _: count + 1))
+            self._rows[key] = count_batches(self.source.shard(spec.world.size, spec.world.rank))
         return self._rows[key]
 
     def steps_per_epoch(self, spec: ShardSpec) -> int:
@@ -157,16 +154,15 @@ class DatasetSplit:
         if self.declared_steps is not None:
             return self.declared_steps
         if self.infinite:
-            raise DatasetError("the dataset repeats forever; give steps_per_epoch")
+            raise DatasetError("the dataset repeats forever; give steps_per_epoch (training) "
+                               "or validation_steps (validation)")
+        if isinstance(self.source, keras.utils.PyDataset):    # its batches r, r+N, ...
+            return len(range(spec.world.rank, len(self.source), spec.world.size))
         rows = self.rows_per_pass(spec)
         if rows is not None:
             whole = spec.remainder == "drop" and spec.equal_steps
             return rows // spec.batch_size if whole else -(-rows // spec.batch_size)
-        batches = self._rank_batches(spec)
-        known = int(batches.cardinality())
-        if known >= 0:
-            return known
-        return int(batches.reduce(np.int64(0), lambda count, _: count + 1))
+        return count_batches(self._rank_batches(spec))
 
     def check_order(self, what: str, allgather_object: Callable[[Any], list]) -> None:
         """Refuse a ``tf.data`` dataset whose order differs across ranks
@@ -179,8 +175,8 @@ class DatasetSplit:
         weight zero, the same on every rank (None: the dataset is empty)."""
         if spec.batch_size in self._templates:
             return self._templates[spec.batch_size]
-        if isinstance(self.source, keras.utils.PyDataset):
-            first = tf.nest.map_structure(tf.convert_to_tensor, self.source[0])
+        if isinstance(self.source, keras.utils.PyDataset):   # as py_dataset_as_tf types it
+            first = tf.nest.map_structure(lambda v: tf.constant(np.asarray(v)), self.source[0])
             whole = tf.data.Dataset.from_tensors(first)
         else:
             whole = self.source if self.batched else self.source.batch(spec.batch_size)
@@ -201,15 +197,14 @@ class DatasetSplit:
         """This rank's batches of passes ``[first_epoch, end_epoch)``, evened out (an infinite
         dataset: its endless stream; with ``spec.equal_steps`` false: one pass, as it is)."""
         batches = self._weighted(self._rank_batches(spec, first_epoch))
+        if self.declared_steps is not None and (self.infinite or not spec.equal_steps):
+            # Keras' validation_steps on data that repeats, or on one rank's unpadded share.
+            batches = batches.take(self.declared_steps)
         if not spec.equal_steps or self.infinite:
             return batches.prefetch(tf.data.AUTOTUNE)
-        evening = evening_for(spec, self.declared_steps is not None,
-                              lambda: self.steps_per_epoch(spec))
-        template = self.template(spec) if evening.needs_template else None
-        if evening.needs_template and template is None:
-            raise DatasetError("the dataset is empty; give it examples")
-        return even_passes(lambda _: batches, evening, template, first_epoch,
-                           end_epoch).prefetch(tf.data.AUTOTUNE)
+        return equal_passes(spec, self.declared_steps is not None,
+                            lambda: self.steps_per_epoch(spec), lambda: self.template(spec),
+                            lambda _: batches, first_epoch, end_epoch).prefetch(tf.data.AUTOTUNE)
 
 
 def _one_world() -> Any:

@@ -22,7 +22,9 @@ kept, for every form of data (arrays, files, a user's ``tf.data`` dataset batche
 * **Checked.** Every pass must have the length its rank counted (TensorFlow's
   ``assert_cardinality``, no extra reading): a pipeline whose length changed from the counted
   pass stops its rank with one line (``count_changed_line``) instead of leaving the other
-  ranks waiting or data out unsaid. The filler is read only when some rank needs it.
+  ranks waiting or data out unsaid (under a model's own step only a shorter pass can be told:
+  a longer one is cut like the first). The filler is read only when some rank fills, or when
+  the count is one the user declared.
 * **Epochs and passes (``Passes``).** Without ``steps_per_epoch`` an epoch is one pass. With
   it, the data is one stream across epochs, as Keras' ``fit`` reads it: an epoch takes the next
   ``steps_per_epoch`` batches of the current pass, ends early when the pass ends (Keras'
@@ -43,8 +45,10 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
+import numpy as np
 import tensorflow as tf
 
+from hvdtrain.data.contract import DataError
 from hvdtrain.data.pipeline import ShardSpec
 
 # Keras' own words when an epoch's data runs out before ``steps_per_epoch`` (keras 3.15,
@@ -105,11 +109,11 @@ def zero_weighted(element: tuple) -> tuple:
 
 
 @dataclass(frozen=True)
-class Evening:
-    """How one rank evens out a pass: ``steps`` every rank runs, ``own`` the batches this rank
-    counted (None: ``steps`` is a count the user declared, e.g. ``validation_steps``), whether
-    it ``fill``s (hvdtrain's step) or is cut (a model's own), and ``any_short``: whether any
-    rank fills, so that every rank reads the template or none does (the same reads
+class EqualPass:
+    """How one rank makes every pass exactly ``steps`` batches long: ``own`` the batches this
+    rank counted (None: ``steps`` is a count the user declared, e.g. ``validation_steps``),
+    whether it ``fill``s (hvdtrain's step) or is cut (a model's own), and ``any_short``:
+    whether any rank fills, so that every rank reads the filler or none does (the same reads
     everywhere)."""
 
     steps: int
@@ -117,15 +121,30 @@ class Evening:
     fill: bool
     any_short: bool
 
+    @classmethod
+    def for_spec(cls, spec: ShardSpec, declared: bool, count: Callable[[], int]) -> "EqualPass":
+        """This rank's under ``spec``: ``declared``: its steps are the user's count; else every
+        rank's counts are ``spec.rank_counts`` (a world of one that was not told them counts
+        its own, ``count()``)."""
+        fill, steps = spec.remainder == "pad", spec.steps_per_epoch
+        if declared:
+            return cls(steps, None, fill, True)
+        counts = spec.rank_counts or (count(),)
+        own = counts[spec.world.rank] if spec.rank_counts else counts[0]
+        return cls(steps, own, fill, min(counts) < steps)
+
     @property
-    def needs_template(self) -> bool:
+    def needs_filler(self) -> bool:
+        """Whether every rank reads the filler: some rank fills, or the count is the user's
+        (which a rank may not reach)."""
         return self.fill and (self.any_short or self.own is None)
 
-    def evened(self, batches: tf.data.Dataset, template: tuple | None) -> tf.data.Dataset:
+    def apply(self, batches: tf.data.Dataset, filler: tuple | None) -> tf.data.Dataset:
         """One pass of this rank's batches, exactly ``steps`` of them (module doc). A counted
         pass must have the length counted (TensorFlow's ``assert_cardinality`` raises
         otherwise); a declared count takes that many batches and leaves the rest, as Keras'
-        ``validation_steps`` does. ``batches``: ``(x, y, sample_weight, weight)``."""
+        ``validation_steps`` does. ``batches``: ``(x, y, sample_weight, weight)``; ``filler``:
+        one of them, repeated at loss weight zero where the pass runs short."""
         if not self.fill:
             return batches.take(self.steps).apply(
                 tf.data.experimental.assert_cardinality(self.steps))
@@ -133,31 +152,35 @@ class Evening:
             batches = batches.apply(tf.data.experimental.assert_cardinality(self.own))
             if self.own >= self.steps:
                 return batches
-        filler = tf.data.Dataset.from_tensors(zero_weighted(template)).repeat()
-        return batches.concatenate(filler).take(self.steps)
+        repeated = tf.data.Dataset.from_tensors(zero_weighted(filler)).repeat()
+        return batches.concatenate(repeated).take(self.steps)
 
 
-def evening_for(spec: ShardSpec, declared: bool, count: Callable[[], int]) -> Evening:
-    """How this rank evens out its passes under ``spec``: ``declared``: its steps are the
-    user's count; else every rank's counts are ``spec.rank_counts`` (a world of one that was
-    not told them counts its own, ``count()``)."""
-    fill, steps = spec.remainder == "pad", spec.steps_per_epoch
-    if declared:
-        return Evening(steps, None, fill, True)
-    counts = spec.rank_counts or (count(),)
-    own = counts[spec.world.rank] if spec.rank_counts else counts[0]
-    return Evening(steps, own, fill, min(counts) < steps)
-
-
-def even_passes(one_pass: Callable[[int], tf.data.Dataset], evening: Evening,
-                template: tuple | None, first_pass: int, end_pass: int) -> tf.data.Dataset:
-    """Passes ``[first_pass, end_pass)`` of a rank's batches back to back, each evened out.
-    ``one_pass(index)``: the rank's batches of that pass (reading a user's dataset again is its
-    next pass: a ``shuffle`` in it reshuffles, as under Keras)."""
-    stream = evening.evened(one_pass(first_pass), template)
+def equal_passes(spec: ShardSpec, declared: bool, count: Callable[[], int],
+                 filler: Callable[[], tuple | None],
+                 one_pass: Callable[[int], tf.data.Dataset], first_pass: int,
+                 end_pass: int) -> tf.data.Dataset:
+    """Passes ``[first_pass, end_pass)`` of a rank's batches back to back, each exactly the
+    agreed length (``EqualPass``). ``count()``: this rank's batches of a pass, read only where
+    the ranks' counts are not in ``spec``; ``filler()``: the data's first batch, read only where
+    some rank fills; ``one_pass(index)``: the rank's batches of that pass (reading a user's
+    dataset again is its next pass: a ``shuffle`` in it reshuffles, as under Keras)."""
+    shape = EqualPass.for_spec(spec, declared, count)
+    first = filler() if shape.needs_filler else None
+    if shape.needs_filler and first is None:
+        raise DataError("the data is empty; give it examples")
+    stream = shape.apply(one_pass(first_pass), first)
     for index in range(first_pass + 1, end_pass):
-        stream = stream.concatenate(evening.evened(one_pass(index), template))
+        stream = stream.concatenate(shape.apply(one_pass(index), first))
     return stream
+
+
+def count_batches(dataset: tf.data.Dataset) -> int:
+    """A dataset's elements: its cardinality when TensorFlow knows it, else one pass."""
+    known = int(dataset.cardinality())
+    if known >= 0:
+        return known
+    return int(dataset.reduce(np.int64(0), lambda count, _: count + 1))
 
 
 @dataclass(frozen=True)

@@ -82,13 +82,6 @@ class ShardSpec:
         return self.remaining // self.update_batch
 
     @property
-    def remainder_examples(self) -> int:
-        """Examples a pass leaves out under ``drop`` (the last partial update; 0 under pad)."""
-        if self.remainder == "pad":
-            return 0
-        return self.remaining - self.updates_per_epoch * self.update_batch
-
-    @property
     def steps_per_epoch(self) -> int:
         """Batches per rank per epoch: a whole number of accumulation groups."""
         if self.agreed_steps is not None:

@@ -44,7 +44,7 @@ from hvdtrain.data.arrays import class_count, split_arrays, targets_array
 from hvdtrain.data.contract import (ArraySplit, DataBundle, DataError, checked_bundle,
                                     first_leaf)
 from hvdtrain.data.datasets import DatasetSplit, class_ids, class_weight_table
-from hvdtrain.data.equal_steps import even_passes, evening_for, first_element
+from hvdtrain.data.equal_steps import count_batches, equal_passes, first_element
 from hvdtrain.data.pipeline import ShardSpec
 from hvdtrain.world import World
 
@@ -364,7 +364,7 @@ class PipelineSplit:
         most (filling) or the fewest (cutting)."""
         if self.declared_steps is not None:
             return self.declared_steps
-        return int(self._epoch(spec, 0).reduce(np.int64(0), lambda count, _: count + 1))
+        return count_batches(self._epoch(spec, 0))
 
     def template(self, spec: ShardSpec) -> tuple:
         """Rank 0's first batch of the first pass: the same real batch on every rank, which
@@ -381,8 +381,7 @@ class PipelineSplit:
                 end_epoch: int = 1) -> tf.data.Dataset:
         if not spec.equal_steps:
             return self._epoch(spec, first_epoch).prefetch(tf.data.AUTOTUNE)
-        evening = evening_for(spec, self.declared_steps is not None,
-                              lambda: self.steps_per_epoch(spec))
-        template = self.template(spec) if evening.needs_template else None
-        return even_passes(lambda epoch: self._epoch(spec, epoch), evening, template,
-                           first_epoch, end_epoch).prefetch(tf.data.AUTOTUNE)
+        return equal_passes(spec, self.declared_steps is not None,
+                            lambda: self.steps_per_epoch(spec), lambda: self.template(spec),
+                            lambda epoch: self._epoch(spec, epoch), first_epoch,
+                            end_epoch).prefetch(tf.data.AUTOTUNE)

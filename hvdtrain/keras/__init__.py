@@ -23,7 +23,6 @@ from hvdtrain.tensorflow import (Adasum, Average, Compression, Sum, broadcast_gl
                                  local_size, mpi_built, mpi_enabled, mpi_threads_supported,
                                  nccl_built, rank, rocm_built, shutdown, size, start_timeline,
                                  stop_timeline)
-from hvdtrain.tensorflow import gradient_reduction  # noqa: F401  (as hvdtrain.tensorflow has it)
 
 __all__ = [
     "Adasum", "Average", "Compression", "DistributedOptimizer", "Sum", "allgather", "allreduce",

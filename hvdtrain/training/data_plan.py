@@ -52,6 +52,13 @@ class DataPlan:
     notes: tuple[str, ...] = ()
     # Rows of this rank's first batch (read by the probe): a pre-batched dataset's batch size.
     first_rows: int | None = None
+    epochs: int = 1       # the run's last epoch (exclusive), as Keras' ``epochs``
+
+    def updates_per_epoch(self, accumulation_steps: int) -> int:
+        """Optimizer updates in an average epoch of the run, for the rate schedule's lengths
+        (epochs differ where ``steps_per_epoch`` does not divide a pass)."""
+        lengths = self.passes.epoch_lengths(self.passes.first_epoch, self.epochs)
+        return max(1, round(sum(lengths) / len(lengths) / accumulation_steps))
 
     def describe_step(self, epoch: int, batch: int) -> str:
         """Which batch a step of ``epoch`` trained on, in words for an error note."""
@@ -171,19 +178,23 @@ def plan_data(config: Config, data: DataBundle, collectives: Collectives,
     if examples is not None and examples < world.size:
         raise AgreedError(f"{world.size} ranks but only {examples} training "
                           "examples: every rank needs at least one; launch fewer ranks")
-    if examples and remainder == "drop" and spec.remainder_examples:
-        notes.append(f"training data: each pass leaves out {spec.remainder_examples} of "
-                     f"{examples} examples (the last partial update of {spec.update_batch}: "
-                     "--remainder drop), a different part each epoch when shuffled")
+    left = (examples or 0) - world.size * steps * batch
+    if examples and remainder == "drop" and left > 0:
+        notes.append(f"training data: each pass leaves out {left} of {examples} examples "
+                     f"(every rank trains {steps} whole batches of {batch}: --remainder drop), "
+                     "a different part each epoch when shuffled")
     if isinstance(data.train, FileSplit):
         notes.append(f"sharding {len(data.train.files)} file(s) across {world.size} rank(s) by "
                      f"{data.train.mode(world.size)}")
     passes = Passes(pass_steps, wanted, config.train.initial_epoch)
+    epochs = max(config.train.epochs, config.train.initial_epoch + 1)
     if data.val is None:
-        return DataPlan(spec, passes, None, tuple(notes))
+        return DataPlan(spec, passes, None, tuple(notes), epochs=epochs)
+    if getattr(data.val, "infinite", False) and getattr(data.val, "declared_steps", 1) is None:
+        raise AgreedError("the validation dataset repeats forever; give validation_steps")
     val_spec = ShardSpec(data.val.num_examples or 0, world, batch, "pad", False,
                          equal_steps=own_step is None)
     if own_step is None:
         val_spec = counted(val_spec, *agreed_pass_steps(data.val, val_spec, collectives),
                            data.val)
-    return DataPlan(spec, passes, val_spec, tuple(notes))
+    return DataPlan(spec, passes, val_spec, tuple(notes), epochs=epochs)

@@ -45,17 +45,23 @@ class ContinuedHooks(keras.callbacks.CallbackList):
                          epochs=epochs, steps=steps, verbose=0)
         self.offset = 0
         self.begun = False
+        self.last_logs: dict | None = None
 
     def on_train_begin(self, logs: dict | None = None) -> None:
         if not self.begun:
             self.begun = True
             super().on_train_begin(logs)
 
+    def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
+        super().on_epoch_end(epoch, logs)
+        self.last_logs = logs
+
     def on_train_end(self, logs: dict | None = None) -> None:
         """Each ``fit`` call's end: not yet the training's (``end_training``)."""
 
-    def end_training(self, logs: dict | None = None) -> None:
-        super().on_train_end(logs)
+    def end_training(self) -> None:
+        """Train end, once, with the last epoch's logs (as Keras' ``fit`` passes them)."""
+        super().on_train_end(self.last_logs)
 
     def on_train_batch_begin(self, batch: int, logs: dict | None = None) -> None:
         super().on_train_batch_begin(batch + self.offset, logs)
@@ -114,7 +120,24 @@ def _continuing(batches: Iterator[Any], count: int, spec: Any) -> tf.data.Datase
         for _ in range(count):
             yield next(batches)
 
-    return tf.data.Dataset.from_generator(read, output_signature=spec)
+    return tf.data.Dataset.from_generator(read, output_signature=spec).prefetch(1)
+
+
+@contextlib.contextmanager
+def finalized_once(model: keras.Model) -> Iterator[None]:
+    """Keras' ``fit`` ends by finalizing the optimizer's variables (an optimizer with
+    ``use_ema`` puts its averages into the weights): across the ``fit`` calls of one training
+    that happens once, after the last, as one ``fit`` does it."""
+    optimizer = getattr(model, "optimizer", None)
+    if not isinstance(optimizer, keras.optimizers.Optimizer):
+        yield
+        return
+    optimizer.finalize_variable_values = lambda variables: None
+    try:
+        yield
+    finally:
+        del optimizer.finalize_variable_values      # the class's own again
+    optimizer.finalize_variable_values(model.trainable_weights)
 
 
 def fit_loop(step: TrainingStep, dataset: tf.data.Dataset, epochs: int, initial_epoch: int,
@@ -127,17 +150,19 @@ def fit_loop(step: TrainingStep, dataset: tf.data.Dataset, epochs: int, initial_
     hooks = ContinuedHooks([*callbacks, history], model, epochs, passes.keras_steps)
     segments = fit_segments(passes, initial_epoch, epochs, done_steps)
     shared = iter(dataset) if len(segments) > 1 else None
+    finalizing = finalized_once(model) if shared is not None else contextlib.nullcontext()
     with step_installed(step):
-        for segment in segments:
-            hooks.offset = segment.offset
-            data = dataset if shared is None else _continuing(
-                shared, (segment.end - segment.first) * (segment.steps - segment.offset),
-                dataset.element_spec)
-            model.fit(data, epochs=segment.end, initial_epoch=segment.first,
-                      steps_per_epoch=segment.steps - segment.offset, callbacks=hooks,
-                      shuffle=False, verbose=0)
-            if model.stop_training:
-                break
+        with finalizing:
+            for segment in segments:
+                hooks.offset = segment.offset
+                data = dataset if shared is None else _continuing(
+                    shared, (segment.end - segment.first) * (segment.steps - segment.offset),
+                    dataset.element_spec)
+                model.fit(data, epochs=segment.end, initial_epoch=segment.first,
+                          steps_per_epoch=segment.steps - segment.offset, callbacks=hooks,
+                          shuffle=False, verbose=0)
+                if model.stop_training:
+                    break
         hooks.end_training()
     return history
 
@@ -156,6 +181,7 @@ def custom_loop(step: TrainingStep, dataset: tf.data.Dataset, epochs: int, initi
                                          steps=passes.keras_steps, verbose=0)
     batches = iter(dataset)
     hooks.on_train_begin()
+    epoch_logs: dict | None = None
     for epoch, steps in zip(range(initial_epoch, epochs),
                             passes.epoch_lengths(initial_epoch, epochs)):
         hooks.on_epoch_begin(epoch)
@@ -167,10 +193,13 @@ def custom_loop(step: TrainingStep, dataset: tf.data.Dataset, epochs: int, initi
             hooks.on_train_batch_end(batch, logs)
             if model.stop_training:
                 break
-        hooks.on_epoch_end(epoch, scalar_logs(logs))
+        epoch_logs = scalar_logs(logs)
+        hooks.on_epoch_end(epoch, epoch_logs)
         if model.stop_training:
             break
-    hooks.on_train_end()
+    if isinstance(getattr(model, "optimizer", None), keras.optimizers.Optimizer):
+        model.optimizer.finalize_variable_values(model.trainable_weights)   # as fit ends
+    hooks.on_train_end(epoch_logs)
     return history
 
 

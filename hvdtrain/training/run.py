@@ -204,23 +204,23 @@ def check_elastic(collectives: Collectives) -> None:
 
 @contextlib.contextmanager
 def data_errors_named(data: DataBundle, rank: int = 0):
-    """Turn TensorFlow's errors about bad records, or a pass of another length than counted,
-    mid-run into one line naming the problem."""
+    """Turn TensorFlow's errors about the data mid-run (a corrupt record, a label out of range,
+    a pass of another length than counted) into one line naming the problem. Read from the
+    message: an error raised inside a generator reaches here as another kind."""
     try:
         yield
-    except tf.errors.DataLossError as error:
-        raise UserError(corrupt_record_message((data.train, data.val), str(error))) from error
-    except tf.errors.FailedPreconditionError as error:
-        changed = count_changed_line(str(error), rank)
-        if changed is None:
-            raise
-        raise UserError(changed) from error
-    except tf.errors.InvalidArgumentError as error:
-        if LABEL_RANGE_MESSAGE not in str(error):
-            raise
-        classes = data.num_classes or 0
-        raise UserError(f"a label lies outside [0, {classes - 1}] for {classes} classes; fix "
-                        "the labels or set --num-classes") from error
+    except tf.errors.OpError as error:
+        message = str(error)
+        changed = count_changed_line(message, rank)
+        if changed is not None:
+            raise UserError(changed) from error
+        if isinstance(error, tf.errors.DataLossError) or "DataLossError" in message:
+            raise UserError(corrupt_record_message((data.train, data.val), message)) from error
+        if LABEL_RANGE_MESSAGE in message:
+            classes = data.num_classes or 0
+            raise UserError(f"a label lies outside [0, {classes - 1}] for {classes} classes; "
+                            "fix the labels or set --num-classes") from error
+        raise
 
 
 def _open_run_dir(config: Config, collectives: Collectives) -> tuple[Path, bool]:
@@ -491,8 +491,7 @@ class Run:
             say(world, note)
         optim = config.optim
         trainable = prepare(config, model, data, world,
-                            plan.passes.epoch_steps(config.train.initial_epoch)
-                            // optim.accumulation_steps, own_step)
+                            plan.updates_per_epoch(optim.accumulation_steps), own_step)
         if config.train.elastic and not isinstance(data.train, ArraySplit):
             raise UserError("--elastic supports in-memory datasets (arrays); a pipeline cannot "
                             "be re-sharded at an offset into its epoch")
@@ -674,7 +673,7 @@ class Run:
                     run.step, run.plan.stream(run.data.train, initial_epoch, done, epochs),
                     epochs, initial_epoch, run.plan.passes, [position, *callbacks], done)
             except tf.errors.OpError as error:
-                if position.epoch is not None:
+                if position.epoch is not None and not ended_by_another_rank(error):
                     error.add_note(f"hvdtrain: rank {world.rank} failed in epoch "
                                    f"{position.epoch + 1}, step {position.batch + 1}, on "
                                    f"{run.plan.describe_step(position.epoch, position.batch)}")
