@@ -36,6 +36,10 @@ found = [
     unseeded_randomness(rows.map(lambda v: v + 1, num_parallel_calls=2, deterministic=False)),
     unseeded_randomness(rows.map(lambda v: v + 1, num_parallel_calls=2)),
     unseeded_randomness(tf.data.Dataset.zip(rows, rows.shuffle(8)).batch(2)),
+    unseeded_randomness(rows.interleave(lambda v: tf.data.Dataset.range(v), num_parallel_calls=2,
+                                        deterministic=False)),
+    unseeded_randomness(rows.flat_map(lambda v: tf.data.Dataset.range(v).shuffle(4))),
+    unseeded_randomness(rows.flat_map(lambda v: tf.data.Dataset.range(v).shuffle(4, seed=1))),
 ]
 tf.random.set_seed(5)
 found.append(unseeded_randomness(rows.shuffle(101)))
@@ -50,7 +54,23 @@ def test_unseeded_randomness_is_found_without_reading_the_data():
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stdout.strip().splitlines()[-1] == str([
         "an unseeded shuffle", None, "an unseeded Dataset.random or sample_from_datasets",
-        "a parallel map with deterministic=False", None, "an unseeded shuffle", None])
+        "a parallel map with deterministic=False", None, "an unseeded shuffle",
+        "ParallelInterleaveDatasetV4 with deterministic=False",
+        "an unseeded shuffle inside a flat_map or interleave", None, None])
+
+
+def test_a_dataset_whose_options_let_order_follow_timing_is_read_in_order():
+    """Keras' TFRecord example sets ``deterministic = False`` in the options: hvdtrain reads
+    the dataset in order (every rank one order) and says so."""
+    from hvdtrain.data.datasets import DatasetSplit
+
+    options = tf.data.Options()
+    options.deterministic = False
+    split = DatasetSplit(tf.data.Dataset.from_tensor_slices(ROWS).with_options(options))
+    assert split.reordered and split.source.options().deterministic is True
+    assert "its options say deterministic=False; hvdtrain reads it in order" in (
+        split.order_note("training"))
+    assert DatasetSplit(tf.data.Dataset.from_tensor_slices(ROWS)).order_note("training") is None
 
 
 def test_the_fingerprint_follows_the_targets_not_a_random_augmentation():

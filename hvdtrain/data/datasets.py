@@ -96,6 +96,26 @@ class DatasetSplit:
     # batch size, examples per pass by (rank, size).
     _templates: dict = field(default_factory=dict, compare=False, repr=False)
     _rows: dict = field(default_factory=dict, compare=False, repr=False)
+    # Whether the dataset's options said deterministic=False (read in order here instead).
+    reordered: bool = field(default=False, init=False)
+
+    def __post_init__(self) -> None:
+        """A dataset whose options let tf.data order elements by timing (Keras' TFRecord
+        example sets ``deterministic = False``) is read in order: every rank must read one
+        order for its shards to be disjoint (said in the run log, ``order_note``)."""
+        if isinstance(self.source, tf.data.Dataset) and self.source.options().deterministic \
+                is False:
+            options = tf.data.Options()
+            options.deterministic = True
+            object.__setattr__(self, "source", self.source.with_options(options))
+            object.__setattr__(self, "reordered", True)
+
+    def order_note(self, what: str) -> str | None:
+        """Rank 0's line when the dataset is read in an order its options did not ask for."""
+        if not self.reordered:
+            return None
+        return (f"{what} dataset: its options say deterministic=False; hvdtrain reads it in "
+                "order (deterministic=True), since every rank must read one order to shard it")
 
     @property
     def batched(self) -> bool:

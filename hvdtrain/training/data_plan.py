@@ -134,12 +134,17 @@ def _left_out(split: Split, spec: ShardSpec, counts: list[int], steps: int,
     return [line] if line else []
 
 
-def _check_orders(data: DataBundle, gather: Callable) -> None:
-    """Refuse a user dataset whose order differs across ranks (``hvdtrain.data.order``)."""
+def _check_orders(data: DataBundle, gather: Callable) -> list[str]:
+    """Refuse a user dataset whose order differs across ranks (``hvdtrain.data.order``); the
+    lines rank 0 says about the order of the others."""
+    notes = []
     for split, what in ((data.train, "training"), (data.val, "validation")):
         check = getattr(split, "check_order", None)
         if check is not None:
             check(what, gather)
+            note = split.order_note(what)
+            notes += [note] if note else []
+    return notes
 
 
 def plan_data(config: Config, data: DataBundle, collectives: Collectives,
@@ -152,13 +157,12 @@ def plan_data(config: Config, data: DataBundle, collectives: Collectives,
         raise AgreedError("--accumulation-steps needs in-memory or file data (the weights of an "
                           "update must be known before its first micro-step); raise the pipeline's "
                           "batch size instead")
-    _check_orders(data, collectives.allgather_object)
+    notes = _check_orders(data, collectives.allgather_object)
     remainder = resolved_remainder(config, own_step)
     examples = data.train.num_examples
     spec = ShardSpec(examples or 0, world, batch, remainder, config.data.shuffle,
                      config.train.seed, optim.accumulation_steps)
     wanted = config.train.steps_per_epoch
-    notes: list[str] = []
     if getattr(data.train, "infinite", False):
         if not wanted:
             raise AgreedError("the training dataset repeats forever; give steps_per_epoch")

@@ -104,14 +104,22 @@ def tf_nest_first(structure: Any) -> Any:
 # tf.data's dataset classes whose two seeds both 0 mean "seed from nothing" in every process.
 _SEEDED_DATASETS = {"_ShuffleDataset": "an unseeded shuffle",
                     "_RandomDataset": "an unseeded Dataset.random or sample_from_datasets"}
+# Classes whose functions build datasets of their own (their nodes are not Python objects).
+_NESTING_DATASETS = ("_FlatMapDataset", "_InterleaveDataset", "_ParallelInterleaveDataset")
+# The same ops in a serialized pipeline, with the input positions of their two seeds.
+_SEEDED_OPS = {"ShuffleDataset": (2, 3), "ShuffleDatasetV3": (2, 3),
+               "ShuffleAndRepeatDataset": (2, 3), "ShuffleAndRepeatDatasetV2": (2, 3),
+               "RandomDataset": (0, 1), "RandomDatasetV2": (0, 1)}
 
 
 def unseeded_randomness(dataset: Any) -> str | None:
     """What in a ``tf.data`` pipeline orders its elements differently in every process, or None:
     a shuffle or random dataset made without any seed (tf.data keeps them in ``_seed`` and
-    ``_seed2``), or a parallel map with ``deterministic=False`` (``_deterministic``). Follows
-    every input (``_inputs()``)."""
-    pending = [dataset]
+    ``_seed2``), or a parallel map with ``deterministic=False`` (``_deterministic``), found by
+    following every input (``_inputs()``); where a function of the pipeline builds datasets of
+    its own (``flat_map``, ``interleave``) or interleaves in parallel, the serialized pipeline
+    is read too (``_unseeded_in_graph``)."""
+    pending, nesting = [dataset], False
     while pending:
         node = pending.pop()
         name = type(node).__name__
@@ -120,10 +128,42 @@ def unseeded_randomness(dataset: Any) -> str | None:
             return _SEEDED_DATASETS[name]
         if getattr(node, "_deterministic", None) == "false":
             return "a parallel map with deterministic=False"
+        nesting = nesting or name in _NESTING_DATASETS
         try:
             pending += list(node._inputs())
         except (AttributeError, NotImplementedError):
             continue
+    return _unseeded_in_graph(dataset) if nesting else None
+
+
+def _unseeded_in_graph(dataset: Any) -> str | None:
+    """The same, read from the pipeline's serialized graph (``_as_serialized_graph``) and the
+    functions in it: a parallel op with ``deterministic`` "false", or an op of ``_SEEDED_OPS``
+    whose seeds are both the constant 0. None also when the pipeline cannot be serialized."""
+    import tensorflow as tf
+    from tensorflow.core.framework import graph_pb2
+
+    try:
+        serialized = dataset._as_serialized_graph(
+            external_state_policy=tf.data.experimental.ExternalStatePolicy.WARN)
+        graph = graph_pb2.GraphDef.FromString(serialized.numpy())
+    except (tf.errors.OpError, ValueError, TypeError):
+        return None
+    for nodes in [graph.node, *(function.node_def for function in graph.library.function)]:
+        by_name = {node.name: node for node in nodes}
+        for node in nodes:
+            if "deterministic" in node.attr and node.attr["deterministic"].s == b"false":
+                return f"{node.op} with deterministic=False"
+            if node.op not in _SEEDED_OPS:
+                continue
+            values = []
+            for position in _SEEDED_OPS[node.op]:
+                source = by_name.get(node.input[position].split(":")[0])
+                if source is None or source.op != "Const":
+                    break
+                values.append(int(tf.make_ndarray(source.attr["value"].tensor)))
+            if values == [0, 0]:
+                return "an unseeded shuffle inside a flat_map or interleave"
     return None
 
 
