@@ -134,8 +134,9 @@ class Collectives(Protocol):
         """Combine gradients across ranks as ``reduction`` says, dense ones in one grouped
         allreduce; a None gradient stays None (graph-safe)."""
 
-    def broadcast_variables(self, variables: Sequence[Any], root_rank: int = 0) -> None:
-        """Overwrite every rank's variables (TensorFlow or Keras 3) with the root rank's."""
+    def broadcast_variables(self, variables: Sequence[Any], root_rank: int = 0) -> Any:
+        """Overwrite every rank's variables (TensorFlow or Keras 3) with the root rank's. In a
+        TensorFlow 1 graph that is an op to run, which is returned (None: nothing to run)."""
 
     def broadcast_object(self, obj: Any, root_rank: int = 0) -> Any:
         """Return the root rank's picklable object on every rank."""
@@ -249,9 +250,10 @@ class HorovodCollectives:
                                           reduction.prescale * reduction.postscale)
         return reduced
 
-    def broadcast_variables(self, variables: Sequence[Any], root_rank: int = 0) -> None:
+    def broadcast_variables(self, variables: Sequence[Any], root_rank: int = 0) -> Any:
         if variables:
-            self._hvd.broadcast_variables(tf_variables(variables), root_rank=root_rank)
+            return self._hvd.broadcast_variables(tf_variables(variables), root_rank=root_rank)
+        return None
 
     def broadcast_object(self, obj: Any, root_rank: int = 0) -> Any:
         return self._hvd.broadcast_object(obj, root_rank=root_rank)
