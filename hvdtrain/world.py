@@ -432,6 +432,14 @@ def tf_variables(variables: Sequence[Any]) -> list[Any]:
     return [v.value if isinstance(v, keras.Variable) else v for v in variables]
 
 
+def horovod_object_state_class() -> type:
+    """Horovod's ``ObjectState`` (picklable attributes, saved, restored and synchronised from
+    rank 0), which ``hvd.elastic.ObjectState`` names on the Horovod backend."""
+    from horovod.common.elastic import ObjectState
+
+    return ObjectState
+
+
 @functools.cache
 def keras_elastic_state_class() -> type:
     """Horovod elastic state for Keras 3 models.
