@@ -56,7 +56,8 @@ def init(comm: Any = None, process_sets: Any = None) -> None:
     """Horovod's ``init`` (same arguments), with hvdtrain's runtime defaults for MPI and
     Horovod (stall check; on CPU, yielding MPI waits and a short cycle time). On the
     TensorFlow backend: joins the job's TensorFlow cluster (the first time in the process;
-    before any TensorFlow tensor exists) with this rank's GPU pinned (``_pin_gpu``)."""
+    before any TensorFlow tensor exists) with this rank's GPU pinned (``_pin_gpu``), eagerly
+    wherever it is called (a TensorFlow 1 graph is only where the script is at the time)."""
     global _session, _homogeneous
     if BACKEND == "horovod":
         _session = HorovodCollectives(comm=comm, process_sets=process_sets)
@@ -66,10 +67,12 @@ def init(comm: Any = None, process_sets: Any = None) -> None:
     if process_sets is not None:
         raise refused("Process sets")
     from hvdtrain.tf_collectives import tensorflow_collectives
+    from hvdtrain.tf_graph_mode import eagerly
 
-    collectives = tensorflow_collectives(_pin_gpu)
-    collectives.chosen = BACKEND_WHY
-    _homogeneous = len(set(collectives.allgather_object(collectives.world.local_size))) == 1
+    with eagerly():       # also when init() is called inside a TensorFlow 1 graph
+        collectives = tensorflow_collectives(_pin_gpu)
+        collectives.chosen = BACKEND_WHY
+        _homogeneous = len(set(collectives.allgather_object(collectives.world.local_size))) == 1
     if collectives.world.is_chief and BACKEND_WHY != "as asked":
         print(f"hvdtrain: TensorFlow's collectives, not Horovod ({BACKEND_WHY})",
               file=sys.stderr, flush=True)

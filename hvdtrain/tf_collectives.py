@@ -22,12 +22,20 @@ Keys: every collective carries a group key (all ranks: one group for CPU tensors
 GPU tensors) and an instance key, which must name the same operation on every rank. Keys are
 drawn from one counter per group when an operation *runs* (inside a ``tf.function`` as a
 call-time capture), so a rank that retraces a function does not shift any key; as with
-Horovod, every rank must issue the same collectives in the same order.
+Horovod, every rank must issue the same collectives in the same order. In a TensorFlow 1 graph
+(run by a ``Session``, which cannot reach the cluster) each collective is a node that runs it
+eagerly when the session runs the node (``tf_graph_mode``); the cluster, its tokens and the
+object exchanges are always made eagerly, so a graph's end takes nothing of them along.
 
-Private TensorFlow API used here (and only here): ``context.context()``'s collective and
-coordination configuration, ``collective_ops``' V2 ops and ``FuncGraph.
-capture_call_time_value``; the exactness, stop, drop-in and multi-node tests run them on real
-ranks (parametrised over both backends).
+Shapes: TensorFlow's all-gather crashes the process on a tensor with no elements, and its
+collectives abort every later collective of the process when the ranks' shapes differ. So no
+empty tensor reaches the all-gather (``_concatenated`` sends one element more), and the drop-in's
+operations compare every rank's call before they run (``_first_dims``).
+
+Private TensorFlow API used here (and in ``tf_graph_mode``): ``context.context()``'s collective
+and coordination configuration, ``collective_ops``' V2 ops, ``FuncGraph.
+capture_call_time_value`` and ``context.eager_mode``; the exactness, stop, drop-in and
+multi-node tests run them on real ranks (parametrised over both backends).
 
 What it does not do (refused with one line that names the Horovod backend): elastic
 resizing, Adasum. fp16 on the wire is a cast around the sum.
@@ -42,6 +50,7 @@ import threading
 from typing import Any, Callable, Sequence
 
 from hvdtrain.errors import UserError
+from hvdtrain.tf_graph_mode import SessionNodes, eagerly, in_session_graph
 from hvdtrain.world import GradientReduction, World, tf_variables
 
 JOB = "worker"
@@ -116,12 +125,14 @@ class TensorFlowCollectives:
         self._cpu = f"/job:{JOB}/replica:0/task:{rank}/device:CPU:0"
         gpus = tf.config.get_visible_devices("GPU")
         self._gpu = f"/job:{JOB}/replica:0/task:{rank}/device:GPU:0" if gpus else None
-        from tensorflow.python.framework import ops
         from tensorflow.python.ops import resource_variable_ops
 
+        self._session_nodes = SessionNodes()
         # Every collective of a group takes its group's token, so inside a tf.function they
-        # run in program order (NCCL requires it; harmless for the ring).
-        with ops.init_scope():
+        # run in program order (NCCL requires it; harmless for the ring). Made eagerly even
+        # when the first init() is called inside a TensorFlow 1 graph: a token in that graph
+        # would die with it, and every later collective with the token.
+        with eagerly():
             self._tokens = {}
             for group, device in ((CPU_GROUP, self._cpu), (GPU_GROUP, self._gpu)):
                 if device is not None:
@@ -186,39 +197,66 @@ class TensorFlowCollectives:
             return GPU_GROUP, self._gpu, "nccl"
         return CPU_GROUP, self._cpu, "ring"
 
-    def _all_reduce(self, flat: Any, merge_op: str = "Add") -> Any:
-        """``flat`` combined across ranks by ``merge_op`` ("Add", "Mul", "Min", "Max")."""
+    def _collective(self, run: Callable[..., Any], value: Any, shape: Any) -> Any:
+        """``run(value, group_key, instance_key, ordering_token, communication_hint)``: one
+        collective op with the group's next key, on this rank's device, eagerly or in a
+        tf.function; in a TensorFlow 1 graph, a node that runs it eagerly whenever the session
+        runs the node (``tf_graph_mode``: on the CPU ring, no token). ``shape``: the result's."""
+        tf = self._tf
+        if in_session_graph():
+            def on_the_cpu(eager_value: Any, group: int, key: int) -> Any:
+                with tf.device(self._cpu):
+                    return run(eager_value, group, key, None, "ring")
+
+            return self._session_nodes.node(on_the_cpu, value, shape)
+        group, device, hint = self._group_of(value)
+        with tf.device(device):
+            return run(value, group, self._instance_key(group), self._tokens[group].handle,
+                       hint)
+
+    def _all_reduce(self, tensor: Any, merge_op: str = "Add") -> Any:
+        """``tensor`` combined across ranks by ``merge_op`` ("Add", "Mul", "Min", "Max")."""
         from tensorflow.python.ops import collective_ops
 
-        group, device, hint = self._group_of(flat)
-        with self._tf.device(device):
+        def reduce(value: Any, group: int, key: Any, token: Any, hint: str) -> Any:
             return collective_ops.all_reduce_v2(
-                flat, self.world.size, group, self._instance_key(group), merge_op=merge_op,
-                final_op="Id", communication_hint=hint, timeout=self.timeout_s,
-                ordering_token=self._tokens[group].handle)
+                value, self.world.size, group, key, merge_op=merge_op, final_op="Id",
+                communication_hint=hint, timeout=self.timeout_s, ordering_token=token)
+
+        return self._collective(reduce, tensor, tensor.shape)
 
     def _all_gather(self, tensor: Any) -> Any:
+        """Every rank's ``tensor`` (the same shape on every rank) concatenated along the first
+        dimension. Never with zero elements: TensorFlow's all-gather then crashes the process
+        (a segmentation fault, measured), so callers pad (``_concatenated``)."""
         from tensorflow.python.ops import collective_ops
 
-        group, device, hint = self._group_of(tensor)
-        with self._tf.device(device):
+        def gather(value: Any, group: int, key: Any, token: Any, hint: str) -> Any:
             return collective_ops.all_gather_v2(
-                tensor, self.world.size, group, self._instance_key(group),
-                communication_hint=hint, timeout=self.timeout_s,
-                ordering_token=self._tokens[group].handle)
+                value, self.world.size, group, key, communication_hint=hint,
+                timeout=self.timeout_s, ordering_token=token)
 
-    def _broadcast(self, tensor: Any, shape: Any, dtype: Any, root_rank: int) -> Any:
+        first = tensor.shape[0] if tensor.shape.rank else None
+        shape = self._tf.TensorShape([None if first is None else first * self.world.size]
+                                     ).concatenate(tensor.shape[1:])
+        return self._collective(gather, tensor, shape)
+
+    def _broadcast(self, tensor: Any, root_rank: int) -> Any:
+        """The root rank's ``tensor`` on every rank (each rank passes a tensor of the root's
+        shape and dtype: the receivers' values are not used)."""
         from tensorflow.python.ops import collective_ops
 
-        group, device, hint = self._group_of(tensor)
-        with self._tf.device(device):
+        tf, size = self._tf, self.world.size
+
+        def broadcast(value: Any, group: int, key: Any, token: Any, hint: str) -> Any:
             if self.world.rank == root_rank:
                 return collective_ops.broadcast_send_v2(
-                    tensor, self.world.size, group, self._instance_key(group),
-                    communication_hint=hint, timeout=self.timeout_s)
+                    value, size, group, key, communication_hint=hint, timeout=self.timeout_s)
             return collective_ops.broadcast_recv_v2(
-                shape, dtype, self.world.size, group, self._instance_key(group),
-                communication_hint=hint, timeout=self.timeout_s)
+                tf.shape(value), value.dtype, size, group, key, communication_hint=hint,
+                timeout=self.timeout_s)
+
+        return self._collective(broadcast, tensor, tensor.shape)
 
     # --- the Collectives protocol ----------------------------------------------------------
 
@@ -279,42 +317,34 @@ class TensorFlowCollectives:
 
     def _gathered_rows(self, slices: Any, reduction: GradientReduction) -> Any:
         """Every rank's rows of a sparse gradient, in rank order (ranks may hold different
-        numbers of rows: gathered padded to the most, then trimmed)."""
+        numbers of rows)."""
         tf = self._tf
-        rows = tf.shape(slices.indices, out_type=tf.int64)[0]
-        counts = self._all_gather(tf.reshape(rows, [1]))
-        most = tf.reduce_max(counts)
-        pad = most - rows
-        values = tf.pad(slices.values, tf.concat([[[0, pad]], tf.zeros(
-            [tf.rank(slices.values) - 1, 2], tf.int64)], 0))
-        indices = tf.pad(tf.cast(slices.indices, tf.int64), [[0, pad]])
-        every_values = tf.reshape(self._all_gather(values),
-                                  tf.concat([[self.world.size, most],
-                                             tf.shape(slices.values, out_type=tf.int64)[1:]], 0))
-        every_indices = tf.reshape(self._all_gather(indices), [self.world.size, most])
-        keep = tf.sequence_mask(counts, most)
+        counts = self._all_gather(tf.shape(slices.indices, out_type=tf.int64)[:1])
+        values = self._concatenated(slices.values, counts)
+        indices = self._concatenated(tf.cast(slices.indices, tf.int64), counts)
         scale = reduction.prescale * reduction.postscale / (
             self.world.size if reduction.op == "average" else 1)
-        gathered = tf.boolean_mask(every_values, keep)
-        return tf.IndexedSlices(gathered * scale if scale != 1.0 else gathered,
-                                tf.cast(tf.boolean_mask(every_indices, keep),
-                                        slices.indices.dtype), slices.dense_shape)
+        return tf.IndexedSlices(values * scale if scale != 1.0 else values,
+                                tf.cast(indices, slices.indices.dtype), slices.dense_shape)
 
-    def broadcast_variables(self, variables: Sequence[Any], root_rank: int = 0) -> None:
+    def broadcast_variables(self, variables: Sequence[Any], root_rank: int = 0) -> Any:
         """Overwrite every rank's variables with the root rank's: one broadcast per dtype of the
-        flattened values (eager or in a tf.function)."""
+        flattened values (eagerly, in a tf.function, or in a TensorFlow 1 graph, where the
+        assignments are returned as one op to run)."""
         tf = self._tf
         by_dtype: dict[Any, list[Any]] = {}
         for variable in tf_variables(variables):
             by_dtype.setdefault(variable.dtype.base_dtype, []).append(variable)
+        assignments = []
         for dtype, group in by_dtype.items():
             sizes = [int(variable.shape.num_elements()) for variable in group]
             flat = tf.concat([tf.reshape(variable, [-1]) for variable in group], 0)
-            received = self._broadcast(flat, [sum(sizes)], dtype, root_rank)
+            received = self._broadcast(flat, root_rank)
             # The root assigns too: in a tf.function an unused broadcast send is pruned, and
             # the receivers would wait for ever.
             for variable, part in zip(group, tf.split(received, sizes)):
-                variable.assign(tf.reshape(part, variable.shape))
+                assignments.append(variable.assign(tf.reshape(part, variable.shape)))
+        return tf.group(*assignments) if in_session_graph() else None
 
     @staticmethod
     def _as_words(data: bytes, words: int) -> Any:
@@ -327,24 +357,27 @@ class TensorFlowCollectives:
 
     def allgather_object(self, obj: Any) -> list[Any]:
         """Every rank's picklable object, in rank order (lengths first, then the payloads padded
-        to the longest)."""
+        to the longest); exchanged at once, also when called inside a graph."""
         tf = self._tf
         data = pickle.dumps(obj)
-        lengths = self._all_gather(tf.constant([len(data)], tf.int64)).numpy()
-        words = (int(lengths.max()) + 3) // 4
-        gathered = self._all_gather(tf.constant(self._as_words(data, words))).numpy()
+        with eagerly():
+            lengths = self._all_gather(tf.constant([len(data)], tf.int64)).numpy()
+            words = (int(lengths.max()) + 3) // 4
+            gathered = self._all_gather(tf.constant(self._as_words(data, words))).numpy()
         raw = gathered.reshape(self.world.size, words).view("uint8")
         return [pickle.loads(raw[rank, :lengths[rank]].tobytes())
                 for rank in range(self.world.size)]
 
     def broadcast_object(self, obj: Any, root_rank: int = 0) -> Any:
+        """The root rank's picklable object on every rank; exchanged at once, also when called
+        inside a graph."""
         tf = self._tf
         data = pickle.dumps(obj) if self.world.rank == root_rank else b""
-        length = int(self._broadcast(tf.constant([len(data)], tf.int64), [1], tf.int64,
-                                     root_rank).numpy()[0])
-        words = (length + 3) // 4
-        received = self._broadcast(tf.constant(self._as_words(data, words)), [words], tf.int32,
-                                   root_rank)
+        with eagerly():
+            length = int(self._broadcast(tf.constant([len(data)], tf.int64),
+                                         root_rank).numpy()[0])
+            words = (length + 3) // 4
+            received = self._broadcast(tf.constant(self._as_words(data, words)), root_rank)
         if self.world.rank == root_rank:
             return obj
         return pickle.loads(received.numpy().view("uint8")[:length].tobytes())
@@ -384,11 +417,10 @@ class TensorFlowCollectives:
     def allgather(self, tensor: Any) -> Any:
         """Every rank's tensor concatenated along the first dimension, in rank order. The
         first dimension may differ between ranks, the others may not: the tensors travel
-        padded to the longest and are trimmed after. A scalar counts as one row."""
+        padded to the longest and are trimmed after. A scalar is refused, as Horovod does."""
         tf = self._tf
         tensor = tf.convert_to_tensor(tensor)
-        if tensor.shape.rank == 0:
-            tensor = tf.reshape(tensor, [1])
+        self._needs_a_dimension("allgather", tensor, tf.errors.FailedPreconditionError)
         return self._concatenated(tensor, self._first_dims("allgather", tensor, same_first=False))
 
     def broadcast(self, tensor: Any, root_rank: int) -> Any:
@@ -401,7 +433,7 @@ class TensorFlowCollectives:
         checked = self._first_dims("broadcast", tensor, detail=root_rank)
         wire, dtype = self._on_the_wire(tensor)
         with tf.control_dependencies([checked]):
-            received = self._broadcast(wire, tf.shape(wire), wire.dtype, root_rank)
+            received = self._broadcast(wire, root_rank)
         return tf.ensure_shape(tf.cast(received, dtype), tensor.shape)
 
     def reducescatter(self, tensor: Any, op: str = "sum", prescale: float = 1.0,
@@ -412,8 +444,7 @@ class TensorFlowCollectives:
         times the bytes a true reduce-scatter would send it."""
         tf = self._tf
         tensor = tf.convert_to_tensor(tensor)
-        if tensor.shape.rank == 0:
-            raise ValueError("reducescatter needs a tensor with at least one dimension")
+        self._needs_a_dimension("reducescatter", tensor, tf.errors.InvalidArgumentError)
         total = self._reduced("reducescatter", tensor, op, prescale, postscale)
         rank, size = self.world.rank, self.world.size
         rows = tf.shape(total)[0]
@@ -430,8 +461,7 @@ class TensorFlowCollectives:
         tf = self._tf
         tensor = tf.convert_to_tensor(tensor)
         size, rank = self.world.size, self.world.rank
-        if tensor.shape.rank == 0:
-            raise ValueError("alltoall needs a tensor with at least one dimension")
+        self._needs_a_dimension("alltoall", tensor)
         rows = tf.shape(tensor, out_type=tf.int64)[0]
         checks = []
         if splits is None:
@@ -454,7 +484,21 @@ class TensorFlowCollectives:
         starts = tf.cumsum(firsts, exclusive=True) + tf.reduce_sum(sent[:, :rank], axis=1)
         counts = sent[:, rank]
         mine = tf.concat([tf.range(starts[r], starts[r] + counts[r]) for r in range(size)], 0)
-        return tf.gather(everything, mine), tf.cast(counts, tf.int32)
+        received = tf.gather(everything, mine)
+        received.set_shape(tf.TensorShape([None]).concatenate(everything.shape[1:]))
+        return received, tf.cast(counts, tf.int32)
+
+    def _needs_a_dimension(self, operation: str, tensor: Any, eager_error: Any = None) -> None:
+        """Horovod's refusal of a scalar: ``eager_error`` (the class Horovod raises when it runs
+        the op eagerly) or ValueError (its shape check when a graph or tf.function is built;
+        eagerly too where Horovod has no error of its own: its eager alltoall of a scalar
+        crashes the process)."""
+        if tensor.shape.rank != 0:
+            return
+        message = f"{operation} needs a tensor with at least one dimension, not a scalar"
+        if eager_error is not None and self._tf.executing_eagerly():
+            raise eager_error(None, None, message)
+        raise ValueError(message)
 
     def _reduced(self, operation: str, tensor: Any, op: str, prescale: float,
                  postscale: float) -> Any:
@@ -495,33 +539,52 @@ class TensorFlowCollectives:
         return tf.cast(tensor, wire), dtype
 
     def _concatenated(self, tensor: Any, firsts: Any) -> Any:
-        """Every rank's ``tensor`` (``firsts``: each rank's first dimension) in rank order."""
+        """Every rank's ``tensor`` (``firsts``: each rank's first dimension) in rank order.
+        Each rank sends its rows padded to the most any rank has, flattened, plus one element:
+        TensorFlow's all-gather crashes on an empty tensor, and every rank may have none (or
+        rows of no elements)."""
         tf = self._tf
         wire, dtype = self._on_the_wire(tensor)
-        slots = tf.maximum(tf.reduce_max(firsts), 1)       # (empty tensors do not travel)
+        known = tf.get_static_value(firsts)
+        if known is not None and known.min() == known.max() and tensor.shape.num_elements():
+            # Eagerly, or in a graph whose every rank's shape was known when it was built (then
+            # the other dimensions, agreed, are known too): equal non-empty parts travel as
+            # they are.
+            return tf.cast(self._all_gather(wire), dtype)
         shape = tf.shape(wire, out_type=tf.int64)
-        padding = tf.concat([[[0, slots - shape[0]]],
-                             tf.zeros([tensor.shape.rank - 1, 2], tf.int64)], 0)
-        gathered = self._all_gather(tf.pad(wire, padding))
+        slots = tf.reduce_max(firsts)
+        sent = tf.pad(tf.reshape(wire, [-1]),
+                      [[0, (slots - shape[0]) * tf.reduce_prod(shape[1:]) + 1]])
+        gathered = tf.reshape(self._all_gather(sent), [self.world.size, -1])[:, :-1]
         rows = tf.reshape(gathered, tf.concat([[self.world.size, slots], shape[1:]], 0))
-        return tf.cast(tf.boolean_mask(rows, tf.sequence_mask(firsts, slots)), dtype)
+        every = tf.cast(tf.boolean_mask(rows, tf.sequence_mask(firsts, slots)), dtype)
+        every.set_shape(tf.TensorShape([None]).concatenate(tensor.shape[1:]))
+        return every
 
     def _first_dims(self, operation: str, tensor: Any, detail: int = 0,
                     same_first: bool = True) -> Any:
         """Every rank's first dimension (int64, in rank order), once every rank's call was
         found to agree with rank 0's: the same operation, op or root (``detail``), dtype and
         shape (``same_first=False``: but for the first dimension). Where they disagree every
-        rank raises FailedPreconditionError (in a tf.function: InvalidArgumentError)."""
+        rank raises FailedPreconditionError, as Horovod's ranks do: eagerly when the op runs;
+        in a TensorFlow 1 graph when the op is built, from the shapes the graph knows (what it
+        leaves unknown is compared when the op runs, as in a tf.function, where a disagreement
+        raises InvalidArgumentError)."""
         tf = self._tf
-        described = tf.reshape(self._all_gather(self._description(operation, tensor, detail)),
-                               [self.world.size, -1])
         compared = [0, 1, 2, 3, *([] if not same_first else [4]),
                     *range(5, 5 + self._DESCRIBED_DIMS)]
+        if in_session_graph():
+            with eagerly():
+                built = self._all_gather(tf.constant(self._description(
+                    operation, tensor, detail, when_built=True), tf.int64))
+            numbers = built.numpy().reshape(self.world.size, -1)
+            self._check_agreement(numbers, compared)
+            if (numbers[:, compared + [4]] >= 0).all():     # every rank's shape is known
+                return tf.constant(numbers[:, 4])
+        described = tf.reshape(self._all_gather(self._description(operation, tensor, detail)),
+                               [self.world.size, -1])
         if tf.executing_eagerly():
-            numbers = described.numpy()
-            if (numbers[:, compared] != numbers[0, compared]).any():
-                raise tf.errors.FailedPreconditionError(None, None,
-                                                        self._disagreement(numbers))
+            self._check_agreement(described.numpy(), compared)
             return described[:, 4]
         columns = tf.gather(described, compared, axis=1)
         agree = tf.reduce_all(tf.equal(columns, columns[:1]))
@@ -530,19 +593,41 @@ class TensorFlowCollectives:
                 "of each rank:", described], summarize=-1)]):
             return tf.identity(described[:, 4])
 
-    def _description(self, operation: str, tensor: Any, detail: int) -> Any:
+    def _check_agreement(self, numbers: Any, compared: list[int]) -> None:
+        """FailedPreconditionError naming every rank's call unless, in each compared column of
+        the ranks' descriptions, the ranks that know the value (-1: not known when built) all
+        have the same."""
+        for column in numbers[:, compared].T:
+            if len(set(column[column >= 0].tolist())) > 1:
+                raise self._tf.errors.FailedPreconditionError(None, None,
+                                                              self._disagreement(numbers))
+
+    def _description(self, operation: str, tensor: Any, detail: int,
+                     when_built: bool = False) -> Any:
         """[operation, op or root, dtype, rank, first dimension, the next dimensions] (int64,
-        a fixed length whatever the tensor's rank)."""
+        a fixed length whatever the tensor's rank; a scalar counts as one row): from the
+        tensor's shape when the op runs, or (``when_built``, a list) from the shape the graph
+        knows when it is built, -1 where it does not."""
+        import math
+
         tf = self._tf
         rank, count = tensor.shape.rank, self._DESCRIBED_DIMS
-        shape = tf.shape(tensor, out_type=tf.int64)
-        first = shape[0] if rank else tf.constant(1, tf.int64)
-        rest = [shape[i] for i in range(1, min(rank, count))]
-        if rank > count:
-            rest.append(tf.reduce_prod(shape[count:]))
-        rest += [tf.constant(0, tf.int64)] * (count - len(rest))
-        head = [self._OPERATIONS.index(operation), detail, tensor.dtype.as_datatype_enum, rank]
-        return tf.stack([tf.constant(value, tf.int64) for value in head] + [first, *rest])
+        head = [self._OPERATIONS.index(operation), detail, tensor.dtype.as_datatype_enum]
+        if when_built:
+            if rank is None:
+                return head + [-1] * (count + 2)
+            dims = [-1 if dim is None else dim for dim in tensor.shape.as_list()]
+            product: Callable[[list[Any]], Any] = (
+                lambda part: -1 if -1 in part else math.prod(part))
+        else:
+            shape = tf.shape(tensor, out_type=tf.int64)
+            dims, product = [shape[i] for i in range(rank)], tf.reduce_prod
+        rest = dims[1:count] + ([product(dims[count:])] if rank > count else [])
+        numbers = head + [rank, dims[0] if rank else 1, *rest] + [0] * (count - len(rest))
+        if when_built:
+            return numbers
+        return tf.stack([tf.constant(n, tf.int64) if isinstance(n, int) else n
+                         for n in numbers])
 
     def _disagreement(self, numbers: Any) -> str:
         """One line naming what each rank called (from ``_description``'s numbers)."""
@@ -554,7 +639,8 @@ class TensorFlowCollectives:
             how = (f" from rank {detail}" if name == "broadcast" else
                    f" ({list(self._MERGE_OPS)[detail]})" if name in ("allreduce", "reducescatter")
                    else "")
-            shape = tuple([first, *rest][:dims]) if dims <= self._DESCRIBED_DIMS else "(...)"
+            shape = (tuple(None if dim < 0 else dim for dim in [first, *rest][:dims])
+                     if 0 <= dims <= self._DESCRIBED_DIMS else "(...)")
             calls.append(f"rank {rank}: {name}{how} of {dtypes.as_dtype(dtype).name} {shape}")
         return "ranks disagree on a collective: " + "; ".join(calls)
 

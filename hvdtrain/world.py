@@ -136,8 +136,9 @@ class Collectives(Protocol):
         """Combine gradients across ranks as ``reduction`` says, dense ones in one grouped
         allreduce; a None gradient stays None (graph-safe)."""
 
-    def broadcast_variables(self, variables: Sequence[Any], root_rank: int = 0) -> None:
-        """Overwrite every rank's variables (TensorFlow or Keras 3) with the root rank's."""
+    def broadcast_variables(self, variables: Sequence[Any], root_rank: int = 0) -> Any:
+        """Overwrite every rank's variables (TensorFlow or Keras 3) with the root rank's. In a
+        TensorFlow 1 graph that is an op to run, which is returned (None: nothing to run)."""
 
     def broadcast_object(self, obj: Any, root_rank: int = 0) -> Any:
         """Return the root rank's picklable object on every rank."""
@@ -251,9 +252,10 @@ class HorovodCollectives:
                                           reduction.prescale * reduction.postscale)
         return reduced
 
-    def broadcast_variables(self, variables: Sequence[Any], root_rank: int = 0) -> None:
+    def broadcast_variables(self, variables: Sequence[Any], root_rank: int = 0) -> Any:
         if variables:
-            self._hvd.broadcast_variables(tf_variables(variables), root_rank=root_rank)
+            return self._hvd.broadcast_variables(tf_variables(variables), root_rank=root_rank)
+        return None
 
     def broadcast_object(self, obj: Any, root_rank: int = 0) -> Any:
         return self._hvd.broadcast_object(obj, root_rank=root_rank)
@@ -430,6 +432,14 @@ def tf_variables(variables: Sequence[Any]) -> list[Any]:
     import keras
 
     return [v.value if isinstance(v, keras.Variable) else v for v in variables]
+
+
+def horovod_object_state_class() -> type:
+    """Horovod's ``ObjectState`` (picklable attributes, saved, restored and synchronised from
+    rank 0), which ``hvd.elastic.ObjectState`` names on the Horovod backend."""
+    from horovod.common.elastic import ObjectState
+
+    return ObjectState
 
 
 @functools.cache

@@ -2,10 +2,13 @@
 of one ``horovodrun -np 2 python -m pytest tests/dropin_rank_checks.py`` runs, in the same
 order, the way Horovod's own ``test/parallel`` tests run. Most re-express the applicable tests
 of Horovod's ``test/parallel/test_tensorflow2_keras.py`` for Keras 3; the rest check the
-behaviour a Horovod user relies on. ``test_horovod_dropin.py`` launches this file, on each
-backend (``HVDTRAIN_BACKEND`` on the ranks); the normal test run does not collect it (no
-``test_`` prefix). On TensorFlow's collectives, what that backend refuses (elastic state and
-run, Adasum, process sets, the timeline, join) is checked refused in one line.
+behaviour a Horovod user relies on, including what ``test_tensorflow.py`` has beyond the
+collective cases (``collective_rank_checks.py``): elastic states, ``broadcast_``, TensorFlow 1
+graphs, and every collective on zero-sized, scalar and disagreeing shapes in each mode.
+``test_horovod_dropin.py`` launches this file, on each backend (``HVDTRAIN_BACKEND`` on the
+ranks); the normal test run does not collect it (no ``test_`` prefix). On TensorFlow's
+collectives, what that backend refuses (elastic state and run, Adasum, process sets, the
+timeline, join) is checked refused in one line.
 """
 
 from __future__ import annotations
@@ -245,10 +248,14 @@ def test_learning_rate_schedule_advances_with_applied_updates():
     assert float(optimizer.learning_rate) == pytest.approx(0.025)
 
 
-def test_elastic_state_syncs_restores_and_commits():
+@pytest.mark.parametrize("state_class", ["hvdtrain.keras: KerasState",
+                                         "hvdtrain.tensorflow: TensorFlowKerasState"])
+def test_elastic_state_syncs_restores_and_commits(state_class):
+    module, name = state_class.split(": ")
+    State = getattr((hvd if module == "hvdtrain.keras" else hvd_tf).elastic, name)
     if not ON_HOROVOD:
         model = dense_model(2, 2)
-        assert_refused(hvd.elastic.KerasState, model, batch=0, epoch=0)
+        assert_refused(State, model, batch=0, epoch=0)
         assert_refused(hvd.elastic.run, lambda state: None)
         return
     value = 1.0 if hvd.rank() == 0 else 2.0
@@ -256,8 +263,8 @@ def test_elastic_state_syncs_restores_and_commits():
     model.build((2, 2))
     model.set_weights([np.full((2, 2), value, np.float32), np.full(2, value, np.float32)])
     other = [np.array([[1.0, 2.0], [3.0, 4.0]], np.float32), np.zeros(2, np.float32)]
-    state = hvd.elastic.KerasState(model, keras.optimizers.Adam(0.001 * hvd.size()),
-                                   batch=20 + hvd.rank(), epoch=10 + hvd.rank())
+    state = State(model, keras.optimizers.Adam(0.001 * hvd.size()),
+                  batch=20 + hvd.rank(), epoch=10 + hvd.rank())
     state.sync()
     for weight in state.model.get_weights():
         np.testing.assert_allclose(weight, np.ones_like(weight))
@@ -278,6 +285,44 @@ def test_elastic_state_syncs_restores_and_commits():
     for weight, expected in zip(model.get_weights(), other):
         np.testing.assert_allclose(weight, expected)
     assert (state.batch, state.epoch) == (21, 11)
+
+
+def test_tensorflow_elastic_state_and_object_state_sync_restore_and_commit():
+    """Horovod's ``test_elastic_state`` (``hvd.elastic.TensorFlowState``) on TensorFlow and
+    Keras 3 variables, and ``ObjectState``; refused on TensorFlow's collectives."""
+    elastic = hvd_tf.elastic
+    value = 1.0 if hvd.rank() == 0 else 2.0
+    variables = [tf.Variable(np.full((2, 2), value)), keras.Variable(np.full(2, value))]
+    if not ON_HOROVOD:
+        assert_refused(elastic.TensorFlowState, variables, batch=0)
+        assert_refused(elastic.ObjectState, hvd_tf.broadcast_object, hvd.rank, step=0)
+        assert_refused(elastic.run, lambda state: None)
+        return
+    state = elastic.TensorFlowState(variables, batch=20 + hvd.rank(), epoch=10 + hvd.rank())
+    state.sync()
+    assert [v.numpy().tolist() for v in variables] == [[[1.0, 1.0]] * 2, [1.0, 1.0]]
+    assert (state.batch, state.epoch) == (20, 10)
+    other = [np.array([[1.0, 2.0], [3.0, 4.0]]), np.zeros(2)]
+
+    def assign(values) -> None:
+        for variable, new in zip(variables, values):
+            variable.assign(new)
+        state.batch, state.epoch = 21, 11
+
+    assign(other)
+    state.restore()
+    assert [v.numpy().tolist() for v in variables] == [[[1.0, 1.0]] * 2, [1.0, 1.0]]
+    assert (state.batch, state.epoch) == (20, 10)
+    assign(other)
+    state.commit()
+    state.restore()
+    np.testing.assert_array_equal(variables[0].numpy(), other[0])
+    assert (state.batch, state.epoch) == (21, 11)
+    objects = elastic.ObjectState(hvd_tf.broadcast_object, hvd.rank, step=hvd.rank())
+    objects.sync()
+    assert objects.step == 0
+    with pytest.raises(ValueError, match="session"):
+        elastic.TensorFlowState(variables, session=object())
 
 
 @pytest.mark.skipif(not ON_HOROVOD, reason="no elastic state on TensorFlow's collectives "
@@ -440,6 +485,16 @@ def test_allreduce_and_broadcast_take_keras_variables():
         hvd.broadcast_global_variables(0)
 
 
+def test_broadcast_in_place_overwrites_keras_and_tensorflow_variables():
+    variables = [keras.Variable([float(hvd.rank())] * 3, name="floats"),   # (Horovod keys
+                 tf.Variable([hvd.rank()] * 2, name="ints"),               # them by name)
+                 tf.Variable(tf.cast([hvd.rank()], tf.int8), name="bytes")]
+    values = hvd_tf.broadcast_(variables, 1)
+    assert [v.numpy().tolist() for v in variables] == [[1.0] * 3, [1, 1], [1]]
+    assert [np.asarray(v).tolist() for v in values] == [[1.0] * 3, [1, 1], [1]]
+    assert hvd_tf.broadcast_object_fn(root_rank=1)({"rank": hvd.rank()}) == {"rank": 1}
+
+
 def test_best_model_checkpoint_is_written_by_rank_0_under_a_keras_3_name(tmp_path):
     shared = hvd_tf.broadcast_object(str(tmp_path))           # rank 0's directory
     model = dense_model(4, 3)
@@ -455,6 +510,161 @@ def test_best_model_checkpoint_is_written_by_rank_0_under_a_keras_3_name(tmp_pat
     assert keras.models.load_model(Path(shared) / written[0]).count_params() == 15
 
 
+MODES = ["eager", "tf.function", "tf1-graph"]
+
+
+def run_in(mode: str, build):
+    """``build()``'s tensors computed eagerly, in a tf.function, or in a TensorFlow 1 graph run
+    by a session (built there, as Horovod's own tests build them), as NumPy values."""
+    if mode == "eager":
+        built = build()
+    elif mode == "tf.function":
+        built = tf.function(build, autograph=False)()      # (AutoGraph: seconds, no use)
+    else:
+        with tf.Graph().as_default():
+            built = build()
+            with tf.compat.v1.Session() as session:
+                built = session.run(built)
+    return tf.nest.map_structure(np.asarray, built)
+
+
+def on_rank(shape, dtype=tf.float32) -> tf.Tensor:
+    """A tensor of ``shape`` filled with this rank's number."""
+    return tf.fill(shape, tf.cast(hvd.rank(), dtype))
+
+
+def mine(on_0, on_1):
+    return on_0 if hvd.rank() == 0 else on_1
+
+
+# Each collective with a zero-sized dimension (and a few with data beside it): the results of
+# Horovod 0.28.1 on 2 ranks, measured (the same eagerly, in a tf.function and in a graph).
+EMPTY = {
+    "allreduce [2,0]": (lambda: hvd_tf.allreduce(on_rank([2, 0]), op=hvd.Sum), [(2, 0)]),
+    "allreduce [0]": (lambda: hvd_tf.allreduce(on_rank([0]), op=hvd.Sum), [(0,)]),
+    "allreduce int32 [0,3]": (lambda: hvd_tf.allreduce(on_rank([0, 3], tf.int32), op=hvd.Sum),
+                              [(0, 3)]),
+    "allreduce min [0]": (lambda: hvd_tf.allreduce(on_rank([0]), op=hvd_tf.Min), [(0,)]),
+    "grouped_allreduce": (lambda: hvd_tf.grouped_allreduce([on_rank([0]), on_rank([2])],
+                                                           op=hvd.Sum), [(0,), [1.0, 1.0]]),
+    "allgather [0,3]": (lambda: hvd_tf.allgather(on_rank([0, 3])), [(0, 3)]),
+    "allgather [2,0]": (lambda: hvd_tf.allgather(on_rank([2, 0])), [(4, 0)]),
+    "allgather [0]": (lambda: hvd_tf.allgather(on_rank([0])), [(0,)]),
+    "allgather [0,3] and [2,3]": (lambda: hvd_tf.allgather(on_rank(mine([0, 3], [2, 3]))),
+                                  [[[1.0] * 3] * 2]),
+    "allgather [2,0] and [3,0]": (lambda: hvd_tf.allgather(on_rank(mine([2, 0], [3, 0]))),
+                                  [(5, 0)]),
+    "grouped_allgather": (lambda: hvd_tf.grouped_allgather([on_rank([0, 2]), on_rank([1])]),
+                          [(0, 2), [0.0, 1.0]]),
+    "broadcast [2,0]": (lambda: hvd_tf.broadcast(on_rank([2, 0]), 0), [(2, 0)]),
+    "broadcast [0]": (lambda: hvd_tf.broadcast(on_rank([0]), 1), [(0,)]),
+    "alltoall [2,0]": (lambda: hvd_tf.alltoall(on_rank([2, 0])), [(2, 0)]),
+    "alltoall [0]": (lambda: hvd_tf.alltoall(on_rank([0])), [(0,)]),
+    "alltoall [0,3]": (lambda: hvd_tf.alltoall(on_rank([0, 3])), [(0, 3)]),
+    "alltoall [2,0] splits": (lambda: hvd_tf.alltoall(on_rank([2, 0]), splits=[1, 1]),
+                              [(2, 0), [1, 1]]),
+    "alltoall [0,3] zero splits": (lambda: hvd_tf.alltoall(on_rank([0, 3]), splits=[0, 0]),
+                                   [(0, 3), [0, 0]]),
+    "reducescatter [0]": (lambda: hvd_tf.reducescatter(on_rank([0]), op=hvd.Sum), [(0,)]),
+    "reducescatter [2,0]": (lambda: hvd_tf.reducescatter(on_rank([2, 0]), op=hvd.Sum),
+                            [(1, 0)]),
+    "reducescatter [0,3]": (lambda: hvd_tf.reducescatter(on_rank([0, 3]), op=hvd.Sum),
+                            [(0, 3)]),
+    "reducescatter [1]": (lambda: hvd_tf.reducescatter(on_rank([1]), op=hvd.Sum),
+                          [mine([1.0], (0,))]),
+    "grouped_reducescatter": (lambda: hvd_tf.grouped_reducescatter(
+        [on_rank([0]), on_rank([2, 0])], op=hvd.Sum), [(0,), (1, 0)]),
+}
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_every_collective_takes_a_zero_sized_dimension_as_horovod_does(mode):
+    """Horovod's results for empty tensors (TensorFlow's all-gather crashes the process on
+    one: the TensorFlow backend never hands it one). A tuple expects that shape of an empty
+    result, a list those values. All built at once: one function, one graph (whose session
+    runs them all together). On Horovod only eagerly: there these are Horovod's own ops, and
+    Horovod 0.28.1 alone stalls when one graph or function holds them together (measured; each
+    in a graph or function of its own gives the results below)."""
+    if ON_HOROVOD and mode != "eager":
+        pytest.skip("Horovod's own ops; together in one graph they stall Horovod itself")
+    every = run_in(mode, lambda: [build() for build, _ in EMPTY.values()])
+    for name, (_, expected), results in zip(EMPTY, EMPTY.values(), every):
+        results = list(results) if isinstance(results, (list, tuple)) else [results]
+        for result, want in zip(results, expected, strict=True):
+            if isinstance(want, tuple):
+                assert result.shape == want, name
+            else:
+                np.testing.assert_array_equal(result, want, err_msg=name)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_scalars_are_reduced_broadcast_or_refused_as_horovod_does(mode):
+    assert run_in(mode, lambda: hvd_tf.allreduce(on_rank([]), op=hvd.Sum)) == 1.0
+    assert run_in(mode, lambda: hvd_tf.broadcast(on_rank([]), 1)) == 1.0
+    eager = mode == "eager"
+    for build, eager_error in (
+            (lambda: hvd_tf.allgather(on_rank([])), tf.errors.FailedPreconditionError),
+            (lambda: hvd_tf.reducescatter(on_rank([])), tf.errors.InvalidArgumentError),
+            (lambda: hvd_tf.alltoall(on_rank([])), ValueError)):     # (Horovod's eager: a crash)
+        with pytest.raises(eager_error if eager else ValueError, match="scalar|rank|dimension"):
+            run_in(mode, build)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_ranks_that_disagree_on_a_shape_get_horovods_error_and_carry_on(mode):
+    """FailedPreconditionError on every rank, as Horovod gives it (TensorFlow's collectives in
+    a tf.function: InvalidArgumentError), never a crash or a hang; the next collective works."""
+    disagreeing = [
+        lambda: hvd_tf.allreduce(on_rank(mine([2, 0], [3, 0])), op=hvd.Sum),
+        lambda: hvd_tf.allreduce(on_rank(mine([], [1])), op=hvd.Sum),
+        lambda: hvd_tf.allgather(on_rank(mine([2, 0], [2, 1]))),
+        lambda: hvd_tf.broadcast(on_rank(mine([2, 0], [0, 2])), 0),
+        lambda: hvd_tf.alltoall(on_rank(mine([2, 0], [2, 1]))),
+        lambda: hvd_tf.reducescatter(on_rank(mine([2, 0], [3, 0])), op=hvd.Sum),
+    ]
+    error = (tf.errors.InvalidArgumentError if mode == "tf.function" and not ON_HOROVOD else
+             tf.errors.FailedPreconditionError)
+    for build in disagreeing:
+        with pytest.raises(error):
+            run_in(mode, build)
+    assert run_in(mode, lambda: hvd_tf.allreduce(on_rank([2]), op=hvd.Sum)).tolist() == [1, 1]
+
+
+def test_a_tensorflow_1_graph_runs_collectives_and_leaves_nothing_bound_to_it():
+    """Horovod's tests call ``init()`` inside a graph and run its ops in a session: more
+    independent collectives than the session has threads, a node whose input size changes
+    between runs, ``broadcast_global_variables`` and ``broadcast_``. Afterwards the eager
+    collectives work (nothing of the process's collectives lives in the dead graph)."""
+    from tensorflow.python.ops import resource_variable_ops
+
+    with tf.Graph().as_default():
+        hvd.init()
+        rows = tf.compat.v1.placeholder(tf.float32, [None, 2])
+        gathered = hvd_tf.allgather(rows)
+        sums = [hvd_tf.allreduce(tf.fill([3], float(i + hvd.rank())), op=hvd.Sum)
+                for i in range(8)]
+        reference = tf.compat.v1.Variable([float(hvd.rank())] * 2)
+        resource = resource_variable_ops.ResourceVariable([hvd.rank()] * 3)
+        everything = hvd_tf.broadcast_global_variables(1)
+        (in_place,) = hvd_tf.broadcast_([resource], 0)
+        with tf.compat.v1.Session() as session:
+            session.run(tf.compat.v1.global_variables_initializer())
+            for count in (1, 3, 0):
+                mine_rows = np.full((count + hvd.rank(), 2), hvd.rank(), np.float32)
+                assert session.run(gathered, {rows: mine_rows}).shape == (2 * count + 1, 2)
+            assert [total.tolist() for total in session.run(sums)] == [
+                [2.0 * i + 1] * 3 for i in range(8)]
+            assert session.run(in_place).tolist() == [0, 0, 0]
+            session.run(everything)
+            assert [v.tolist() for v in session.run([reference, resource])] == [
+                [1.0, 1.0], [0, 0, 0]]
+            assert hvd_tf.broadcast_object(f"graph-{hvd.rank()}", 1) == "graph-1"
+    assert hvd_tf.allreduce(tf.constant(1.0), op=hvd.Sum).numpy() == 2.0
+    assert hvd_tf.allgather_object(hvd.rank()) == [0, 1]
+    with pytest.raises(RuntimeError, match="TensorFlow 1 graph"):
+        hvd_tf.broadcast_global_variables(0)
+
+
 @pytest.mark.skipif(ON_HOROVOD, reason="Horovod does these itself")
 def test_what_only_horovod_does_is_refused_in_one_line():
     assert_refused(hvd_tf.join)
@@ -463,6 +673,10 @@ def test_what_only_horovod_does_is_refused_in_one_line():
     assert_refused(hvd.init, process_sets=[[0]])
     assert_refused(hvd_tf.allreduce, tf.ones([2]), process_set=object())
     assert_refused(hvd_tf.size_op, process_set_id=1)
+    assert_refused(hvd_tf.elastic.run, lambda state: None)
+    assert_refused(hvd_tf.elastic.TensorFlowState, [tf.Variable(1.0)])
+    assert_refused(hvd_tf.elastic.TensorFlowKerasState, dense_model(2, 2))
+    assert_refused(hvd_tf.elastic.ObjectState, hvd_tf.broadcast_object, hvd.rank)
     assert hvd.is_initialized()                      # a refusal changes nothing
 
 

@@ -80,6 +80,9 @@ def test_the_dropin_apis_share_a_leaf_and_only_keras_builds_on_tensorflow():
     assert not under(imports_in("hvdtrain.tensorflow"), "hvdtrain.keras")
     assert not under(imports_in("hvdtrain.dropin_tf"), "hvdtrain.keras", "hvdtrain.tensorflow")
     assert not under(imports_in("hvdtrain.dropin_ops"), "hvdtrain", "horovod")
+    assert not under(imports_in("hvdtrain.dropin_elastic"), "hvdtrain.keras",
+                     "hvdtrain.tensorflow", "horovod")
+    assert not under(imports_in("hvdtrain.tf_graph_mode"), "hvdtrain", "horovod")
 
 
 @pytest.mark.parametrize("first, second", [("hvdtrain.keras", "hvdtrain.tensorflow"),

@@ -1,47 +1,22 @@
 """Horovod's elastic Keras API on Keras 3: ``KerasState``, the three state callbacks, ``run``.
 
-``KerasState`` is the trainer's own elastic state (``hvdtrain.world``) over a model's and an
-optimizer's variables: it keeps them in memory at every ``commit``, restores them after a
-failed step and broadcasts them from rank 0 whenever the world is re-formed. Keras 3 creates an
-optimizer's variables lazily, so the state builds the optimizer first: every rank then tracks
-the same variables from the first commit on. ``run`` is Horovod's retry loop, retrying every
-Horovod collective error (Horovod's own returns, as if training had ended, on an error of the
-grouped allreduce that gradients travel in). On the TensorFlow backend, which cannot resize a
-job, ``KerasState`` and ``run`` refuse in one line (the callbacks only act on a state).
+``KerasState`` and ``run`` are the drop-in's (``hvdtrain.dropin_elastic``, shared with
+``hvdtrain.tensorflow.elastic``): the trainer's own elastic state over a model's and an
+optimizer's variables, and Horovod's retry loop, retrying every Horovod collective error. On the
+TensorFlow backend, which cannot resize a job, both refuse in one line (the callbacks only act on
+a state).
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any
 
 import keras
 
-from hvdtrain import dropin
-from hvdtrain.world import elastic_retry, keras_elastic_state_class, tf_variables
+from hvdtrain.dropin_elastic import KerasState, run
 
-
-def _refused_run(function: Callable[..., Any]) -> Callable[..., Any]:
-    raise dropin.refused("Elastic training (hvd.elastic.run)")
-
-
-# Horovod's elastic.run, also retrying the grouped allreduce that gradients travel in.
-run = elastic_retry if dropin.BACKEND == "horovod" else _refused_run
-
-
-class KerasState(keras_elastic_state_class() if dropin.BACKEND == "horovod" else object):
-    """The model, its optimizer (``model.optimizer`` unless given) and picklable attributes
-    (``batch=0, epoch=0``...), committed, restored and synchronised together."""
-
-    def __init__(self, model: keras.Model, optimizer: Any = None, **kwargs: Any) -> None:
-        if dropin.BACKEND != "horovod":
-            raise dropin.refused("Elastic training (hvd.elastic.KerasState)")
-        if not model.built:
-            raise ValueError("Model must be built first. Run `model.build(input_shape)`.")
-        self.model = model
-        self.optimizer = optimizer or model.optimizer
-        if not self.optimizer.built:
-            self.optimizer.build(model.trainable_variables)
-        super().__init__(tf_variables(model.variables + self.optimizer.variables), **kwargs)
+__all__ = ["CommitStateCallback", "KerasState", "UpdateBatchStateCallback",
+           "UpdateEpochStateCallback", "run"]
 
 
 class CommitStateCallback(keras.callbacks.Callback):

@@ -22,6 +22,10 @@ from typing import Any, Sequence
 import tensorflow as tf
 
 from hvdtrain import dropin, dropin_tf
+from hvdtrain.dropin_tf import as_written
+from hvdtrain.errors import UserError
+from hvdtrain.tensorflow import elastic, util  # noqa: F401  (hvd.elastic, hvd.util)
+from hvdtrain.tensorflow.util import _executing_eagerly  # noqa: F401  (as Horovod has it)
 from hvdtrain.world import GradientReduction, horovod_tensorflow, tf_variables
 
 _hvd: ModuleType = horovod_tensorflow() if dropin.BACKEND == "horovod" else dropin_tf
@@ -56,7 +60,6 @@ rocm_built = _hvd.rocm_built
 allgather = _hvd.allgather
 grouped_allgather = _hvd.grouped_allgather
 broadcast = _hvd.broadcast
-alltoall = _hvd.alltoall
 reducescatter = _hvd.reducescatter
 grouped_reducescatter = _hvd.grouped_reducescatter
 allgather_object = _hvd.allgather_object
@@ -80,35 +83,83 @@ gradient_reduction = dropin.gradient_reduction
 reduce_gradients = dropin.reduce_gradients
 
 
+@as_written
 def allreduce(tensor: Any, *args: Any, **kwargs: Any) -> Any:
     """Horovod's ``allreduce`` (same arguments); also takes a Keras 3 variable."""
     return _hvd.allreduce(tf_variables([tensor])[0], *args, **kwargs)
 
 
+@as_written
 def grouped_allreduce(tensors: Sequence[Any], *args: Any, **kwargs: Any) -> Any:
     """Horovod's ``grouped_allreduce`` (same arguments); also takes Keras 3 variables."""
     return _hvd.grouped_allreduce(tf_variables(list(tensors)), *args, **kwargs)
 
 
-def broadcast_variables(variables: Sequence[Any], root_rank: int = 0) -> None:
+@as_written
+def alltoall(tensor: Any, *args: Any, **kwargs: Any) -> Any:
+    """Horovod's ``alltoall`` (same arguments). A scalar is refused with ValueError, as Horovod's
+    shape check refuses it in a graph (Horovod 0.28.1's eager alltoall of a scalar crashes the
+    process)."""
+    if tf.convert_to_tensor(tensor).shape.rank == 0:
+        raise ValueError("alltoall needs a tensor with at least one dimension, not a scalar")
+    return _hvd.alltoall(tensor, *args, **kwargs)
+
+
+@as_written
+def broadcast_(variables: Sequence[Any], root_rank: int, *args: Any, **kwargs: Any) -> Any:
+    """Horovod's in-place ``broadcast_`` (same arguments): every variable (Keras 3 or
+    TensorFlow) takes the root rank's value; returns their new values."""
+    return _hvd.broadcast_(tf_variables(list(variables)), root_rank, *args, **kwargs)
+
+
+def broadcast_variables(variables: Sequence[Any], root_rank: int = 0) -> Any:
     """Overwrite ``variables`` (Keras 3 or TensorFlow: ``model.variables``,
-    ``optimizer.variables``) with the root rank's values; works eagerly and in a tf.function."""
-    collectives().broadcast_variables(list(variables), root_rank=root_rank)
+    ``optimizer.variables``) with the root rank's values: eagerly, in a tf.function, or in a
+    TensorFlow 1 graph, where the op that does it is returned (run it)."""
+    done = collectives().broadcast_variables(list(variables), root_rank=root_rank)
+    return tf.group() if done is None and not tf.executing_eagerly() else done
 
 
-def broadcast_global_variables(root_rank: int) -> None:
-    """Kept for the name's sake: TensorFlow 2 has no global variable collection, so Horovod
-    itself refuses this in eager mode, and so does hvdtrain."""
-    raise RuntimeError("hvd.broadcast_global_variables() does not exist in TensorFlow 2 / "
-                       "Keras 3; use hvd.broadcast_variables(model.variables, root_rank) and "
-                       "hvd.broadcast_variables(optimizer.variables, root_rank), or the Keras "
-                       "BroadcastGlobalVariablesCallback")
+def broadcast_global_variables(root_rank: int) -> Any:
+    """Horovod's: in a TensorFlow 1 graph, the op that broadcasts every global variable
+    (``tf.compat.v1.global_variables()``) from ``root_rank``. Eagerly there are none, and it
+    raises as Horovod does."""
+    if tf.executing_eagerly():
+        raise RuntimeError("hvd.broadcast_global_variables() works in a TensorFlow 1 graph "
+                           "only; eagerly use hvd.broadcast_variables(model.variables, "
+                           "root_rank) and hvd.broadcast_variables(optimizer.variables, "
+                           "root_rank), or the Keras BroadcastGlobalVariablesCallback")
+    return broadcast_variables(tf.compat.v1.global_variables(), root_rank)
+
+
+def broadcast_object_fn(root_rank: int = 0, session: Any = None, name: str | None = None,
+                        process_set: Any = None) -> Any:
+    """Horovod's TensorFlow 1 helper: a function that returns the root rank's object
+    (``broadcast_object``, which needs no session here)."""
+    where = {} if process_set is None else {"process_set": process_set}
+
+    def broadcast(obj: Any) -> Any:
+        return broadcast_object(obj, root_rank, **where)
+
+    return broadcast
+
+
+def PartialDistributedGradientTape(*args: Any, **kwargs: Any) -> Any:
+    """Refused in one line: a tape that leaves some variables' gradients local needs Horovod's
+    local-variable registry, which the drop-in does not have."""
+    raise UserError("hvd.PartialDistributedGradientTape is not supported by hvdtrain's "
+                    "drop-in; use hvd.DistributedGradientTape and combine every gradient")
 
 
 class _ReducingTape:
     """Mixed in before the user's tape class: gradients are combined across ranks."""
 
     _hvdtrain_reduction: GradientReduction
+
+    def register_local_source(self, source: Any) -> None:
+        """Refused in one line (Horovod's local gradients, not supported)."""
+        raise UserError("DistributedGradientTape.register_local_source is not supported by "
+                        "hvdtrain's drop-in: every gradient is combined across ranks")
 
     def gradient(self, target: Any, sources: Any, output_gradients: Any = None,
                  **kwargs: Any) -> Any:
