@@ -152,14 +152,30 @@ class WarmUpCosine(keras.optimizers.schedules.LearningRateSchedule):
         return tf.where(step < self.warmup_steps, warm, cosine)
 
 
+def _sleep_after_each_step(seconds: float) -> keras.callbacks.Callback:
+    import time
+
+    return keras.callbacks.LambdaCallback(
+        on_train_batch_end=lambda batch, logs: time.sleep(seconds))
+
+
 def slow_steps() -> list[keras.callbacks.Callback]:
     """A user's callback that makes every step 50 ms longer (timing, not the math): a job a test
     interrupts on the TensorFlow backend, whose steps HOROVOD_CYCLE_TIME does not slow, is
     still running when the signal comes."""
-    import time
+    return [_sleep_after_each_step(0.05)]
 
-    return [keras.callbacks.LambdaCallback(
-        on_train_batch_end=lambda batch, logs: time.sleep(0.05))]
+
+def slow_first_slurm_allocation() -> list[keras.callbacks.Callback]:
+    """A user's callback that makes every step 0.35 s longer (timing, not the math) in a Slurm
+    job's first allocation only (``SLURM_RESTART_COUNT`` unset or 0): its training then outlasts
+    a two-minute time limit on any machine, and the allocation after the requeue trains at full
+    speed."""
+    import os
+
+    if os.environ.get("SLURM_RESTART_COUNT", "0") != "0":
+        return []
+    return [_sleep_after_each_step(0.35)]
 
 
 def leave_mid_epoch() -> list[keras.callbacks.Callback]:
