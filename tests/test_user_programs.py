@@ -4,17 +4,18 @@ one plain Keras process with twice the per-rank batch (``user_programs``: a cust
 an LSTM on a windowed series, a convnet with Keras callbacks and ``class_weight``, a user's own
 ``tf.data.Dataset``, ``add_loss`` and regularisers).
 
-All programs run one after the other in one 2-rank job (and the references in one process),
-which also shows that a second ``fit`` in the same processes starts clean. Deterministic
-programs (``Program.exact``) must end within 1e-5 relative of the reference, weights and every
-epoch's metrics; the others (random noise drawn per rank, a dataset that reshuffles each pass)
-within the tolerance stated per check.
+All programs run one after the other in one 2-rank job per backend (and the references in one
+process, once for both backends), which also shows that a second ``fit`` in the same processes
+starts clean. Deterministic programs (``Program.exact``) must end within 1e-5 relative of the
+reference, weights and every epoch's metrics; the others (random noise drawn per rank, a dataset
+that reshuffles each pass) within the tolerance stated per check.
 """
 
 from __future__ import annotations
 
 import json
 import re
+import subprocess
 import sys
 
 import numpy as np
@@ -35,24 +36,30 @@ EXACT = ["custom_train_step", "preprocessing", "text_transformer", "lstm_timeser
          "convnet_callbacks", "regularised_regression", "keras_arguments", "py_dataset"]
 
 
-@pytest.fixture(scope="module", params=BACKENDS)
-def runs(tmp_path_factory, request):
-    """(every rank's records under hvdtrain on one backend, the one-process reference's
-    records)."""
-    import subprocess
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> dict:
+    """The one-process reference's records: run once for both backends (it does not depend on
+    them; about 20 s on the project's 2-core VM)."""
+    out = tmp_path_factory.mktemp("user-programs-keras")
+    result = subprocess.run(
+        [str(BIN / "python"), "-m", "user_program_ranks", "keras", str(out), str(2 * BATCH)],
+        cwd=out, env=rank_env(PYTHONPATH=str(TESTS)), text=True, capture_output=True,
+        timeout=300, stdin=subprocess.DEVNULL)
+    assert result.returncode == 0, result.stderr[-4000:]
+    return json.loads((out / "keras-0.json").read_text())
 
+
+@pytest.fixture(scope="module", params=BACKENDS)
+def runs(tmp_path_factory, request, reference):
+    """(every rank's records under hvdtrain on one backend, the one-process reference's
+    records, the hvdtrain job's directory)."""
     out = tmp_path_factory.mktemp(f"user-programs-{request.param}")
     result = launch("horovodrun", 2, ["hvdtrain", str(out), str(BATCH)],
                     module="user_program_ranks", timeout=420, PYTHONPATH=str(TESTS),
                     HVDTRAIN_BACKEND=request.param, USER_PROGRAMS_BUCKET_MIB=BUCKET_MIB)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
-    reference = subprocess.run(
-        [str(BIN / "python"), "-m", "user_program_ranks", "keras", str(out), str(2 * BATCH)],
-        cwd=out, env=rank_env(PYTHONPATH=str(TESTS)), text=True, capture_output=True,
-        timeout=300, stdin=subprocess.DEVNULL)
-    assert reference.returncode == 0, reference.stderr[-4000:]
     ranks = [json.loads((out / f"hvdtrain-{rank}.json").read_text()) for rank in (0, 1)]
-    return ranks, json.loads((out / "keras-0.json").read_text()), out
+    return ranks, reference, out
 
 
 def weights(record: dict) -> list[np.ndarray]:
