@@ -14,13 +14,16 @@ ABORT_BOUND_S = 30
 GONE_WITHIN_S = 60
 
 
-def start(launcher: list[str], run_dir: Path, *args: str) -> subprocess.Popen:
-    """Train into ``run_dir`` under ``launcher`` (a ``LAUNCHERS`` entry) without waiting,
-    output in one pipe, so the test can interrupt the job."""
-    return subprocess.Popen([*launcher, str(BIN / "python"), "-m", "hvdtrain", "--run-dir",
-                             str(run_dir), "--no-progress", *args],
-                            env=rank_env(), cwd=run_dir.parent, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, stdin=subprocess.DEVNULL)
+def start(launcher: str, run_dir: Path, *args: str) -> subprocess.Popen:
+    """Train into ``run_dir`` on 2 ranks under ``launcher`` (a ``LAUNCHERS`` name) without
+    waiting, output in one pipe, so the test can interrupt the job."""
+    program = [str(BIN / "python"), "-m", "hvdtrain", "--run-dir", str(run_dir), "--no-progress",
+               *args]
+    if launcher == "mpirun":   # --command takes the whole program as one string
+        program = [" ".join(program)]
+    return subprocess.Popen([*LAUNCHERS[launcher], *program], env=rank_env(), cwd=run_dir.parent,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            stdin=subprocess.DEVNULL)
 
 
 LAUNCHERS = {

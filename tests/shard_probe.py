@@ -3,7 +3,7 @@ weights the real pipeline gives it for two epochs, and rank 0 writes everyone's 
 to the output file (a file, because launchers split long output lines).
 
     python -m shard_probe arrays NUM_EXAMPLES BATCH OUT
-    python -m shard_probe tfrecord GLOB BATCH OUT      (labels must be the example ids)
+    python -m shard_probe tfrecord DIR BATCH OUT       (DIR/train-*; labels: the example ids)
 """
 
 from __future__ import annotations
@@ -29,7 +29,8 @@ def main() -> None:
         ids = np.arange(int(what))
         split = ArraySplit(ids[:, None].astype(np.float32), ids)
     else:
-        split, _ = tfrecord_split(DataConfig(dataset="tfrecord", shuffle_buffer=7), what, "glob")
+        split, _ = tfrecord_split(DataConfig(dataset="tfrecord", shuffle_buffer=7),
+                                  str(Path(what) / "train-*"), "glob")
     spec = ShardSpec(split.num_examples, world, batch, "pad", True, seed=3)
     record = {"rank": world.rank, "steps": [], "ids": [], "weight_sums": [],
               "mode": getattr(split, "mode", lambda size: "arrays")(world.size)}

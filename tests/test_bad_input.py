@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import fails_with, launch, train
+from conftest import LAUNCHER, fails_with, launch, train
 from hvdtrain.cli import main
 from hvdtrain.install.doctor import problems_in
 
@@ -159,10 +159,10 @@ def test_corrupt_tfrecord_found_mid_run_on_one_rank(tmp_path):
     data = bytearray(shard.read_bytes())
     data[65 * 150 + 20] ^= 0xFF     # records of 4 floats are 65 bytes: in record 151's payload
     shard.write_bytes(bytes(data))
-    result = launch("horovodrun", 2, ["--dataset", "tfrecord", "--data-path",
-                                      str(tmp_path / "rec" / "train-*"), "--val-data-path",
-                                      str(tmp_path / "rec" / "validation-*"), "--run-dir",
-                                      str(tmp_path / "r"), "--no-progress"], cwd=tmp_path)
+    result = launch(LAUNCHER, 2, ["--dataset", "tfrecord", "--data-path",
+                                  str(tmp_path / "rec" / "train-*"), "--val-data-path",
+                                  str(tmp_path / "rec" / "validation-*"), "--run-dir",
+                                  str(tmp_path / "r"), "--no-progress"], cwd=tmp_path)
     output = result.stdout + result.stderr
     assert result.returncode == 2, output[-3000:]
     assert re.findall(r"hvdtrain: error: .*", output) == [
@@ -219,9 +219,9 @@ def test_labels_outside_the_class_range(capsys, tmp_path):
 def test_more_ranks_than_examples(tmp_path):
     np.savez(tmp_path / "one.npz", x=np.zeros((1, 2)), y=np.zeros(1, int),
              x_val=np.zeros((1, 2)), y_val=np.zeros(1, int))
-    result = launch("horovodrun", 2, ["--dataset", "npz", "--data-path",
-                                      str(tmp_path / "one.npz"), "--run-dir",
-                                      str(tmp_path / "r")])
+    result = launch(LAUNCHER, 2, ["--dataset", "npz", "--data-path",
+                                  str(tmp_path / "one.npz"), "--run-dir",
+                                  str(tmp_path / "r")])
     assert result.returncode != 0
     assert "2 ranks but only 1 training examples: every rank needs at least one; launch " \
            "fewer ranks" in result.stderr

@@ -21,15 +21,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import (assert_same_weights, final_weights, launch, rank_pid, read_metrics,
-                      read_summary, train, wait_for)
+from conftest import (LAUNCHER, assert_same_weights, final_weights, launch, rank_pid,
+                      read_metrics, read_summary, train, wait_for)
 from hvdtrain.checkpoint import Checkpoint, CheckpointError, CheckpointStore
 from hvdtrain.checkpoint_state import NOT_RECORDED, CheckpointState
 from hvdtrain.cli import main
 from hvdtrain.config import ModelConfig
 from hvdtrain.models import build_model
 from hvdtrain.training.resume_check import MixedRuns, check_resumable, optimizers_changed
-from jobs import ABORT_BOUND_S, LAUNCHERS, assert_nothing_left, flip_a_byte, start
+from jobs import ABORT_BOUND_S, assert_nothing_left, flip_a_byte, start
 
 
 def _tiny_model_and_optimizer():
@@ -255,7 +255,7 @@ def test_a_kill_during_a_checkpoint_write_keeps_the_previous_one(tmp_path):
     run_dir = tmp_path / "mid-write"
     args = ["--epochs", "40", "--hidden-units", "2048", "2048", "--batch-size", "256"]
     for attempt in range(5):
-        job = start(LAUNCHERS["horovodrun"], run_dir, *args,
+        job = start(LAUNCHER, run_dir, *args,
                     *(["--resume"] if attempt else []))
         try:
             checkpoints = run_dir / "checkpoints"
@@ -303,7 +303,7 @@ def test_kill_and_resume_matches_an_uninterrupted_run(tmp_path):
     args = ["--epochs", str(epochs), "--deterministic", "--hidden-units", "64", "--seed", "5"]
     straight = train(tmp_path, "straight", *args)
     run_dir = tmp_path / "interrupted"
-    job = start(LAUNCHERS["horovodrun"], run_dir, *args)
+    job = start(LAUNCHER, run_dir, *args)
     try:
         wait_for(lambda: CheckpointStore(run_dir, 1).latest() is not None, 180, every=0.02)
         time.sleep(float(np.random.default_rng().uniform(0.0, 1.0)))   # a random step
@@ -344,8 +344,8 @@ def test_a_full_disk_during_a_checkpoint_stops_with_one_line_and_keeps_the_previ
             except OSError:
                 pass
         os.truncate(filler, filler.stat().st_size - 100 * 1024)
-        result = launch("horovodrun", 2, ["--run-dir", str(run_dir), "--no-progress",
-                                          "--epochs", "2", "--resume", *args], cwd=tmp_path)
+        result = launch(LAUNCHER, 2, ["--run-dir", str(run_dir), "--no-progress",
+                                      "--epochs", "2", "--resume", *args], cwd=tmp_path)
         output = result.stdout + result.stderr
         assert result.returncode == 74, output[-3000:]
         errors = re.findall(r"hvdtrain: error: (could not write checkpoint epoch-0002 .*?"
@@ -426,7 +426,7 @@ def test_a_full_disk_at_a_metrics_write_stops_with_one_line_and_resume_auto_cont
         (disk / "metrics.jsonl").touch()
         fill(disk, 0)
         (run_dir / "metrics.jsonl").symlink_to(disk / "metrics.jsonl")
-        result = launch("horovodrun", 2, args, cwd=tmp_path)
+        result = launch(LAUNCHER, 2, args, cwd=tmp_path)
         output = result.stdout + result.stderr
         assert result.returncode == 74, output[-3000:]
         one_write_error(output, "the metrics files", run_dir, "epoch-0001")

@@ -13,8 +13,8 @@ import keras
 import numpy as np
 import pytest
 
-from conftest import (BACKENDS, BIN, REPO, final_weights, launch, read_metrics, read_summary,
-                      train)
+from conftest import (BACKENDS, BIN, LAUNCHER, REPO, final_weights, launch, read_metrics,
+                      read_summary, train)
 
 pytestmark = pytest.mark.distributed
 TESTS = str(REPO / "tests")
@@ -87,7 +87,7 @@ def test_two_inputs_two_outputs_train_evaluate_and_name_their_metrics(session_tm
     assert rows[-1]["val_digit_accuracy"] > 0.8
     assert (run / "curves.png").stat().st_size > 0
     report = run.parent / "towers-eval.json"
-    result = launch("horovodrun", 2, ["evaluate", str(run), "--output", str(report)],
+    result = launch(LAUNCHER, 2, ["evaluate", str(run), "--output", str(report)],
                     PYTHONPATH=TESTS)
     assert result.returncode == 0, result.stdout + result.stderr
     evaluated = json.loads(report.read_text())

@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from conftest import REPO, launch
+from conftest import LAUNCHER, REPO, launch
 
 pytestmark = pytest.mark.distributed
 
@@ -17,7 +17,7 @@ pytestmark = pytest.mark.distributed
 @pytest.fixture(scope="module")
 def checks(tmp_path_factory) -> list[dict]:
     out = tmp_path_factory.mktemp("fit-api")
-    result = launch("horovodrun", 2, [str(out)], module="fit_api_checks", cwd=out, timeout=300,
+    result = launch(LAUNCHER, 2, [str(out)], module="fit_api_checks", cwd=out, timeout=300,
                     PYTHONPATH=str(REPO / "tests"))
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return json.loads((out / "checks.json").read_text())
@@ -53,9 +53,9 @@ def test_a_pipeline_shuffled_with_the_shards_seed_then_sharded_trains_each_examp
 
 def test_the_command_line_shows_a_one_rank_error_once(tmp_path):
     """The failing rank shows its traceback; the other ends at once, quietly, exit 1."""
-    result = launch("horovodrun", 2, ["--callbacks", "fit_api_checks:failing_on_rank_1",
-                                      "--epochs", "3", "--run-dir", str(tmp_path / "r"),
-                                      "--no-progress"], cwd=tmp_path,
+    result = launch(LAUNCHER, 2, ["--callbacks", "fit_api_checks:failing_on_rank_1",
+                                  "--epochs", "3", "--run-dir", str(tmp_path / "r"),
+                                  "--no-progress"], cwd=tmp_path,
                     PYTHONPATH=str(REPO / "tests"))
     output = result.stdout + result.stderr
     assert result.returncode != 0

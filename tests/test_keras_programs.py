@@ -54,7 +54,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import BACKENDS, REPO, launch
+from conftest import BACKENDS, LAUNCHER, REPO, launch
 
 TESTS = REPO / "tests"
 sys.path.insert(0, str(TESTS))
@@ -104,7 +104,7 @@ def run_job(out: Path, mode: str, backend: str) -> Job:
     batch = BATCH * (2 if ranks == 1 else 1)
     started = time.perf_counter()
     try:
-        result = launch("horovodrun" if ranks > 1 else "none", ranks, [mode, str(out), str(batch)],
+        result = launch(LAUNCHER if ranks > 1 else "none", ranks, [mode, str(out), str(batch)],
                         cwd=out, module="keras_program_ranks", timeout=JOB_TIMEOUT, **env)
         output, code = result.stdout + result.stderr, result.returncode
     except subprocess.TimeoutExpired as error:

@@ -7,14 +7,13 @@ from __future__ import annotations
 import os
 import re
 import signal
-import subprocess
 import time
 
 import pytest
 
-from conftest import BIN, processes_mentioning, rank_env, rank_pid, read_metrics, train, wait_for
+from conftest import LAUNCHER, processes_mentioning, rank_pid, read_metrics, train, wait_for
 from hvdtrain.checkpoint import CheckpointStore
-from jobs import ABORT_BOUND_S, LAUNCHERS, start
+from jobs import ABORT_BOUND_S, start
 
 pytestmark = pytest.mark.distributed
 
@@ -22,14 +21,7 @@ pytestmark = pytest.mark.distributed
 @pytest.mark.parametrize("launcher", ["horovodrun", "mpirun"])
 def test_a_killed_rank_ends_the_job_quickly_and_leaves_nothing(tmp_path, launcher):
     run_dir = tmp_path / f"killed-{launcher}"
-    if launcher == "mpirun":   # --command takes the whole program as one string
-        command = " ".join([str(BIN / "python"), "-m", "hvdtrain", "--run-dir", str(run_dir),
-                            "--no-progress", "--epochs", "500"])
-        job = subprocess.Popen([*LAUNCHERS[launcher], command], env=rank_env(), cwd=tmp_path,
-                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                               stdin=subprocess.DEVNULL)
-    else:
-        job = start(LAUNCHERS[launcher], run_dir, "--epochs", "500")
+    job = start(launcher, run_dir, "--epochs", "500")
     try:
         wait_for(lambda: (run_dir / "metrics.jsonl").exists(), 180)   # training for real
         victim = wait_for(lambda: rank_pid(str(run_dir), 1), 30)
@@ -70,11 +62,11 @@ def test_nan_loss_stops_every_rank_and_keeps_the_last_good_checkpoint(tmp_path):
     run_dir = train(tmp_path, "diverge", "--epochs", "2", "--hidden-units", "32")
     checkpoint = CheckpointStore(run_dir, 1).latest()
     before = {p.name: p.read_bytes() for p in checkpoint.path.iterdir()}
-    job = start(LAUNCHERS["horovodrun"], run_dir, "--epochs", "4", "--hidden-units", "32",
+    job = start(LAUNCHER, run_dir, "--epochs", "4", "--hidden-units", "32",
                 "--learning-rate", "1e12", "--resume", "--accept-changes")
     output, _ = job.communicate(timeout=240)
     assert job.returncode != 0
-    # Counted in the whole output: horovodrun may join two ranks' lines into one.
+    # Counted in the whole output: a launcher may join two ranks' lines into one.
     errors = re.findall(r"hvdtrain: error: (.*?check the data for NaN/Inf)", output)
     assert len(errors) == 2 and errors[0] == errors[1], output[-3000:]   # every rank, alike
     assert re.match(r"loss became (nan|inf|-inf) at epoch 3, step \d+; stopped on every rank",

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from conftest import launch, read_summary
+from conftest import LAUNCHER, launch, read_summary
 
 
 @pytest.mark.distributed
@@ -34,7 +34,7 @@ def test_tensorboard_events_and_curves_png(resnet_run):
 @pytest.mark.distributed
 def test_evaluate_is_exact_on_two_ranks_and_predict_prints_classes(resnet_run, tmp_path):
     report = tmp_path / "evaluation.json"
-    result = launch("horovodrun", 2, ["evaluate", str(resnet_run), "--output", str(report)])
+    result = launch(LAUNCHER, 2, ["evaluate", str(resnet_run), "--output", str(report)])
     assert result.returncode == 0, result.stdout + result.stderr
     reported = json.loads(report.read_text())
     summary = read_summary(resnet_run)["metrics"]

@@ -1,4 +1,4 @@
-"""The trainer core, proven with real ranks started by horovodrun (and mpirun)."""
+"""The trainer core, proven with real ranks started by launch/mpirun.sh (and horovodrun)."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import keras
 import numpy as np
 import pytest
 
-from conftest import (BACKENDS, EXACT, assert_partition, assert_same_weights, final_weights,
-                      launch, probe_shards, read_metrics, read_summary, train)
+from conftest import (BACKENDS, EXACT, LAUNCHER, assert_partition, assert_same_weights,
+                      final_weights, launch, probe_shards, read_metrics, read_summary, train)
 from hvdtrain.config import ModelConfig
 from hvdtrain.models import build_model
 
@@ -173,7 +173,7 @@ def test_run_directory_holds_what_a_user_needs(resume_runs):
 def test_starting_over_an_existing_run_is_refused(resume_runs):
     straight, _ = resume_runs
     before = (straight / "metrics.jsonl").read_text()
-    result = launch("horovodrun", 2, ["--run-dir", str(straight), "--epochs", "1"])
+    result = launch(LAUNCHER, 2, ["--run-dir", str(straight), "--epochs", "1"])
     assert result.returncode != 0
     assert "already holds a run; pass --resume" in result.stderr
     assert (straight / "metrics.jsonl").read_text() == before

@@ -21,7 +21,7 @@ import sys
 import numpy as np
 import pytest
 
-from conftest import BACKENDS, BIN, REPO, launch, rank_env
+from conftest import BACKENDS, BIN, LAUNCHER, REPO, launch, rank_env
 
 TESTS = REPO / "tests"
 sys.path.insert(0, str(TESTS))
@@ -54,7 +54,7 @@ def runs(tmp_path_factory, request, reference):
     """(every rank's records under hvdtrain on one backend, the one-process reference's
     records, the hvdtrain job's directory)."""
     out = tmp_path_factory.mktemp(f"user-programs-{request.param}")
-    result = launch("horovodrun", 2, ["hvdtrain", str(out), str(BATCH)],
+    result = launch(LAUNCHER, 2, ["hvdtrain", str(out), str(BATCH)],
                     module="user_program_ranks", timeout=420, PYTHONPATH=str(TESTS),
                     HVDTRAIN_BACKEND=request.param, USER_PROGRAMS_BUCKET_MIB=BUCKET_MIB)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
