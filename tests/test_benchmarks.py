@@ -17,7 +17,7 @@ def test_compare_harness_writes_every_field(tmp_path):
     out = tmp_path / "bench"
     result = subprocess.run(
         [sys.executable, "-m", "hvdtrain.bench.compare", "--model", "mlp", "--batch-size", "8",
-         "--steps", "3", "--repeats", "2", "--rounds", "2", "--comm-repeats", "2",
+         "--steps", "3", "--repeats", "2", "--rounds", "1", "--comm-repeats", "2",
          "--output-dir", str(out)],
         cwd=REPO, env=rank_env(), text=True, capture_output=True, timeout=900,
         stdin=subprocess.DEVNULL)
@@ -43,12 +43,47 @@ def test_compare_harness_writes_every_field(tmp_path):
     startup = report["startup"]
     assert (0 < startup["setup_seconds"] < startup["process_start_to_first_step_seconds"]
             < startup["launch_to_first_step_seconds"] < 600)
-    assert report["rounds"] == 2
-    hvdtrain = json.loads((out / "hvdtrain-custom-2.json").read_text())
+    assert report["rounds"] == 1     # several rounds' medians: the next test
+    hvdtrain = json.loads((out / "hvdtrain-custom-1.json").read_text())
     assert {"step_seconds_median", "step_seconds_spread", "examples_per_second_total",
             "per_rank", "world_size"} <= set(hvdtrain) and hvdtrain["world_size"] == 2
     assert (out / "compare.png").read_bytes()[:4] == b"\x89PNG"
     assert "custom_step_vs_minimal" in result.stdout
+
+
+def test_compare_reports_the_median_over_rounds_of_every_variant(tmp_path):
+    """Each variant's step time and throughput are the median over the rounds' result files
+    (named as the harness writes them, ``<variant>-<round>.json``), and every ratio is taken
+    between those medians. (The harness's own run above takes one round: a round is every
+    variant launched once more.)"""
+    import argparse
+
+    from hvdtrain.bench.compare import summarize
+
+    names = ("hvdtrain-custom", "hvdtrain-fit", "hvdtrain-tensorflow", "minimal", "multiworker",
+             "single")
+    # A slow spell in round 1; the median (round 2's) is not the mean, first, last or least.
+    steps = {name: [9.0, 0.2 + 0.1 * index, 0.1 + 0.1 * index]
+             for index, name in enumerate(names)}
+    for name, per_round in steps.items():
+        for round_, step in enumerate(per_round, start=1):
+            (tmp_path / f"{name}-{round_}.json").write_text(json.dumps(
+                {"step_seconds_median": step, "examples_per_second_total": 16 / step}))
+    (tmp_path / "comm.json").write_text("[]")
+    args = argparse.Namespace(rounds=3, np=2, model="mlp", batch_size=8)
+    report = summarize(tmp_path, args, [{"source": "digits", "examples_per_second": 1e4}], {})
+    assert report["rounds"] == 3
+    median = {name: sorted(per_round)[1] for name, per_round in steps.items()}
+    assert report["step_seconds_median"] == pytest.approx(median)
+    assert report["examples_per_second"] == pytest.approx(
+        {name: 16 / step for name, step in median.items()})
+    ratios = report["ratios"]
+    assert ratios["custom_step_vs_minimal"] == pytest.approx(
+        median["hvdtrain-custom"] / median["minimal"])
+    assert ratios["scaling_efficiency"] == pytest.approx(
+        (16 / median["hvdtrain-custom"]) / (2 * 16 / median["single"]))
+    assert report["input_pipeline"][0]["ratio_to_training"] == pytest.approx(
+        1e4 / (16 / median["hvdtrain-custom"] / 2))
 
 
 def test_timeline_breakdown_reads_a_horovod_timeline(tmp_path):
