@@ -89,7 +89,8 @@ def evaluate(args: argparse.Namespace) -> int:
     check = getattr(split, "check_order", None)
     if check is not None:
         check("validation", collectives.allgather_object)
-    evaluation = Evaluation(model, collectives, Objective.for_model(model))
+    evaluation = Evaluation(model, collectives, Objective.for_model(model),
+                            equal_steps=spec.equal_steps)
     probe(model, evaluation.objective, next(iter(split.dataset(spec))), [evaluation.metrics],
           str(args.run_dir))
     metrics = evaluation.run(split.dataset(spec), prefix="")

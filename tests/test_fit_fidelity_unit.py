@@ -114,6 +114,22 @@ def _draws() -> tuple:
             float(keras.random.uniform(())))
 
 
+@pytest.mark.parametrize("examples, fraction", [(177, 0.2), (100, 0.3), (10, 0.25), (7, 0.5)])
+def test_validation_split_holds_out_what_keras_does(examples, fraction):
+    """The last examples Keras' ``train_validation_split`` holds out (training keeps the floor
+    of examples x (1 - fraction)), not int(examples x fraction): 177 x 0.2 is 141 + 36."""
+    from keras.src.trainers.data_adapters.array_slicing import train_validation_split
+
+    from hvdtrain.config import DataConfig
+    from hvdtrain.data.user import user_bundle
+
+    x = np.arange(examples, dtype=np.float32)[:, None]
+    kept, held = train_validation_split((x, x[:, 0]), validation_split=fraction)
+    bundle = user_bundle(KerasData(x, x[:, 0], validation_split=fraction), DataConfig(), 0)
+    assert (bundle.train.num_examples, bundle.val.num_examples) == (len(kept[0]), len(held[0]))
+    np.testing.assert_array_equal(bundle.val.x, held[0])
+
+
 def test_a_run_puts_every_random_generator_and_op_determinism_back():
     """What the program draws after the run is what it would draw had the run not been there,
     whatever the run seeded (alike, then per rank)."""

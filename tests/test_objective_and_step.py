@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from hvdtrain.training.objective import Objective, ObjectiveError, check_output_kind
+from hvdtrain.training.objective import BatchShares, Objective, ObjectiveError, check_output_kind
 from hvdtrain.training.step import StepMath, StepOptions
 from hvdtrain.world import LocalCollectives
 from workloads import two_tower_data, two_tower_model
@@ -47,6 +47,38 @@ def test_loss_and_metrics_equal_keras_evaluate_for_a_compiled_two_output_model()
     for name in ("digit_loss", "ink_loss", "digit_accuracy", "ink_mae"):
         assert ours[name] == pytest.approx(expected[name], rel=1e-5), name
 
+
+
+def test_per_output_losses_are_keras_means_of_batch_means():
+    """Keras 3 reports ``digit_loss``/``ink_loss`` as the plain mean of its batches' means (a
+    short last batch counts as much as a full one), the total loss and compiled metrics as
+    means over examples: 64 rows in batches of 48 and 16, each a global batch of two ranks'
+    halves, give Keras' columns."""
+    model, data = _two_tower()
+    x = {name: values[:64] for name, values in data.x.items()}
+    y = {name: values[:64] for name, values in data.y.items()}
+    weights = data.sample_weight[:64]
+    expected = model.evaluate(x, y, sample_weight=weights, batch_size=48, verbose=0,
+                              return_dict=True)
+    objective = Objective.for_model(model)
+    metrics = objective.new_metrics()
+    for batch in (slice(0, 48), slice(48, 64)):
+        rows = batch.stop - batch.start
+        for half in (slice(batch.start, batch.start + rows // 2),
+                     slice(batch.start + rows // 2, batch.stop)):
+            xs = {name: values[half] for name, values in x.items()}
+            ys = {name: values[half] for name, values in y.items()}
+            predictions = model(xs, training=False)
+            metrics.build(ys, predictions)
+            total, parts = objective.per_example_losses(ys, predictions)
+            count = half.stop - half.start
+            metrics.update(ys, predictions, total, parts, tf.constant(weights[half]),
+                           tf.ones(count, tf.bool),
+                           batch_shares=BatchShares(tf.fill([count], 1.0 / rows), 0.5))
+    ours = metrics.global_results(LocalCollectives())
+    assert set(ours) == set(expected)
+    for name in expected:
+        assert ours[name] == pytest.approx(expected[name], rel=1e-5), name
 
 def test_padding_rows_count_in_no_metric():
     model, data = _two_tower()

@@ -32,6 +32,7 @@ What Keras ``model.fit`` takes, hvdtrain takes (``KerasData`` holds ``fit``'s da
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -241,7 +242,9 @@ def _keras_bundle(data: KerasData, config: DataConfig) -> DataBundle:
     fraction = data.validation_split or 0.0
     if fraction and val is None:
         examples = train.num_examples
-        held = int(examples * fraction)    # Keras: the last fraction, before shuffling
+        # Keras' split: training keeps floor(examples x (1 - fraction)), validation the rest
+        # (the last examples, before shuffling)
+        held = examples - math.floor(examples * (1.0 - fraction))
         if held == 0 or held == examples:
             raise DataError(f"validation_split {fraction} of {examples} examples leaves "
                             "nothing to train or to validate on; change it")

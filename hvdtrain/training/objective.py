@@ -205,6 +205,24 @@ class Objective:
         return MetricState(self, prefix)
 
 
+@dataclass
+class BatchShares:
+    """What a rank's batch is of its global batch: ``rows``, each row's share (real rows: one
+    over the global batch's real rows, or over its group's when batches are accumulated;
+    filler rows: 0), and ``batch``, the rank's share of one batch (one over the world size, and
+    the accumulation steps).
+
+    Why: Keras 3 reports each output's loss (``cls_loss``...) as the plain mean of its batches'
+    means (its tracker's weight is the batch's static size, unknown inside its compiled step),
+    not the mean over examples as it does the total loss: a short last batch counts as much as
+    a full one. A rank adds its rows' part of the global batch's mean with weight ``batch``,
+    so the sums across ranks are the one process's sums: the same columns as one process with
+    the global batch, whose batches the global ones are."""
+
+    rows: tf.Tensor
+    batch: float
+
+
 class MetricState:
     """One set of metrics (training or validation): Keras metric objects whose state variables
     are summed across ranks to give exact global results."""
@@ -247,17 +265,25 @@ class MetricState:
 
     def update(self, y_true: Any, y_pred: Any, total: tf.Tensor, parts: list[tf.Tensor],
                sample_weight: tf.Tensor, valid: tf.Tensor,
-               own_losses: tf.Tensor | float = 0.0) -> None:
+               own_losses: tf.Tensor | float = 0.0,
+               batch_shares: BatchShares | None = None) -> None:
         """Add a batch; padding rows (``valid`` false) are left out of every metric. Losses are
         reported as Keras does: the sample-weighted sum over the examples' count, plus the
-        model's own losses of the batch (``own_losses``: ``add_loss``, regularisers)."""
+        model's own losses of the batch (``own_losses``: ``add_loss``, regularisers). The
+        per-output loss columns (a model with two or more losses) are Keras' means of batch
+        means given ``batch_shares`` (see ``BatchShares``), else means over examples."""
         def real(values: Any) -> Any:
             return tf.nest.map_structure(lambda v: tf.boolean_mask(v, valid), values)
 
         weight = real(sample_weight)
         self.loss.update_state(real(total) * weight + own_losses)
         for metric, part in zip(self.output_losses, parts):
-            metric.update_state(real(part) * weight)
+            if batch_shares is None:   # the mean over examples
+                metric.update_state(real(part) * weight)
+                continue
+            # this rank's part of the global batch's mean, and its part of one batch
+            metric.update_state(tf.reduce_sum(part * sample_weight * batch_shares.rows)
+                                / batch_shares.batch, sample_weight=batch_shares.batch)
         if self.compiled_metrics is not None:
             predictions = tf.nest.map_structure(lambda v: tf.cast(v, tf.float32), y_pred)
             self.compiled_metrics.update_state(real(y_true), real(predictions), weight)

@@ -63,7 +63,7 @@ from typing import Any, Protocol
 import keras
 import tensorflow as tf
 
-from hvdtrain.training.objective import MetricState, Objective
+from hvdtrain.training.objective import BatchShares, MetricState, Objective
 from hvdtrain.world import Collectives, GradientReduction
 
 
@@ -241,8 +241,10 @@ class StepMath:
                               for g, v in zip(gradients, variables)], loss)
         else:
             self._apply(gradients, loss)
+        shares = BatchShares(weights, 1.0 / (self.collectives.world.size
+                                             * self.options.accumulation_steps))
         self.train_metrics.update(y, predictions, total, parts, sample_weight, weights > 0,
-                                  own_losses)
+                                  own_losses, shares)
         return self.train_metrics.local_results()
 
 
@@ -258,18 +260,27 @@ class Evaluation:
     """Exact distributed evaluation: local metric state over this rank's shard, reduced once."""
 
     def __init__(self, model: keras.Model, collectives: Collectives,
-                 objective: Objective) -> None:
+                 objective: Objective, equal_steps: bool = True) -> None:
+        """``equal_steps``: every rank runs as many steps (filled at weight zero), so a step
+        may sum across ranks (the per-output loss columns' global batch sizes); false for a
+        share read unpadded, whose per-output columns are means over examples."""
         self.model = model
         self.collectives = collectives
         self.objective = objective
+        self.batch_means = equal_steps and bool(objective.output_loss_names)
         self.metrics = objective.new_metrics()
         self._step = tf.function(self._eval_step, jit_compile=False)
 
     def _eval_step(self, x, y, sample_weight: tf.Tensor, weights: tf.Tensor) -> None:
         predictions = self.model(x, training=False)
         total, parts = self.objective.per_example_losses(y, predictions)
+        shares = None
+        if self.batch_means:   # only the per-output columns need the global batch's size
+            real = tf.cast(weights > 0, tf.float32)
+            count = self.collectives.allreduce_sum([tf.reduce_sum(real)])[0]
+            shares = BatchShares(real / tf.maximum(count, 1.0), 1.0 / self.collectives.world.size)
         self.metrics.update(y, predictions, total, parts, sample_weight, weights > 0,
-                            model_losses(self.model))
+                            model_losses(self.model), shares)
 
     def run(self, dataset: tf.data.Dataset, prefix: str = "val_") -> dict[str, float]:
         self.metrics.reset()
