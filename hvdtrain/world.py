@@ -253,8 +253,12 @@ class HorovodCollectives:
         return reduced
 
     def broadcast_variables(self, variables: Sequence[Any], root_rank: int = 0) -> Any:
+        """In place (Horovod's ``broadcast_``, one grouped op per device): its default form
+        traces a ``tf.function`` per new list of variables, so a process that fits a sixth
+        model printed TensorFlow's retracing warning."""
         if variables:
-            return self._hvd.broadcast_variables(tf_variables(variables), root_rank=root_rank)
+            return self._hvd.broadcast_variables(tf_variables(variables), root_rank=root_rank,
+                                                 inplace=True)
         return None
 
     def broadcast_object(self, obj: Any, root_rank: int = 0) -> Any:

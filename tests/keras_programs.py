@@ -718,6 +718,32 @@ def imbalanced_class_weight(ctx: Context) -> Outcome:
     return Outcome({"model": model}, notes={"positives": int(positives)})
 
 
+# --- 16. Two outputs, each with its loss, and validation_split ------------------------------
+
+def two_losses_validation_split(ctx: Context) -> Outcome:
+    """The keras-io functional-API shape with a classification and a regression head, a loss
+    and a loss weight each, per-output metrics and ``validation_split=0.2`` of 177 rows (Keras
+    keeps 141 and holds out 36: short last batches in training and validation). Keras 3's
+    per-output columns (``cls_loss``) are plain means of batch means, so they depend on how
+    the rows fall into batches."""
+    rng = np.random.default_rng(116)
+    x = rng.random((177, 6), dtype=np.float32)
+    y = {"cls": (x.sum(axis=1) > 3).astype(np.int32), "reg": x[:, :2].sum(axis=1, keepdims=True)}
+    keras.utils.set_random_seed(117)
+    features = keras.Input((6,), name="features")
+    hidden = keras.layers.Dense(12, activation="relu")(features)
+    model = keras.Model(features, {"cls": keras.layers.Dense(2, name="cls")(hidden),
+                                   "reg": keras.layers.Dense(1, name="reg")(hidden)})
+    model.compile(optimizer=ctx.optimizer(keras.optimizers.SGD(0.05)),
+                  loss={"cls": keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                        "reg": "mse"},
+                  loss_weights={"cls": 1.0, "reg": 0.5},
+                  metrics={"cls": ["accuracy"], "reg": ["mae"]})
+    ctx.fit(model, {"features": x}, y, batch_size=ctx.batch, epochs=2, shuffle=False,
+            validation_split=0.2)
+    return Outcome({"model": model})
+
+
 # The drop-in's loss with an odd example count: its last step averages two unequal batches'
 # means (measured within 1.1% of one process); 2% stated.
 UNEVEN_DROPIN = {"dropin_tolerance": None, "loss_tolerance": 0.02}
@@ -757,6 +783,10 @@ PROGRAMS: dict[str, Spec] = {
                              loss_tolerance=0.15, counted="once per epoch"),
     "timeseries_uneven_validation": Spec(timeseries_uneven_validation,
                                          counted="once per epoch"),
+    "two_losses_validation_split": Spec(
+        two_losses_validation_split, ("hvdtrain", "keras"),
+        skipped="drop-in: validation_split of each rank's shard holds out other rows than one "
+                "process's"),
     "lookup_uneven_batches": Spec(
         lookup_uneven_batches, ("hvdtrain", "keras"), counted="once per epoch",
         skipped="drop-in: the user's dataset.shard gives 54 and 53 batches; Horovod ranks that "

@@ -48,7 +48,6 @@ def test_loss_and_metrics_equal_keras_evaluate_for_a_compiled_two_output_model()
         assert ours[name] == pytest.approx(expected[name], rel=1e-5), name
 
 
-
 def test_per_output_losses_are_keras_means_of_batch_means():
     """Keras 3 reports ``digit_loss``/``ink_loss`` as the plain mean of its batches' means (a
     short last batch counts as much as a full one), the total loss and compiled metrics as
@@ -79,6 +78,7 @@ def test_per_output_losses_are_keras_means_of_batch_means():
     assert set(ours) == set(expected)
     for name in expected:
         assert ours[name] == pytest.approx(expected[name], rel=1e-5), name
+
 
 def test_padding_rows_count_in_no_metric():
     model, data = _two_tower()
