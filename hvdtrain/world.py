@@ -7,12 +7,14 @@ here lets ``python -m hvdtrain`` and most tests run without MPI.
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import logging
 import os
 import socket
 from dataclasses import dataclass, field
 from types import ModuleType
-from typing import Any, Callable, Mapping, Protocol, Sequence
+from typing import Any, Callable, Iterator, Mapping, Protocol, Sequence
 
 from hvdtrain.errors import first_sentence
 
@@ -185,6 +187,25 @@ class LocalCollectives:
         return None
 
 
+class _RetracingWarningFilter(logging.Filter):
+    """Drops TensorFlow's warning that a ``tf.function`` is traced again and again."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "triggered tf.function retracing" not in record.getMessage()
+
+
+@contextlib.contextmanager
+def _without_retracing_warning() -> Iterator[None]:
+    """TensorFlow's logger without its retracing warning, for the block only."""
+    found = _RetracingWarningFilter()
+    logger = logging.getLogger("tensorflow")
+    logger.addFilter(found)
+    try:
+        yield
+    finally:
+        logger.removeFilter(found)
+
+
 class HorovodCollectives:
     """Collectives over Horovod (MPI or Gloo controller; CPU, MPI or NCCL tensor ops)."""
 
@@ -253,13 +274,15 @@ class HorovodCollectives:
         return reduced
 
     def broadcast_variables(self, variables: Sequence[Any], root_rank: int = 0) -> Any:
-        """In place (Horovod's ``broadcast_``, one grouped op per device): its default form
-        traces a ``tf.function`` per new list of variables, so a process that fits a sixth
-        model printed TensorFlow's retracing warning."""
-        if variables:
-            return self._hvd.broadcast_variables(tf_variables(variables), root_rank=root_rank,
-                                                 inplace=True)
-        return None
+        """Horovod's, without TensorFlow's retracing warning: Horovod traces its one cached
+        ``tf.function`` again for every new list of variables (each ``fit`` has one), so the
+        sixth ``fit`` in a process printed a warning about the user's code that was about
+        Horovod's (its in-place form, which does not trace, refuses two variables of one
+        name, as a subclassed model's layers have)."""
+        if not variables:
+            return None
+        with _without_retracing_warning():
+            return self._hvd.broadcast_variables(tf_variables(variables), root_rank=root_rank)
 
     def broadcast_object(self, obj: Any, root_rank: int = 0) -> Any:
         return self._hvd.broadcast_object(obj, root_rank=root_rank)
