@@ -212,3 +212,24 @@ def test_a_failing_step_says_which_rank_epoch_step_and_batch(tmp_path):
     notes = getattr(raised.value, "__notes__", [])
     assert notes == ["hvdtrain: rank 0 failed in epoch 1, step 3, on batch 3 of this rank's "
                      "pass 1 over the training data, as given"], notes
+
+
+BROADCASTS = """
+import keras
+from hvdtrain.world import HorovodCollectives
+collectives = HorovodCollectives()
+for units in range(1, 8):   # every fit broadcasts another model's variables
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(units)])
+    collectives.broadcast_variables(model.weights)
+print("broadcast 7 times")
+"""
+
+
+def test_many_fits_in_one_process_print_no_retracing_warning():
+    """Horovod traces its broadcast function again for every new list of variables; from the
+    sixth, TensorFlow warned about retracing, as if the user's code were at fault."""
+    result = subprocess.run([str(BIN / "python"), "-c", BROADCASTS], capture_output=True,
+                            text=True, timeout=RUN_TIMEOUT, env=rank_env(), cwd=REPO)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "broadcast 7 times" in result.stdout
+    assert "retracing" not in result.stderr, result.stderr[-2000:]
