@@ -18,9 +18,9 @@ horovod`` fails, so the drop-in's auto choice is TensorFlow's collectives):
   Horovod and where Horovod cannot be imported: the issue's "a Horovod-shaped Keras script runs
   unchanged on the TensorFlow backend, both ranks identical".
 Cost on the 2-core VM while another agent loaded it (load average ~8-9): the six launches of
-the three programs took 184 s together (26-35 s each), most of it importing TensorFlow; the
-copies of Horovod's examples they replace took 190 s measured just before, while these
-programs' first runs loaded the VM.
+the three programs took 184 s together (26-35 s each), most of it importing TensorFlow, and
+194 s (23-39 s each) in a run of this whole file at load ~10 (26 passed in 493 s); the copies
+of Horovod's examples they replace took 190 s, measured just before, under similar load.
 """
 
 from __future__ import annotations
