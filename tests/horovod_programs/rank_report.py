@@ -1,0 +1,24 @@
+"""What each program in this folder leaves behind for ``tests/test_horovod_dropin.py``.
+
+A Horovod program would not need this: the test does, to check that every rank ended with the
+same weights (``weights-<rank>.npz``, compared bit for bit) and that the training learned
+(``report-<rank>.json``: whatever numbers the program chose to report).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+
+def write_rank_report(out_dir: str, rank: int, variables: list[Any],
+                      report: dict[str, Any]) -> None:
+    """Save this rank's trainable variables, by position, and its report."""
+    folder = Path(out_dir)
+    folder.mkdir(parents=True, exist_ok=True)
+    np.savez(folder / f"weights-{rank}.npz",
+             **{f"v{index:03d}": np.asarray(variable) for index, variable in enumerate(variables)})
+    (folder / f"report-{rank}.json").write_text(json.dumps(report, indent=1) + "\n")
