@@ -24,7 +24,7 @@ from sklearn.datasets import load_digits
 import hvdtrain.keras as hvd   # a Horovod program: import horovod.tensorflow.keras as hvd
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from rank_report import write_rank_report  # noqa: E402
+from rank_report import use_one_gpu_per_process, write_rank_report  # noqa: E402
 
 
 def parse_args() -> argparse.Namespace:
@@ -36,15 +36,6 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--warmup-epochs", type=int, default=3)
     parser.add_argument("--out-dir", default=".", help="checkpoints and the rank reports")
     return parser.parse_args()
-
-
-def use_one_gpu_per_process() -> None:
-    """Each process on a machine takes the GPU numbered by its local rank (none on CPU)."""
-    gpus = tf.config.list_physical_devices("GPU")
-    for gpu in gpus:
-        tf.config.experimental.set_memory_growth(gpu, True)
-    if gpus:
-        tf.config.set_visible_devices(gpus[hvd.local_rank()], "GPU")
 
 
 def digits_split() -> tuple[tuple[np.ndarray, np.ndarray], tuple[np.ndarray, np.ndarray]]:
@@ -77,7 +68,7 @@ def build_model() -> keras.Model:
 def main() -> None:
     args = parse_args()
     hvd.init()
-    use_one_gpu_per_process()
+    use_one_gpu_per_process(hvd.local_rank())
     keras.utils.set_random_seed(1234 + hvd.rank())   # differs on purpose: the broadcast fixes it
     chief = hvd.rank() == 0
 
