@@ -125,6 +125,20 @@ def test_a_method_or_mode_fails_when_it_failed_on_either_rank():
     assert "- tensorflow t.py A::graph: [graph] graph broke" in printed
 
 
+def test_a_failures_reason_is_the_errors_line_also_from_inside_a_tf_function():
+    from types import SimpleNamespace
+
+    from hvdtrain.bench.conformance_plugin import one_line
+
+    def report(message: str) -> SimpleNamespace:
+        return SimpleNamespace(reprcrash=SimpleNamespace(message=message))
+
+    assert one_line(report("ValueError: bad\nmore")) == "ValueError: bad"
+    traced = ("UserError: in user code:\n\n    File \"t.py\", line 5, in step  *\n"
+              "        tape.register_local_source(w)\n\n    UserError: not supported\n")
+    assert one_line(report(traced)) == "UserError: not supported"
+
+
 def test_a_path_that_is_not_a_horovod_checkout_is_one_line_and_exit_2(tmp_path, caplog):
     caplog.set_level(logging.INFO)
     assert conformance.main([str(tmp_path), "--out", str(tmp_path / "out")]) == 2

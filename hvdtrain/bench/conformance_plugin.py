@@ -44,8 +44,13 @@ def one_line(longrepr: Any) -> str:
         errors = [line[1:].strip() for line in str(longrepr).splitlines()
                   if line.startswith("E ")]
         text = errors[0] if errors else str(longrepr).strip()
-    lines = text.splitlines()
-    return (lines[0] if lines else "failed")[:REASON_CHARS]
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    if not lines:
+        return "failed"
+    # An error raised inside a tf.function arrives as "<type>: in user code:", the traced
+    # call stack, then the original error on the last line: that line is the reason.
+    reason = lines[-1] if lines[0].endswith("in user code:") else lines[0]
+    return reason[:REASON_CHARS]
 
 
 def skip_reason(longrepr: Any) -> str:
