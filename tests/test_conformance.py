@@ -147,6 +147,23 @@ def test_a_path_that_is_not_a_horovod_checkout_is_one_line_and_exit_2(tmp_path, 
                       "test/parallel/test_tensorflow.py is missing"]
 
 
+def test_without_horovod_the_upstream_run_is_skipped_in_one_line(tmp_path, caplog,
+                                                                 monkeypatch, capsys):
+    deps = tmp_path / "deps"
+    deps.mkdir()
+    (deps / ".installed").write_text(" ".join(conformance.TEST_DEPENDENCIES))
+    monkeypatch.setattr(conformance, "horovod_importable",
+                        lambda env: "ModuleNotFoundError: No module named 'horovod'")
+    caplog.set_level(logging.INFO)
+    assert conformance.main([str(horovod_shaped_tree(tmp_path / "horovod")), "--runs",
+                             "upstream", "--files", "test_tensorflow.py", "--out",
+                             str(tmp_path / "out"), "--deps-dir", str(deps)]) == 0
+    warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert warnings == ["upstream run skipped: import horovod.tensorflow fails here: "
+                        "ModuleNotFoundError: No module named 'horovod'"]
+    assert "| upstream | test_tensorflow.py | skipped: " in capsys.readouterr().out
+
+
 @pytest.mark.distributed
 def test_a_horovod_shaped_suite_on_two_ranks_on_tensorflows_collectives(tmp_path, capsys):
     checkout = horovod_shaped_tree(tmp_path / "horovod")
