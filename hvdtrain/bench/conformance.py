@@ -161,9 +161,13 @@ def install_dependencies(target: Path) -> Path:
         return target
     log.info("installing %s into %s", " ".join(TEST_DEPENDENCIES), target)
     shutil.rmtree(target, ignore_errors=True)
-    subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps",
-                    "--disable-pip-version-check", "--target", str(target), *TEST_DEPENDENCIES],
-                   check=True, timeout=PIP_TIMEOUT)
+    try:
+        subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps",
+                        "--disable-pip-version-check", "--target", str(target),
+                        *TEST_DEPENDENCIES], check=True, timeout=PIP_TIMEOUT)
+    except (subprocess.CalledProcessError, subprocess.TimeoutExpired) as error:
+        raise ConformanceError(f"pip could not install {' '.join(TEST_DEPENDENCIES)} into "
+                               f"{target} ({error}); pass --deps-dir with them installed")
     done.write_text(" ".join(TEST_DEPENDENCIES))
     return target
 
@@ -277,6 +281,13 @@ def cell(counter: Counter) -> str:
     return "/".join(str(counter.get(outcome, 0)) for outcome in OUTCOMES)
 
 
+def status_note(status: int | str) -> str:
+    """Nothing for exit 0; pytest exits 1 whenever a test fails, so a note, not an error."""
+    if status == 0:
+        return ""
+    return f" (exit {status})" if isinstance(status, int) else f" ({status})"
+
+
 def table(results: list[dict[str, Any]]) -> str:
     """The markdown table and, under it, each failure with its one-line reason."""
     lines = ["| run | file | methods passed/failed/skipped | graph mode p/f/s | eager mode p/f/s "
@@ -288,7 +299,7 @@ def table(results: list[dict[str, Any]]) -> str:
                          "| | | |")
             continue
         counts = count(result["methods"])
-        status = "" if result["status"] == 0 else f" (exit {result['status']})"
+        status = status_note(result["status"])
         lines.append(f"| {result['run']} | {result['file']} | {cell(counts['methods'])}{status} "
                      f"| {cell(counts['graph'])} | {cell(counts['eager'])} "
                      f"| {result['seconds']:.0f} |")
