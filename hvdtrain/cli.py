@@ -106,8 +106,8 @@ COMMANDS = {
 def build_parser() -> argparse.ArgumentParser:
     parser = OneLineParser(
         prog="hvdtrain",
-        description="Data-parallel training of Keras 3 models with Horovod. Launch with "
-                    "horovodrun -np N python -m hvdtrain [options].")
+        description="Data-parallel training of Keras 3 models on Horovod's or TensorFlow's "
+                    "collectives. Launch with horovodrun -np N python -m hvdtrain [options].")
     parser.add_argument("--version", action="version", version=f"hvdtrain {__version__}")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND",
                                      parser_class=OneLineParser)
