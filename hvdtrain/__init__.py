@@ -1,4 +1,4 @@
-"""hvdtrain: data-parallel training of TensorFlow/Keras 3 models on Horovod's or TensorFlow's collectives.
+"""hvdtrain: data-parallel training of Keras 3 models on Horovod's or TensorFlow's collectives.
 
 ``hvdtrain.fit`` trains from Python (``hvdtrain.init`` joins the job first, where a script builds
 its model before ``fit``); ``hvdtrain.Arrays``, ``hvdtrain.Pipeline`` and
