@@ -1,30 +1,10 @@
 """The Python API: ``hvdtrain.fit(model, x, y, ...)``, Keras' ``model.fit`` run data-parallel.
 
-It takes what ``model.fit`` takes (data in every form Keras accepts, ``epochs``,
-``batch_size``, ``callbacks``, ``validation_data``/``validation_split``/``validation_freq``,
-``class_weight``, ``sample_weight``, ``initial_epoch``, ``steps_per_epoch``, ``shuffle``,
-``verbose``) and does what one process would do, on every rank of a job started by horovodrun,
-mpirun or srun, or alone in one process: the model's own ``train_step`` if it has one, its
-compiled loss, metrics and optimizer, Keras' callbacks deciding from exact global metrics (the
-same on every rank) and writing from rank 0. On top: hvdtrain's options (every option of
-``hvdtrain --help``, by its YAML name: ``run_dir=...``, ``optimizer="adam"``,
-``lr_scaling="none"``), exact global-batch math and metrics, step checkpoints, clean stops on
-signals (``StoppedBySignal``, exit code 75, after a checkpoint), the stall limit and a run
-directory.
-
-    import hvdtrain
-    result = hvdtrain.fit(model, x_train, y_train, epochs=5, batch_size=64,
-                          validation_data=(x_val, y_val), callbacks=[EarlyStopping()])
-    result.history.history["val_loss"], result.metrics, result.run_dir
-
-``model``: a ``keras.Model`` (each rank builds its own; rank 0's weights are broadcast), a
-function ``(input_shape, num_classes) -> keras.Model`` or ``() -> keras.Model`` (needed for
-mixed precision, which builds under the policy), or a model option string (``"mlp"``,
-``"package.module:build_fn"``). ``x``: arrays (or dicts/lists of them), a ``tf.data.Dataset``,
-a ``keras.utils.PyDataset``, ``hvdtrain.Arrays``, ``hvdtrain.Pipeline``, or a dataset option
-string (``"digits"``, ``"package.module:fn"``). ``batch_size`` is per rank (the global batch is
-``batch_size`` times the number of ranks), and the rate is scaled to the world size unless
-``lr_scaling="none"``.
+It takes what ``model.fit`` takes and does what one process would, on every rank of a job
+started by horovodrun, mpirun or srun, or alone in one process, with hvdtrain's options as
+keywords by their YAML names (``run_dir=...``, ``lr_scaling="none"``); ``hvdtrain.init`` joins
+the job first where a script needs the rank before ``fit``. It builds the same run as the
+command line, so both behave alike; the README's "Your model and data" is its guide.
 """
 
 from __future__ import annotations

@@ -1,31 +1,13 @@
 """The TensorFlow backend's collectives inside a TensorFlow 1 graph (``tf.compat.v1`` graph mode,
 run by a ``Session``), where Horovod scripts and Horovod's own tests still build them.
 
-Why a bridge: the backend's cluster is TensorFlow's *eager* context (``tf_collectives``). A
-``tf.compat.v1.Session`` is a separate runtime with its own devices and a collective executor
-that knows only this process, so a collective op placed in its graph cannot reach the other
-ranks. Horovod's ops can (they call Horovod's background thread from any runtime); ours become
-a graph node that, each time the session runs it, runs the collective eagerly on the cluster
-(``session_node``).
-
-Two properties of sessions shape it (both measured, TensorFlow 2.21):
-
-* A session runs a blocking Python op (``tf.py_function``) on its inter-op pool, which has as
-  many threads as cores (2 here). A blocked collective holds its thread until the other ranks
-  run the same collective; when the ranks happen to start different ones of three independent
-  collectives, every thread waits for a collective that the other rank cannot start: a hang.
-  So each node waits in a thread of its own: the Python op is the map function of a one-element
-  ``tf.data`` dataset, run inline (``use_inter_op_parallelism=False``) by the asynchronous
-  ``get_single_element`` kernel, which computes on a background thread of its own.
-* TensorFlow's collectives remember an instance key's shape: a key used again with another
-  shape (a node whose input size differs from one run to the next) fails and aborts the
-  process's collectives. So each node gets a collective group of its own (group keys counted
-  in the order the graph is built, so the same node has the same group on every rank) and
-  numbers its runs within that group: the n-th run of a node on one rank meets the n-th run of
-  the same node on the others. The ranks must build their graphs' collectives in the same
-  order, as they must issue them in the same order eagerly.
-
-Private TensorFlow API used here: ``map_op._MapDataset`` (for ``use_inter_op_parallelism``).
+A session is a runtime of its own that cannot reach the backend's cluster (TensorFlow's eager
+context), so each collective becomes a graph node that runs it eagerly when the session runs it
+(``session_node``). Each node waits in a thread of its own (a session's few inter-op threads,
+all blocked in different collectives, would hang), and gets a collective group of its own
+numbered in build order, since a collective key reused with another shape aborts. The ranks
+must build their graphs' collectives in the same order. Private TensorFlow API used here:
+``map_op._MapDataset`` (for ``use_inter_op_parallelism``).
 """
 
 from __future__ import annotations

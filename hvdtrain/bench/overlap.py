@@ -1,33 +1,11 @@
-"""``python -m hvdtrain.bench.overlap``: do a step's gradient allreduces start before its
-backward pass ends? Read from a Horovod timeline of a real job, not claimed.
+"""``python -m hvdtrain.bench.overlap``: do gradient allreduces start before the backward pass ends?
 
-Runs a short ``hvdtrain benchmark`` on ``--np`` ranks (``launch/mpirun.sh``, the comparison
-harness's environment) with ``HOROVOD_TIMELINE`` set; everything after ``--`` goes to the
-benchmark unchanged (``-- --model resnet --batch-size 32``, a bucketing flag). ``--timeline``
-reads the timeline of an earlier job instead, one whose every allreduce belongs to its training
-step (a benchmark's: a training run's also reduces metrics, at other times).
-
-What the timeline says (Horovod 0.28, written by rank 0; one row per tensor, named after it; a
-grouped allreduce's tensors are named ``<op name>_<i>of<n>``): per tensor and call, a
-``NEGOTIATE_ALLREDUCE`` span, then an ``ALLREDUCE`` span holding the reduction's work (copies into
-and out of the fusion buffer, ``MPI_ALLREDUCE``), whose end carries the tensor's dtype and shape.
-Horovod begins the negotiation in the first background cycle (``HOROVOD_CYCLE_TIME``) in which
-*any* rank has the tensor queued and ends it when *every* rank has: so before the latest
-negotiation begin of a step (``last_gradient_ready``) no rank had submitted its last gradient,
-and every rank was still in its backward pass, or had just ended it and not yet submitted (a
-submission waits for the op's inputs and the next cycle), so ``overlap_ms``, how long
-reductions were running before that moment (their union; 0 when the first one starts after
-it), is an upper bound on the overlap by at most that delay.
-
-The k-th occurrence of a tensor is step k. For one step (``--step``, by default the last: the
-steady state) it writes ``overlap.json`` (per call: submitted, all ranks ready, reduction
-start and end, in ms from the step's first submission, and bytes) and ``overlap.png`` (a Gantt
-chart, one row per call) to ``--output-dir``, and prints a summary. The timeline holds nothing
-of TensorFlow's compute: the time axis starts at the step's first gradient, not its start. What
-lies between steps it does show: over all steps, how long each took, how long of it no
-allreduce ran (the update, the forward pass and the backward pass up to the first bucket: the
-part of a synchronous step that cannot overlap its own exchange) and how long its reductions
-spanned (``phases``, medians over steps 2 to n).
+Read from a Horovod timeline of a real job, not claimed: it runs a short ``hvdtrain benchmark``
+on ``--np`` ranks with ``HOROVOD_TIMELINE`` set (arguments after ``--`` go to the benchmark), or
+reads an earlier benchmark's timeline (``--timeline``). The latest negotiation begin of a step is
+when the last gradient was ready on some rank; ``overlap_ms`` is how long reductions ran before
+it, an upper bound by at most one cycle. Writes ``overlap.json`` and ``overlap.png`` for one step
+(``--step``) and prints per-step phases, including the time with no allreduce running.
 """
 
 from __future__ import annotations

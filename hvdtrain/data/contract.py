@@ -1,46 +1,11 @@
 """The data contract: what training asks of a data source, built-in or the user's.
 
-Read this module to write a source; the trainer relies on nothing else.
-
-**Producers.** A source is anything that makes a ``DataBundle``: the built-in loaders
-(``hvdtrain.data.sources``: in-memory ``ArraySplit``s, and ``FileSplit``s from
-``hvdtrain.data.files``), a user's data (``hvdtrain.data.user``: arrays, ``tf.data`` and
-``PyDataset`` objects as ``DatasetSplit``s from ``hvdtrain.data.datasets``, ``hvdtrain.Pipeline``
-factories), chosen by name in ``hvdtrain.data.load``. This module imports none of them.
-
-**A split** (``Split``) is one part of the data, training or validation. It provides:
-
-* ``num_examples``: how many examples it holds, or None when it cannot know (a user's
-  pipeline or dataset object).
-* ``input_shape``: the shape of one example's features without the batch axis (a dict of
-  shapes for dict features): what the model is built for.
-* ``normalised``: True when every rank knows the whole plan of an epoch (in-memory and file
-  data), so the loss weight below is already 1/(real examples in the global batch) and
-  ``steps_per_epoch`` is the same on every rank. False when each rank counts its own batches:
-  the trainer then agrees on the count across ranks (the largest, padding; or the fewest,
-  dropping) and divides the loss by the global count it reduces in the step.
-* ``steps_per_epoch(spec)``: this rank's batches per epoch under a ``ShardSpec`` (rank, world
-  size, batch size, remainder policy, seed, accumulation).
-* ``dataset(spec, first_epoch, end_epoch)``: one ``tf.data.Dataset`` of this rank's batches
-  for epochs ``[first_epoch, end_epoch)``, exactly ``spec.steps_per_epoch`` of them per epoch
-  (the agreed count: an uneven count would leave a rank waiting in the allreduce). Each batch
-  is ``(features, targets, sample_weight, weight)``: ``targets`` is ``()`` when there are none;
-  ``sample_weight`` the user's per-example weight (ones when there is none); ``weight`` 0 for
-  padding, else 1/(real examples in the global batch) when ``normalised``, else 1. The order is
-  a function of the seed and the epoch, so a resumed run sees what an unbroken one would (a
-  user's dataset object keeps its own order). With ``spec.equal_steps`` false (evaluation
-  under a model's own ``test_step``) a split gives this rank's share alone, unpadded.
-* optionally ``infinite``: true for a dataset that repeats forever, which then needs
-  ``steps_per_epoch`` from the user.
-
-**A bundle** (``DataBundle``) is what a source returns: the training split, the validation
-split (None: no validation), ``num_classes`` (None for targets that are not class ids), and two
-facts about the examples that say how Keras would hand a batch to a model's own
-``train_step`` (``keras_element``): whether they have targets and whether the user gave sample
-(or class) weights. ``checked_bundle`` refuses a validation split that holds nothing.
-
-**Errors.** A source refuses what it cannot read with a ``DataError``: one line naming the
-problem and the fix (``hvdtrain.errors.UserError``).
+A source (``data.sources``, ``data.user``; chosen by name in ``data.load``, none imported here)
+returns a ``DataBundle`` of ``Split``s; the trainer relies on nothing else, so a new source needs
+only this module. Each ``Split`` gives this rank exactly the agreed number of batches per epoch
+(an uneven count would leave a rank waiting in an allreduce), each batch ``(features, targets,
+sample_weight, weight)`` with ``weight`` 0 for filler. A source refuses what it cannot read with
+a one-line ``DataError``.
 """
 
 from __future__ import annotations
@@ -61,7 +26,16 @@ class DataError(UserError):
 
 
 class Split(Protocol):
-    """One split of any source (the module doc is the contract)."""
+    """One split of any source, training or validation.
+
+    ``num_examples``: None when it cannot know (a user's dataset). ``input_shape``: one example's
+    features without the batch axis (a dict for dict features). ``normalised``: every rank knows
+    the epoch's plan, so ``weight`` is already 1/(real examples in the global batch); else it is
+    1 and the step divides by the count it reduces. ``steps_per_epoch(spec)``: this rank's
+    batches. ``dataset(spec, first, end)``: exactly ``spec.steps_per_epoch`` batches per epoch,
+    ordered by seed and epoch so a resume sees what an unbroken run would (with
+    ``spec.equal_steps`` false: this rank's share alone, unpadded). Optional ``infinite``: a
+    dataset that repeats forever, which needs ``steps_per_epoch``."""
 
     normalised: bool
 

@@ -1,29 +1,10 @@
 """A user's ``tf.data.Dataset`` or ``keras.utils.PyDataset`` object, sharded by rank.
 
-Elements are read as Keras reads them (``x``, ``(x,)``, ``(x, y)`` or ``(x, y,
-sample_weight)``). How a rank takes its share:
-
-* **Unbatched** (no batching op in the pipeline, e.g. ``from_tensor_slices(...)``): rank r
-  keeps elements r, r+N, ... (``Dataset.shard``) and batches them by ``--batch-size``. Global
-  step s is then exactly the s-th batch of N*b elements that one process would batch from the
-  same order, so N ranks x b compute what 1 x N*b does.
-* **Batched** (``.batch``, ``.padded_batch``, ``timeseries_dataset_from_array``,
-  ``image_dataset_from_directory``, a ``PyDataset``): rank r keeps batches r, r+N, ...: its
-  batches are per-rank batches, as given (``--batch-size`` does not apply). A ``PyDataset``'s
-  batch order is shuffled every epoch (seeded) unless ``shuffle`` is off, as Keras does.
-
-Every rank runs the same number of steps per pass (``hvdtrain.data.equal_steps``): each rank
-counts its batches of one pass (``cardinality``, or one pass when unknown) and the ranks agree;
-under hvdtrain's exact step a rank that runs short repeats a real batch of the data with loss
-weight zero, a model's own ``train_step`` stops every rank at the fewest real batches. An
-infinite dataset needs ``steps_per_epoch``; its epochs are consecutive stretches of one stream.
-``steps_per_epoch`` on a finite dataset reads it as Keras does (``equal_steps.Passes``).
-
-Each pass is a new iteration of the dataset, so a ``shuffle`` in it reshuffles as under Keras
-``fit``. Sharding by position needs the same order on every rank: ``hvdtrain.data.order``
-refuses a dataset whose order differs across ranks (an unseeded ``shuffle`` built before
-``fit``). The order is the dataset's own: a resumed run does not replay it (use arrays or
-``hvdtrain.Pipeline`` for that).
+Unbatched, rank r keeps elements r, r+N, ... and batches them by ``--batch-size``, so N ranks x b
+compute what 1 x N*b does; batched (or a ``PyDataset``), it keeps batches r, r+N, ... as given.
+Every rank runs the same number of steps per pass (``data.equal_steps``), and a dataset whose
+order differs across ranks is refused (``data.order``), since sharding by position needs the
+same order everywhere.
 """
 
 from __future__ import annotations

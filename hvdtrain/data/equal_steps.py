@@ -1,41 +1,13 @@
-"""Equal steps on every rank, and nothing made up: the one place that decides how many steps
-each rank runs per pass over the data, what a rank that runs short does, and how epochs map
-onto passes.
+"""Equal steps on every rank, and nothing made up: how many steps each rank runs per pass over
+the data, what a rank that runs short does, and how epochs map onto passes.
 
-Every step holds collectives, so every rank must run the same number of steps. How that is
-kept, for every form of data (arrays, files, a user's ``tf.data`` dataset batched or not, a
-``PyDataset``, a ``Pipeline``, training and validation alike):
-
-* **Counting.** Sources that plan a whole pass themselves (arrays, files) give every rank the
-  same count by construction. A user's dataset or pipeline is counted on each rank (its
-  cardinality, or one pass) and the ranks agree (``agreed_steps``): on the most any rank has
-  under hvdtrain's exact step, on the fewest under a model's own ``train_step``.
-* **Filling (hvdtrain's exact step).** A rank with fewer batches than agreed repeats a real
-  batch of the data (its first, ``template``) with loss weight zero: every input the model sees
-  is one the user gave (vocabulary strings, real shapes, unknown dimensions as the data has
-  them), and zero-weight rows add nothing to the loss, the gradients or the metrics. Arrays and
-  files fill a short global batch the same way, row by row, with real examples of weight zero.
-* **Cutting (a model's own step).** A mean per rank is exact only over real batches, and the
-  model's code cannot be told to ignore a row, so it never sees a filler: every rank stops at
-  the fewest real batches any rank has, and rank 0 says how many examples a pass leaves out
-  (``left_out_line``).
-* **Checked.** Every pass must have the length its rank counted (TensorFlow's
-  ``assert_cardinality``, no extra reading): a pipeline whose length changed from the counted
-  pass stops its rank with one line (``count_changed_line``) instead of leaving the other
-  ranks waiting or data out unsaid (under a model's own step only a shorter pass can be told:
-  a longer one is cut like the first). The filler is read only when some rank fills, or when
-  the count is one the user declared.
-* **Epochs and passes (``Passes``).** Without ``steps_per_epoch`` an epoch is one pass. With
-  it, the data is one stream across epochs, as Keras' ``fit`` reads it: an epoch takes the next
-  ``steps_per_epoch`` batches of the current pass, ends early when the pass ends (Keras'
-  warning ``RAN_OUT``, shown once by rank 0), and the next epoch starts a new pass. A dataset
-  that repeats forever is one endless pass. Every rank ends every epoch at the same step.
-
-The order of a user's ``tf.data`` pipeline with a seeded ``shuffle`` depends on how many
-times it was iterated before (each iteration draws the next seed from the shuffle's seed
-generator, shared by every dataset made from it): whatever reads such a dataset before training
-(counting, the template, the order check) must do so the same number of times on every rank,
-which everything here does.
+Every step holds collectives, so every rank must run the same number of them. Ranks that count
+their own batches agree on a count (``agreed_steps``): the most under hvdtrain's exact step, where
+a short rank repeats a real batch at loss weight zero, or the fewest under a model's own
+``train_step``, which cannot ignore a filler row. A pass whose length changed stops its rank with
+one line instead of leaving the others waiting. ``Passes`` reads ``steps_per_epoch`` as Keras'
+``fit`` does. Everything here reads a dataset the same number of times on every rank, because a
+seeded ``shuffle``'s order depends on how often it was iterated.
 """
 
 from __future__ import annotations

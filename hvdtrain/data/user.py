@@ -1,32 +1,11 @@
 """A user's data: ``hvdtrain.fit(model, x, y, ...)`` or ``--dataset package.module:fn``.
 
-What Keras ``model.fit`` takes, hvdtrain takes (``KerasData`` holds ``fit``'s data arguments; a
-``--dataset`` function's return value is read as its ``x``):
-
-* NumPy arrays (or dicts or lists of them for several inputs; strings for preprocessing
-  layers): ``x`` alone (no targets: a GAN, an autoencoder), with ``y``, with ``sample_weight``
-  and/or ``class_weight``. Sharded by hvdtrain's exact global-batch plan. ``validation_data``
-  in the same forms, or ``validation_split``: the last fraction of the examples, taken before
-  shuffling, as Keras takes it.
-* A ``tf.data.Dataset`` (batched or not) or a ``keras.utils.PyDataset``: sharded by rank with
-  equal steps (``hvdtrain.data.datasets``).
-* A function that returns any of these (``x=make_dataset``, also for ``validation_data``):
-  called inside the run after every rank was seeded alike, so a pipeline it builds (an
-  unseeded ``shuffle`` included) is the same on every rank.
-* ``hvdtrain.Arrays`` (or ``(x, y)``, ``(x, y, sample_weight)``, or a dict with those keys):
-  hvdtrain's own form; without ``x_val`` it holds out ``--validation-split`` of the examples
-  chosen by a seeded permutation.
-* ``hvdtrain.Pipeline``: factories that build one rank's ``tf.data.Dataset`` of batches
-  ``(x, y)`` or ``(x, y, sample_weight)`` for one epoch from a ``hvdtrain.Shard`` (rank, size,
-  epoch, seed, batch size). The factory must give each rank a disjoint part of the data (e.g.
-  ``dataset.shard(shard.size, shard.rank)``), batch it by ``shard.batch_size`` and make the
-  order a function of ``shard.seed`` and ``shard.epoch``. hvdtrain makes every rank run the
-  same number of steps per pass (``Pipeline.steps_per_epoch`` if given, else the most batches
-  any rank's first pipeline yields, or the fewest under a model's own ``train_step``): a rank
-  whose pipeline runs short repeats rank 0's first batch with loss weight zero
-  (``hvdtrain.data.equal_steps``); one whose pass is not the agreed length stops with an error
-  naming it. Each step's loss is the mean over the real examples of the global batch (their
-  count is summed across ranks in the step), so uneven batch sizes are weighted exactly.
+What Keras' ``model.fit`` takes, hvdtrain takes (``KerasData`` holds ``fit``'s data arguments; a
+``--dataset`` function's return value is read as its ``x``): arrays, a ``tf.data.Dataset`` or
+``PyDataset`` (``data.datasets``), a function returning one (called after every rank is seeded
+alike), ``hvdtrain.Arrays`` and ``hvdtrain.Pipeline`` factories of one rank's batches. Each
+becomes a ``DataBundle`` (``data.contract``); the README's "Your model and data" says what each
+form guarantees.
 """
 
 from __future__ import annotations

@@ -1,35 +1,13 @@
 """``--autotune``: which settings to try, which one wins, and how the result reads.
 
-Two settings decide when a step's gradients travel: the gradient bucket size (``--bucket-mib``:
-how the step groups them into allreduces, issued during the backward pass) and Horovod's cycle
-time (``HOROVOD_CYCLE_TIME``, ms: how often its background thread looks for ready tensors, so
-how long each allreduce may wait before it starts). Their best values depend on the model's
-layer sizes, the compute per step and the network, so they are measured on the user's own job
-rather than guessed.
-
-Horovod's tensor fusion threshold is not searched: Horovod reads it only when it starts, and
-Horovod 0.28.1 cannot start again in a process once both it and the cycle time have been set
-(hvdtrain sets the cycle time on CPU nodes): its parameter manager then writes through an empty
-vector and the process dies (SIGSEGV, measured). Timing a threshold takes a launch per value,
-as the scaling study's ``--fusion-mib`` variants do (hvdtrain/bench/README.md).
-
-**A coordinate search, not a grid.** Starting from the settings the run was launched with, the
-search tries every bucket size of ``GRID`` (cycle time as launched), keeps the fastest, then
-every cycle time with that bucket size. The order follows the data path: the bucket size
-decides which tensors reach Horovod and when, the cycle time how long each arrival waits. It
-takes at most 1 + 5 + 3 = 9 trials where the grid takes 15 (fewer: a setting already timed is
-not timed again, nor a bucket size that splits the model's gradients as one already timed does:
-every size from the gradients' total up is one bucket, as 0 is), and the cycle times, each of
-whose trials restarts Horovod, come last.
-
-**Noise.** A setting replaces the best so far only when its median step is at least ``MARGIN``
-faster: on this project's 2 shared cores single runs move by about 5% (hvdtrain/bench/README.md),
-and a change within the noise should leave the launched settings alone.
-
-Nothing here times or touches a rank: ``search`` takes the measurement as a function, so the
-order of trials and the choice can be tested with a fake clock. ``autotune_run`` measures on the
-ranks and feeds every rank the same numbers (rank 0's), so every rank makes the same choices and
-runs the same trials in the same order.
+The gradient bucket size (``--bucket-mib``) and Horovod's cycle time decide when a step's
+gradients travel; their best values depend on the model, the compute and the network, so they
+are measured on the user's own job. ``search`` is a coordinate search (every bucket size, then
+every cycle time with the fastest: at most 9 trials), and a setting wins only when it is
+``MARGIN`` faster, since single runs on shared cores move by about 5%. Horovod's fusion threshold
+is not searched: Horovod 0.28.1 crashes restarting once both it and the cycle time are set.
+Nothing here touches a rank, so the search can be tested with a fake clock (``autotune_run``
+measures).
 """
 
 from __future__ import annotations

@@ -1,31 +1,12 @@
 """``--autotune`` on the ranks: the search of ``training.autotune`` timed on the run's own model,
 optimizer, loss and a real batch of its data, on the ranks and network it was launched on.
 
-**One trial** (every rank, the same trials in the same order): Horovod restarted with the
-trial's cycle time if it changed (Horovod reads it only when it starts), the model's weights
-and optimizer state put back as they were before the search, then ``WARMUP_UPDATES`` untimed
-updates of the run's step (hvdtrain's, or the model's own with its optimizers made distributed)
-whose gradients travel in the trial's buckets, and about ``TIMED_S`` seconds of timed ones
-(``timed_updates``: a short step is noisy on shared cores and needs many), each update on the
-same batch: the input pipeline is the same under every setting and would only add noise. An
-update is ``--accumulation-steps`` calls of the step; its time ends when its collectives have.
-Rank 0's median is broadcast and is every rank's measurement, so the search, a function of the
-measurements, makes the same choices on every rank (and rank 0's count of timed updates, so
-every rank runs as many).
-
-**Restarting Horovod** within a process works under MPI (hvdtrain starts MPI through mpi4py,
-which outlives Horovod's shutdown) and under Gloo: tried on 2 ranks of each, five restarts in a
-row, each cycle time in force (a small allreduce's time follows it), and a function traced
-before a restart runs after it; so each bucket size is traced once. A job launched with
-``HOROVOD_FUSION_THRESHOLD`` set cannot restart (see ``training.autotune``): it, and
-TensorFlow's collectives (no cycle time), search the bucket size only, and say so.
-
-**Nothing is kept.** The search trains, so the weights move; they and every optimizer variable
-are put back before each trial (a diverging trial must not make a later one skip its updates)
-and after the last, and Horovod runs with the launched cycle time again. Nothing is saved but
-``autotune.json`` (rank 0, in the run directory beside the run's log). The slots that a model's
-own optimizers create at their first update keep the search's values: only a script that trains
-the same model object afterwards (``hvdtrain.fit``) would see them.
+Every rank runs the same trials in the same order: Horovod restarted with the trial's cycle time
+(Horovod reads it only when it starts; restarting works under MPI and Gloo), the weights and
+optimizer state put back, a few untimed updates, then about ``TIMED_S`` seconds of timed ones on
+one batch. Rank 0's median is broadcast so the search makes the same choices everywhere. Nothing
+is kept: the weights, optimizer state and cycle time are restored after the last trial, and only
+``autotune.json`` is written.
 """
 
 from __future__ import annotations

@@ -1,30 +1,11 @@
 """Elastic training: ranks may leave and join while the job runs (Horovod elastic, Gloo).
 
-Launch: ``horovodrun -np 2 --min-np 1 --max-np 4 --host-discovery-script discover.sh
---network-interface eth0 python -m hvdtrain --elastic --run-dir DIR``.
-
-How the guarantees hold when the world changes:
-
-* **State.** Model weights, optimizer state (with its step counter), the epoch and the number of
-  the epoch's examples already trained on (``offset``) are committed every ``--commit-every``
-  steps and at each epoch end. A lost rank costs at most the steps since the last commit: the
-  survivors restore the commit and redo them. A joining rank receives the state from rank 0.
-* **Data.** Global batches are contiguous chunks of the epoch's seeded permutation, so the
-  examples trained on so far are exactly its first ``offset`` entries. After a change the new
-  world shards the rest, ``permutation[offset:]``: each epoch is still a full partition.
-* **Learning rate.** The world-size factor of the schedule is re-applied after every change, so
-  the rate follows the number of ranks.
-* **No stray collectives.** A joining rank starts hvdtrain from the top, so nothing before the
-  elastic loop talks to other ranks: rank 0 alone checks the run directory (which must be
-  given), and everything else is synchronised by the elastic state.
-
-Rank 0 records every (re)start of an epoch segment in ``elastic.jsonl`` (epoch, offset, world
-size) and the metrics rows carry ``world_size`` (a run column: the logs the user's callbacks see
-stay Keras' own). Training loss and accuracy of an epoch cover
-the part after its last change; validation is always exact over the whole validation set
-(sharded for the current world). Not supported with elastic: plateau decay (its state would not
-reach joining ranks). Schedule lengths (warmup, cosine, step decay) count optimizer updates as
-sized for the starting world.
+The weights, optimizer state, epoch and examples already trained in it are committed every
+``--commit-every`` steps and at each epoch end; after a change the survivors restore the commit,
+a joining rank receives it from rank 0, the new world shards the rest of the epoch's seeded
+permutation, and the rate follows the number of ranks. A joining rank starts from the top, so
+nothing before the elastic loop may talk to other ranks. Rank 0 records every epoch segment in
+``elastic.jsonl``. Launching and limits: launch/README.md, "Elastic jobs".
 """
 
 from __future__ import annotations

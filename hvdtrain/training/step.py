@@ -1,58 +1,13 @@
-"""One optimizer step and one evaluation step: the math both training paths share.
+"""One optimizer step and one evaluation step: the math both training loops share.
 
-Loss scaling: each example's weight is 1/(examples in its global batch, or in its group of
-accumulated batches) (see the pipeline), times the user's sample weight, so
-``sum(weight * loss)`` on every rank, summed across ranks by the allreduce, is the mean over the
-global batch; regularisation losses are divided by the world size (and the accumulation steps)
-because every rank (and micro-step) adds them. The gradients are therefore summed, not averaged,
-across ranks, and N ranks with batch b make the same update as one process with batch N*b,
-including the short last batch of an epoch. A source that cannot know the global batch in
-advance (a user's tf.data pipeline, ``normalised`` false) gives weight 1 to real examples; the
-step then sums the real examples across ranks first and divides by that count.
-
-The loss of each example and the metrics come from the model's objective (its compiled loss
-and metrics, or hvdtrain's default): see ``hvdtrain.training.objective``.
-
-Gradient accumulation: k micro-steps add their gradients locally; the k-th reduces the sum
-across ranks in one allreduce and applies it. Because the weights already divide by the group's
-example count, this is the update of one k-times larger batch.
-
-Mixed precision: with ``mixed_float16`` the optimizer is a Keras ``LossScaleOptimizer``; the
-scaled gradients are reduced across ranks first, so every rank sees the same sum, makes the same
-finite/non-finite decision and keeps the same loss scale.
-
-Buckets: the gradients are summed in grouped allreduces of about ``--bucket-mib`` each, filled
-from the last layer back (``GradientReduction.buckets``). They are ops of the step's one
-``tf.function`` graph, so each starts as soon as its gradients exist, while the backward pass
-computes the earlier layers'; a sum is a sum whichever bucket carries it, so the update is the
-same as with one group. With accumulation the k-th micro-step's buckets carry the accumulated
-sums (read from variables, so they are all ready at once: no overlap there).
-
-Divergence: the loss is summed across ranks in the gradients' first bucket (a separate
-allreduce with fp16 compression or Adasum, which must neither round nor Adasum-combine it), so
-every rank knows the global batch's loss; when it is NaN or infinite every rank skips that
-update and the run stops there.
-
-Stop requests: a rank asked to stop (see ``liveness``) sets ``stop_vote``; the vote rides in
-the same bucket as the loss, and ``stop_votes`` (the global sum) tells every rank, after the
-same update, that the job stops there. A callback that stops training from a batch hook
-(``model.stop_training``, e.g. Keras' ``TerminateOnNaN``) on one rank casts
-``callback_stop_vote`` the same way, so every rank stops after the same step.
-
-Sparse gradients (an ``Embedding``'s ``IndexedSlices``) reach the optimizer as Keras gives them,
-repeated rows included (Keras' Adam and RMSprop apply them row by row), so one process equals
-plain Keras; across ranks every rank's rows are gathered, which is the sparse gradient of the
-whole global batch.
-
-Metrics are Keras metric objects updated locally and reduced across ranks once per epoch by
-summing their state variables: every metric is exact over the global data, not a mean of
-per-rank means. The reported loss is Keras': the weighted loss plus the model's own losses
-(``add_loss``, regularisers), so a callback watching ``loss`` or ``val_loss`` sees the number
-one process would.
-
-This is hvdtrain's step for a model that uses Keras' own ``train_step``; a model that defines its
-own is trained with its code (``hvdtrain.training.own_step``). Both offer what the loops and the
-callbacks use (``TrainingStep``).
+Each example's loss weight is 1/(examples in its global batch, or its group of accumulated
+batches) times its sample weight, and regularisation is divided by the world size, so the
+gradients summed (not averaged) across ranks make the update one process with an N-times larger
+batch would, the short last batch included. The gradients travel in buckets of about
+``--bucket-mib`` inside the step's ``tf.function``, so each starts while the backward pass goes
+on; the loss and the stop votes ride in the first bucket, so every rank skips a non-finite
+update, or stops, after the same step. Metrics sum their state across ranks once per epoch.
+A model with its own ``train_step`` is trained by ``own_step`` instead; both are a ``TrainingStep``.
 """
 
 from __future__ import annotations
