@@ -1,27 +1,14 @@
 """``python -m hvdtrain.bench.conformance HOROVOD_CHECKOUT``: Horovod's own TensorFlow tests
 against Horovod and against hvdtrain's drop-in, on 2 ranks, counted per method and per mode.
 
-The drop-in's claim is that a Horovod program runs with its import lines changed and nothing
-else; Horovod's test suite is the largest body of such programs. This command takes a checkout
-of Horovod's repository (the user's own, or one fetched for the purpose: nothing of Horovod's is
-kept in this repository), copies ``test/parallel/test_tensorflow.py``,
-``test_tensorflow2_keras.py`` and what they import from ``test/`` into ``--out``, and for the
-drop-in rewrites only their import lines (``horovod.tensorflow`` -> ``hvdtrain.tensorflow``,
-``horovod.tensorflow.keras`` and ``horovod.keras`` -> ``hvdtrain.keras``). Each (run, file)
-then runs under ``horovodrun -np 2`` and pytest, with :mod:`hvdtrain.bench.conformance_plugin`
-recording each method's outcome per rank and per mode (TensorFlow runs many of these tests in
-graph and eager mode as subtests). A method or mode counts as failed when it failed on either
-rank. The runs:
-
-* ``upstream``: the unchanged files against Horovod (skipped, in one line, when
-  ``import horovod.tensorflow`` fails here);
-* ``horovod``: the drop-in with ``HVDTRAIN_BACKEND=horovod``;
-* ``tensorflow``: the drop-in with ``HVDTRAIN_BACKEND=tensorflow``.
-
-Prints a markdown table (methods, graph mode and eager mode as passed/failed/skipped) and each
-failure with its one-line reason, and writes ``conformance.json`` to ``--out``. The tests need
-``mock`` and ``parameterized``: they are installed with ``pip install --target`` into a folder
-of ``--out`` (or ``--deps-dir``), never into the environment that runs this.
+The drop-in claims a Horovod program runs with only its import lines changed; Horovod's test
+suite is the largest body of such programs. From a checkout of Horovod's repository (none of it
+kept here), it copies ``test_tensorflow.py`` and ``test_tensorflow2_keras.py`` into ``--out``,
+rewrites only their imports for the drop-in, and runs each under ``horovodrun -np 2``: unchanged
+against Horovod (``upstream``), then on the drop-in with each backend. ``conformance_plugin``
+records each method per rank and mode. Prints a markdown table and each failure, writes
+``conformance.json``; the tests' own dependencies go into a folder of ``--out``, never into this
+environment.
 """
 
 from __future__ import annotations

@@ -2,25 +2,11 @@
 float32, the exchange with fp16 compression, and each piece of the latter alone.
 
 Run under a launcher with the MPI controller: ``launch/mpirun.sh -np 2 --command "python -m
-hvdtrain.bench.fp16 --output fp16.json"``. Every path is a ``tf.function`` timed on every rank
-to its result being ready, under hvdtrain's runtime defaults (as ``hvdtrain.bench.comm`` does);
-the paths take turns call by call, ``--repeats`` rounds after a warm-up call, and the median is
-reported (every sample is in the JSON). Paths, each on a tensor of N float32 elements (N x 4
-bytes) or its float16 copy:
-
-* ``float32``: hvdtrain's gradient reduction, no compression (4N bytes on the wire);
-* ``fp16``: the same with ``GradientReduction(fp16=True)``: TensorFlow's Cast to float16,
-  Horovod's float16 allreduce (its MPI sum converts to float32 and back), Cast back (2N bytes);
-* ``float16_allreduce``: that allreduce alone, on a tensor that is float16 already;
-* ``cast_down`` / ``cast_up``: TensorFlow's Cast kernel alone, float32 to float16 and back;
-* ``xla_cast_down`` / ``xla_cast_up``: the same casts compiled by XLA (``jit_compile``);
-* ``fp16_xla``: ``fp16`` with the XLA casts around the float16 allreduce;
-* ``fp16_allgather``: float16 on the wire, summed in float32: every rank's float16 tensor
-  gathered (Horovod's allgather; per rank (n-1) x 2N bytes sent, the allreduce's 2 (n-1)/n x
-  2N, so equal at n = 2), then cast back and summed here.
-
-The casts are local: their times say what compression costs on any link, the allreduce's what
-it costs on this one.
+hvdtrain.bench.fp16 --output fp16.json"``. Each path (``float32``, ``fp16``, the float16
+allreduce alone, the casts alone, with XLA, and float16 gathered then summed in float32) is a
+``tf.function`` timed on every rank, the paths taking turns call by call; the median is
+reported. The casts are local, so their times say what compression costs on any link, the
+allreduce's what it costs on this one.
 """
 
 from __future__ import annotations

@@ -1,27 +1,12 @@
 """``python -m hvdtrain.bench.scaling``: data parallelism across nodes, over their network.
 
-For each model, on the nodes named by ``--hosts`` (one rank or worker per slot), back to back
-and with the same per-rank batch and CPU threads per process:
-
-* ``single``: one process on this node, no communication: the compute floor of a step;
-* ``exchange``: hvdtrain's gradient exchange alone across the nodes (``benchmark --loop
-  exchange``: the step's allreduces of tensors shaped like the gradients, no compute);
-* ``hvdtrain``: ``hvdtrain benchmark`` across the nodes (Open MPI through ``launch/mpirun.sh``),
-  and the same with each ``--bucket-mib`` value (0: one allreduce after the backward pass, as
-  before buckets), with ``--compression fp16``, with each ``--fusion-mib`` value as Horovod's tensor
-  fusion threshold (``HOROVOD_FUSION_THRESHOLD``; Horovod's default is 128 MiB) and with
-  ``HOROVOD_HIERARCHICAL_ALLREDUCE=1``;
-* ``minimal``: the minimal hand-written Horovod loop (``baselines.minimal_horovod``);
-* ``multiworker``: TensorFlow's ``MultiWorkerMirroredStrategy`` (workers started over ssh);
-* the allreduce sweep (``hvdtrain.bench.comm``) across the same nodes.
-
-Per variant: the median step time, examples/second, the communication share of a step
-(1 - single / step: what the step spends beyond its own compute) and the bus bandwidth the
-gradient exchange reached, 2 (n-1)/n x gradient bytes / (step - single), against the link's
-limit (``--link-gbit``). Writes ``scaling.json`` to ``--output-dir`` and prints a table.
-
-``resnet50`` runs at 32x32x3 here: ResNet-50's 23.6M-parameter gradient (94 MB in float32, what
-crosses the network) at a compute that CPUs finish in a fraction of a second.
+On the nodes named by ``--hosts``, back to back with the same per-rank batch and threads: one
+process alone (the compute floor), hvdtrain's gradient exchange alone, ``hvdtrain benchmark``
+(with each ``--bucket-mib``, ``--compression fp16``, each ``--fusion-mib`` and hierarchical
+allreduce), the minimal Horovod loop, ``MultiWorkerMirroredStrategy`` and the allreduce sweep.
+Per variant: median step time, examples/second, the communication share of a step and the
+exchange's bus bandwidth against ``--link-gbit``; writes ``scaling.json``. ``resnet50`` runs at
+32x32x3: its full 94 MB gradient at a compute a CPU finishes in a fraction of a second.
 """
 
 from __future__ import annotations

@@ -1,26 +1,12 @@
 """Shards of a user's ``tf.data`` dataset never overlap: the same order on every rank, or a
 refusal before training.
 
-hvdtrain shards a user's dataset by position (rank r keeps elements, or batches, r, r+N, ...),
-which splits it into disjoint parts only if every rank reads it in the same order. An unseeded
-``shuffle`` built before ``hvdtrain.fit`` draws its seed afresh in every process: sharded, about
-a quarter of the examples would be trained twice per epoch and a quarter never (measured: 254,
-516 and 254 of 1,024 examples seen never, once and twice on 2 ranks). ``check_same_order``
-runs two checks on every rank, for the training and the validation dataset:
-
-* **The pipeline's randomness** (no data read): a ``shuffle``, ``Dataset.random`` or
-  ``sample_from_datasets`` whose two seeds are both 0 (TensorFlow's mark for "seed this op
-  from nothing"), or a parallel ``map`` with ``deterministic=False`` (its order follows timing).
-* **A fingerprint of the first elements**, compared across ranks: what the graph does not show
-  (a generator that draws its own random numbers). It hashes the targets and sample weights, or
-  the features where there are no targets: a random augmentation of the features differs per
-  rank in one process too, and moves no example to another rank.
-
-A dataset that fails either is refused on every rank with one line naming the fixes: seed the
-shuffle, or pass a function that builds the dataset (``x=make_dataset``), which hvdtrain calls
-inside the run after giving every rank the same seeds, so an unseeded shuffle in it is the same
-everywhere. Both checks read a dataset the same number of times on every rank (see
-``hvdtrain.data.equal_steps`` on why that matters).
+hvdtrain shards a user's dataset by position, which is a partition only if every rank reads it
+in the same order; an unseeded ``shuffle`` built before ``hvdtrain.fit`` is not (on 2 ranks a
+quarter of the examples trained twice, a quarter never). ``check_same_order`` looks for unseeded
+randomness in the pipeline's graph and compares a fingerprint of the first elements (targets,
+or features where there are none) across ranks, and refuses on every rank with one line naming
+the fixes: seed the shuffle, or pass a function that builds the dataset.
 """
 
 from __future__ import annotations

@@ -1,27 +1,13 @@
 """The input pipeline: shard by rank, shuffle per epoch, gather, batch, prefetch.
 
-How an epoch is split, so that N ranks with batch b compute what one process with batch N*b
-computes:
-
-* Every rank draws the same seeded permutation of all example ids for the epoch (the seed is
-  ``(seed, epoch)``, so the order changes each epoch and is the same after a resume).
-* The permutation is cut into global batches of N*b ids. In global batch s, rank r takes the
-  ids ``[r*b, (r+1)*b)``. One process with batch N*b takes the whole global batch.
-* Remainder policy ``pad`` (default): the last global batch is shorter; ranks whose block runs
-  past its end get padding slots (id -1) with weight 0. Every rank runs the same number of steps
-  (an uneven count would deadlock the allreduce) and every example is seen exactly once.
-  ``drop``: the last partial global batch is skipped; a different tail each epoch. A model's
-  own ``train_step`` averages per-rank means, which is exact only for equal batches, so its
-  runs drop (``--remainder auto``).
-* Evaluation under a model's own ``test_step`` (``equal_steps`` false): rank r takes examples
-  r, r+N, ... in order, unpadded, in batches of b; ranks may run different numbers of steps
-  (evaluation holds no collective per step) and every example is evaluated once.
-* Each real example carries the weight 1/(examples in its global batch), so the per-rank loss
-  ``sum(weight * sample_weight * per_example_loss)`` summed across ranks is the global-batch
-  mean (Keras' own reduction: weighted sum over the batch size). With k-step
-  gradient accumulation the divisor is the examples in the k global batches of one update.
-
-The plan is made of TensorFlow ops, so one ``tf.data`` pipeline covers every epoch.
+Every rank draws the same permutation of the examples, seeded by ``(seed, epoch)``, and cuts it
+into global batches of N*b ids, of which rank r takes ``[r*b, (r+1)*b)``: N ranks x b compute
+what one process with batch N*b does, and a resume sees the same order. Each real example
+weighs 1/(examples in its global batch, or in the k batches of one accumulated update); under
+``pad`` a short last global batch is filled with weight-0 slots so every rank runs the same
+number of steps, under ``drop`` it is skipped. Evaluation under a model's own ``test_step``
+(``equal_steps`` false) takes examples r, r+N, ... unpadded. The plan is made of TensorFlow ops,
+so one ``tf.data`` pipeline covers every epoch.
 """
 
 from __future__ import annotations

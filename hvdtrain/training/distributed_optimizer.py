@@ -1,23 +1,13 @@
 """A Keras 3 optimizer whose updates use gradients combined across ranks: the one mechanism
 behind the Horovod drop-in's ``DistributedOptimizer`` and behind a model's own ``train_step``
-in the trainer (every optimizer such a model owns is made distributed for the run).
+in the trainer.
 
-As in Horovod, a distributed optimizer is an instance of a class made on the fly: a subclass
-of the user's optimizer class with the same name (so ``isinstance`` checks,
-``get_config``/``from_config`` and a saved model's optimizer entry stay the optimizer's own).
-Only ``apply`` is overridden; Keras 3 routes ``apply_gradients`` and ``model.fit`` through it.
-The settings are class attributes: ``from_config`` on the class makes another optimizer that
-reduces the same way, and an existing optimizer becomes distributed, keeping everything it holds
-(variables, a rate schedule, a subclass's own attributes), by changing its class: the drop-in's
-``DistributedOptimizer`` and ``load_model`` do so for good, ``distributed_for_the_run`` for a
-run.
-
-``passes`` k > 1 adds k calls' gradients up locally (in variables outside
-``optimizer.variables``, so saved models and broadcasts do not carry them) and reduces and
-applies them at every k-th call; the other calls change nothing else. ``iterations`` therefore
-counts applied updates, as Keras 3's own gradient accumulation does (Horovod's counted calls).
-With a ``LossScaleOptimizer`` the scaled gradients are reduced before its finiteness check, so
-every rank makes the same skip-or-apply decision and keeps the same loss scale.
+As in Horovod, it is a subclass of the user's optimizer class made on the fly, under the same
+name, so ``isinstance``, ``get_config`` and saved models stay the optimizer's own; only ``apply``
+is overridden (Keras 3 routes ``apply_gradients`` and ``fit`` through it), and an existing
+optimizer becomes distributed by changing its class. ``passes`` k > 1 accumulates k calls'
+gradients locally and applies every k-th, so ``iterations`` counts updates as in Keras 3. A
+``LossScaleOptimizer``'s gradients are reduced before its finiteness check, so ranks agree.
 """
 
 from __future__ import annotations

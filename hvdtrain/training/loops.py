@@ -1,23 +1,12 @@
 """The two training paths over the same step: Keras ``fit`` on the user's own model, and a
 custom loop.
 
-``fit`` is the model's own ``fit``: for the run, the model's ``train_step`` is the run's step
-(``TrainingStep.keras_step``: hvdtrain's exact step, or the model's own step with the
-collectives underneath it), so every callback sees the user's model, its optimizer and its
-``stop_training`` exactly as under a plain ``model.fit``. The model gets its own step back
-when the run ends. XLA stays off while it trains: Horovod's collective ops have no XLA kernels.
-
-Both paths consume the same stream of batches (``DataPlan.stream``: every epoch back to back)
-and fire the same callbacks at the same points, with Keras' ``params`` (epochs, steps), so the
-same config gives the same result on both. Each epoch takes as many batches as
-``Passes.epoch_steps`` says (Keras' reading of ``steps_per_epoch``: an epoch ends early where a
-pass over the data ends). A run resumed from a mid-epoch checkpoint starts ``done_steps`` into
-its first epoch (the stream starts there) and numbers the remaining steps from ``done_steps``.
-
-Keras' ``fit`` runs every epoch of one call with the same number of steps, so epochs of
-different lengths (a resumed partial epoch, ``steps_per_epoch`` that does not divide a pass)
-are several ``fit`` calls (``fit_segments``), all reading one iterator of the stream, so no
-call starts the data again.
+``fit`` is the model's own, with the run's step as its ``train_step`` for the run, so every
+callback sees the user's model and optimizer as under a plain ``model.fit``. XLA stays off:
+Horovod's collective ops have no XLA kernels. Both paths read the same stream of batches and
+fire the same callbacks at the same points, so one config gives the same result on both.
+Epochs of different lengths (a resumed partial epoch, ``steps_per_epoch`` not dividing a pass)
+are several ``fit`` calls (``fit_segments``) on one iterator, so the data never restarts.
 """
 
 from __future__ import annotations

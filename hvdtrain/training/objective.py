@@ -1,25 +1,12 @@
 """The objective: what a run optimises and reports, and how both reduce across ranks.
 
-It comes from the user's model: a model compiled with ``model.compile(loss=..., metrics=...)``
-is trained on that loss and reported with those metrics; an uncompiled model gets hvdtrain's
-default, sparse categorical cross-entropy on probabilities and accuracy.
-
-Loss. Every output's Keras loss is evaluated per example, with no reduction (``Loss.call``
-honours ``from_logits`` and the loss's other arguments), averaged over any axes beyond the
-example's own, multiplied by its ``loss_weights`` entry and summed over the outputs. The step
-then weights each example by the user's sample weight and by 1/(real examples in the global
-batch), so the sum over every rank is the global-batch mean whatever the world size.
-
-Metrics. Keras metrics keep additive state: totals and counts (``Mean``, ``MeanSquaredError``,
-accuracies), confusion counts (``Precision``, ``Recall``) and per-threshold counts (``AUC``).
-Each variable says so with ``aggregation="sum"``. Summing those variables across ranks and then
-asking the metric for its result gives exactly the value one process would compute over all the
-examples; a mean of per-rank results would not (Horovod's ``MetricAverageCallback``). A metric
-whose state does not declare itself additive is refused before training.
-
-Output kind. A cross-entropy that expects probabilities, fed logits, trains to nonsense without
-an error; the reverse trains badly. ``check_output_kind`` looks at the model's outputs on a probe
-batch before the first step and names the fix.
+It comes from the user's model: its compiled loss and metrics, or for an uncompiled model
+hvdtrain's default (sparse categorical cross-entropy on probabilities, accuracy). The loss is
+evaluated per example, unreduced, so the step can weight each example for the global-batch mean.
+Metrics are reduced by summing their state variables across ranks, which gives exactly what one
+process would compute (a mean of per-rank results would not), so a metric whose state is not
+declared additive is refused. ``check_output_kind`` catches probabilities fed to a loss
+expecting logits, and the reverse, before the first step.
 """
 
 from __future__ import annotations

@@ -1,28 +1,13 @@
 """The model's own step: a model that defines ``train_step``, ``test_step``, ``compute_loss`` or
-``compute_metrics`` (the pattern of Keras' guide "Customizing what happens in fit": a custom
-step, a GAN with two optimizers, a VAE with its loss trackers) is trained with *its* code on
-every rank. Distribution lives underneath that code, as in the Horovod drop-in:
+``compute_metrics`` (a custom step, a GAN with two optimizers, a VAE) is trained with *its* code
+on every rank, the distribution underneath that code, as in the Horovod drop-in.
 
-* **Gradients.** Every optimizer the model owns (``model.optimizer`` and every optimizer held
-  in an attribute, e.g. a GAN's ``d_optimizer`` and ``g_optimizer``) is, for the run, a
-  distributed optimizer (``distributed_optimizer``: the drop-in's mechanism): its ``apply``
-  averages the gradients across ranks first. Each rank's loss is a mean over its own batch
-  (Keras' ``sum_over_batch_size``); the average of equal-sized means is the mean over the
-  global batch, so N ranks with batch b make the update one process makes with batch N*b,
-  provided every rank's batch has the same size. The data plan keeps that: nothing is padded,
-  and the last partial global batch of an epoch is dropped (``--remainder auto``).
-* **Logs and agreement.** After the model's step, one small allreduce averages the step's
-  scalar logs across ranks (every rank's batch callbacks see the same numbers) and carries the
-  stop votes (a stop request, a batch hook's ``stop_training``), as hvdtrain's own step does in
-  its gradient allreduce.
-* **Exact metrics.** At an epoch's end, and after evaluation, the state variables of every
-  metric the model tracks (``model.metrics``: the loss tracker, compiled metrics, the model's
-  own trackers) are summed across ranks, and every log named after a metric is read again from
-  it: exact over the global data. A log that names no metric is the mean over ranks of each
-  rank's value.
-* **Evaluation** runs the model's ``test_step`` through Keras' ``evaluate`` on each rank's
-  share of the validation data (uneven, unpadded: evaluation holds no collective per step),
-  then reduces as above.
+Every optimizer the model owns averages gradients across ranks before applying them
+(``distributed_optimizer``); the average of equal-sized per-rank means is the global mean, so the
+data plan pads nothing and drops the last partial global batch. One small allreduce per step
+averages the scalar logs and carries the stop votes; at an epoch's end every metric's state is
+summed across ranks, so the metrics are exact over the global data. Evaluation runs the model's
+``test_step`` on each rank's unpadded share, then reduces the same way.
 """
 
 from __future__ import annotations

@@ -1,22 +1,12 @@
 """Learning rate: scaled with the world size, reached by a linear warmup, then a schedule.
 
-A global batch N times larger wants an N times larger rate (linear scaling) or sqrt(N) (square
-root scaling); jumping there at step 0 destabilises early training, so the rate ramps linearly
-from the single-rank rate to the scaled one over the first ``warmup_epochs`` (Goyal et al.,
-2017). After warmup it stays constant, follows a cosine to zero at the last step, decays by a
-factor every few epochs, or decays by a factor when the averaged validation loss stalls.
-
-The rate is a function of the optimizer's step counter (and, for plateau decay, of a scale
-that is saved in checkpoints), so a resumed run continues at the right rate. With gradient
-accumulation the counter advances once per update, not once per batch.
-
-The optimizer's ``learning_rate`` stays a plain variable that ``RateControl`` (a callback)
-sets before every step, so Keras callbacks that set the rate (``ReduceLROnPlateau``,
-``LearningRateScheduler``) work as they do in one process: a change they make is kept as a
-factor on top of hvdtrain's schedule. Every optimizer the model owns (a GAN has two) follows
-the schedule from its own base rate and step counter. An optimizer built with a
-``LearningRateSchedule`` object of the user's keeps it as written (Keras cannot set such a
-rate; the run says so in one line).
+An N-times larger global batch wants an N (or sqrt(N)) times larger rate, and jumping there at
+step 0 destabilises early training, so the rate ramps up over ``warmup_epochs`` (Goyal et al.,
+2017), then stays constant, follows a cosine, steps down or decays on a plateau. The rate is a
+function of the optimizer's step counter (and a checkpointed plateau scale), so a resumed run
+continues at the right rate. ``RateControl`` sets the optimizer's plain ``learning_rate``
+variable before every step, so Keras callbacks that set the rate keep working, their change
+kept as a factor on top.
 """
 
 from __future__ import annotations
