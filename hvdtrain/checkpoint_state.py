@@ -1,15 +1,10 @@
 """What a checkpoint's ``state.json`` holds, typed, and the one place that writes and reads it.
 
-A run describes what it trains in a ``CheckpointState`` (the model, the data, the optimizers,
-the config); each checkpoint adds where the run stands (after ``epoch`` whole epochs, with the
-finished epoch's metrics, or ``step`` steps into the next one, with that epoch's metric sums
-so far), the live state of the rate factors and plateau decay, and, as the store writes it,
-which model variables each optimizer was built for and the SHA-256 of the other files.
-
-Checkpoints written by earlier versions lack some keys: reading one gives each missing field
-its default here. What a resume compares (``training/resume_check.py``) is ``NOT_RECORDED``
-when missing, so an older checkpoint is compared on what it holds; ``None`` cannot mark that,
-being a value some of them hold (a pipeline's example count, a regression's class count).
+A run describes what it trains (model, data, optimizers, config) in a ``CheckpointState``; each
+checkpoint adds where the run stands (epochs done, or steps into the next with its metric sums),
+the rate factors, and, as the store writes it, each optimizer's variables and the files'
+SHA-256. A key missing from an older checkpoint reads as its default, and what a resume compares
+as ``NOT_RECORDED`` (``None`` is a value some fields hold), so older checkpoints still resume.
 """
 
 from __future__ import annotations

@@ -1,19 +1,13 @@
 """What the Horovod drop-in's two APIs share: the backend, the collectives ``init()`` opens,
 Horovod's gradient arguments as the trainer's ``GradientReduction``, and
-``DistributedOptimizer``.
+``DistributedOptimizer``; kept below ``hvdtrain.tensorflow`` and ``hvdtrain.keras`` so that
+neither imports the other.
 
-``hvdtrain.tensorflow`` and ``hvdtrain.keras`` both offer these (as Horovod's two APIs do), and
-``hvdtrain.keras`` re-exports much of ``hvdtrain.tensorflow``. Kept here, below both, they need
-nothing from each other in return: either API imports first, and neither imports the other
-while it loads.
-
-The backend is chosen once, when the drop-in is first imported, by the rule the trainer's
-``--backend auto`` follows (``world.chosen_backend``): ``HVDTRAIN_BACKEND`` when set, else
-Horovod where it is installed and loads, else TensorFlow's own collectives. It is chosen then
-and not at ``init()`` because a script binds ``hvd.Sum`` or ``hvd.rank`` before it calls
-``init()``, and on Horovod those are Horovod's own objects. On the TensorFlow backend nothing
-here imports Horovod: the ops and compression are ``hvdtrain.dropin_ops``', and what needs
-Horovod (join, Adasum, process sets, elastic, the timeline) is ``refused`` in one line.
+The backend is chosen when the drop-in is first imported, by the rule of ``--backend auto``,
+not at ``init()``, because a script binds ``hvd.Sum`` or ``hvd.rank`` before it calls
+``init()`` and on Horovod those are Horovod's own objects. On the TensorFlow backend nothing
+here imports Horovod, and what needs it (join, Adasum, process sets, elastic, the timeline) is
+``refused`` in one line.
 """
 
 from __future__ import annotations

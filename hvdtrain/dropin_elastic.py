@@ -1,21 +1,12 @@
 """Horovod's elastic states and retry loop for the drop-in: what ``hvdtrain.tensorflow.elastic``
-(``TensorFlowState``, ``TensorFlowKerasState``, ``ObjectState``, ``run``) and
-``hvdtrain.keras.elastic`` (``KerasState``, ``run``) offer. Kept below both APIs, as
-``hvdtrain.dropin`` is, so that neither imports the other.
+and ``hvdtrain.keras.elastic`` offer, kept below both APIs so that neither imports the other.
 
-Why not Horovod's own: its ``TensorFlowKerasState`` calls ``optimizer.variables()`` (a list in
-Keras 3) and its ``TensorFlowState`` broadcasts its variables only when it is built (eagerly),
-never at ``sync``. Both states here are the trainer's own elastic state (``hvdtrain.world``):
-the TensorFlow variables behind the model, the optimizer or the list given (Keras 3 variables
-included) are kept in memory at every ``commit``, put back by ``restore`` and broadcast from rank
-0 by ``sync``, with the picklable attributes given (``batch=0, epoch=0``). ``ObjectState`` is
-Horovod's own. ``run`` is Horovod's retry loop, also retrying the grouped allreduce gradients
-travel in (``world.elastic_retry``).
-
-Elastic training needs Horovod (its driver re-forms the world): on the TensorFlow backend each of
-these refuses in one line (``dropin.refused``). The states work eagerly (TensorFlow 2); Horovod's
-TensorFlow 1 form, a state over a graph's variables read through a session, is refused in one
-line.
+Horovod's own states do not work on Keras 3 (``optimizer.variables()`` is a list there) and
+broadcast only when built, never at ``sync``; these are the trainer's elastic state: the
+variables kept at ``commit``, put back by ``restore``, broadcast from rank 0 by ``sync``.
+``ObjectState`` is Horovod's own; ``run`` is Horovod's retry loop, also retrying the grouped
+allreduce gradients travel in. Elastic training needs Horovod's driver, so on the TensorFlow
+backend, and for Horovod's TensorFlow 1 form, each refuses in one line.
 """
 
 from __future__ import annotations

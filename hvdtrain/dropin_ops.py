@@ -1,15 +1,10 @@
 """Horovod's reduction ops and compression for the drop-in where Horovod is not loaded (the
 TensorFlow backend), and their translation into hvdtrain's words on either backend.
 
-Why our own: a script written for Horovod names ``hvd.Sum`` or ``hvd.Compression.fp16``, so
-they must exist on a machine without Horovod. They are Horovod's values, not look-alikes:
-Horovod's ops are plain ints from its C library (Average 0, Sum 1, Adasum 2, Min 3, Max 4,
-Product 5), and ``ReduceOp`` is an ``IntEnum`` with those values, so a script that compares or
-mixes our ops with Horovod's gets the same answers. The compressors have Horovod's interface
-(``compress(tensor) -> (tensor, context)``, ``decompress(tensor, context)``), and the
-translation below also accepts Horovod's own compressor classes when a script passes them.
-This module imports neither Horovod nor TensorFlow at import time (a leaf: ``hvdtrain.dropin``
-and the TensorFlow backend's API both read it).
+A script written for Horovod names ``hvd.Sum`` or ``hvd.Compression.fp16``, so they must exist
+without Horovod. ``ReduceOp`` is an ``IntEnum`` with Horovod's values, so comparing or mixing
+them with Horovod's gives the same answers; the compressors have Horovod's interface, and the
+translation also accepts Horovod's own. Imports neither Horovod nor TensorFlow when loaded.
 """
 
 from __future__ import annotations

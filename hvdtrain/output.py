@@ -1,16 +1,12 @@
 """Where a rank's lines go: to its launcher while the launcher listens, and on rank 0 also to the
 run directory's log, ``RUN_DIR/hvdtrain.log``.
 
-A rank's stdout and stderr are pipes to its launcher (mpirun, orted, srun, horovodrun). When
-the launcher dies (SIGKILL, a lost node), a write there fails (EPIPE): an exception in the middle
-of training, or, at exit, Python's failed flush, which turns the documented exit code into 120.
-So a rank's output is best effort: once a write to a stream fails, that stream's file
-descriptor goes to /dev/null and the rank carries on, and exits, as if nothing had happened.
-Rank 0 also appends every line to the run's log, so the run's story and the line saying why it
-stopped survive a lost launcher. The log is best effort too: it is how a failure is told, so a
-failure to write it (a full disk) must not become the failure.
-
-For the command-line entry (``install``); ``hvdtrain.fit`` leaves a script's streams alone.
+When a launcher dies, a write to its pipe fails (EPIPE) mid-training or at exit, turning the
+documented exit code into 120. So output is best effort: a stream whose write failed goes to
+/dev/null and the rank carries on. Rank 0's log keeps the run's story, and the line saying why
+it stopped, past a lost launcher; it is best effort too, so a full disk does not become the
+failure. For the command-line entry (``install``); ``hvdtrain.fit`` leaves a script's streams
+alone.
 """
 
 from __future__ import annotations

@@ -2,19 +2,11 @@
 mpi4py's ``MPI.Allreduce`` on the same ranks, 4 KB to 64 MB of float32.
 
 Run under a launcher with the MPI controller: ``launch/mpirun.sh -np 2 --command "python -m
-hvdtrain.bench.comm --output comm.json"``. The same processes time MPI first, before Horovod
-starts (its background thread polls MPI every cycle and would slow a raw MPI call made beside
-it), then hvdtrain's path on the MPI that Horovod adopts. Both run under hvdtrain's runtime
-defaults (``world.apply_runtime_defaults``); MPI reuses one receive buffer while Horovod's op
-allocates its output each call, as it does in training; a Horovod call is timed to its result
-being ready, not to a copy into NumPy.
-Reported per size: median seconds over the repeats, bus bandwidth (2 (n-1)/n x bytes / time,
-the usual allreduce convention) and the ratio hvdtrain / MPI.
-
-Where Horovod's time goes: run the sweep with ``HOROVOD_TIMELINE=tl.json`` set, then
-``python -m hvdtrain.bench.comm --breakdown tl.json --repeats N`` (the same N) prints, per size,
-the median negotiation time, the time inside ``MPI_Allreduce`` and the time from one call's
-start to the next (timeline on, so slightly slower than the sweep's own figures).
+hvdtrain.bench.comm --output comm.json"``. MPI is timed first, before Horovod starts, since
+Horovod's polling thread would slow a raw MPI call beside it. Reports per size the median time,
+bus bandwidth and the ratio hvdtrain / MPI. ``--breakdown tl.json`` reads a Horovod timeline of
+the sweep (``HOROVOD_TIMELINE=tl.json``) and prints where Horovod's time goes: negotiation, the
+``MPI_Allreduce`` itself, and the gap between calls.
 """
 
 from __future__ import annotations

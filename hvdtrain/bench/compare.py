@@ -1,19 +1,10 @@
 """``python -m hvdtrain.bench.compare``: hvdtrain against its alternatives, back to back, as ratios.
 
-On one machine, same model, same per-rank batch, same world size, same CPU threads per rank:
-
-1. hvdtrain's custom loop and Keras ``fit`` path (``hvdtrain benchmark``, horovodrun);
-2. the floor: a minimal hand-written Horovod + Keras 3 loop (``baselines.minimal_horovod``);
-3. TensorFlow's ``MultiWorkerMirroredStrategy`` (``baselines.multiworker``, TF_CONFIG on
-   localhost);
-4. one process without distribution (for scaling efficiency);
-5. the allreduce sweep, hvdtrain's path against mpi4py (``hvdtrain.bench.comm``);
-6. the input pipeline alone (examples/second of each built-in source and TFRecord) against the
-   training rate;
-7. startup: seconds from the launch command to the end of the first training step (the README's
-   main job, one epoch).
-
-Writes ``compare.json`` and ``compare.png`` to ``--output-dir`` and prints the table of ratios.
+On one machine, with the same model, per-rank batch, world size and CPU threads per rank:
+hvdtrain's custom loop and ``fit`` path, the minimal hand-written Horovod loop (the floor),
+``MultiWorkerMirroredStrategy``, one process alone, the allreduce sweep (``bench.comm``), the
+input pipeline alone and the startup time. Writes ``compare.json`` and ``compare.png`` to
+``--output-dir`` and prints the table of ratios.
 """
 
 from __future__ import annotations

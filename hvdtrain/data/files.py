@@ -1,19 +1,11 @@
 """File sources (TFRecord, CSV): sharded by file or by element, read with parallel interleave.
 
-Sharding mode, decided from the file count:
-
-* ``file`` (at least as many files as ranks): each epoch, every rank draws the same seeded
-  permutation of the files and takes files ``rank, rank + N, ...``. A rank reads only its files.
-* ``element`` (fewer files than ranks): every rank reads all files in a fixed order and keeps
-  records ``rank, rank + N, ...``.
-
-Either way every record is read by exactly one rank per epoch, and every rank runs the same
-number of steps: the count is fixed for the whole run from the record counts (the largest share
-any rank can get), and a rank with fewer records fills its share with a real record (the first
-of the data) at weight zero (``hvdtrain.data.equal_steps``). The weights
-divide by the real examples in each update, exactly as for in-memory data. Records are shuffled
-in seeded blocks of ``shuffle_buffer`` that change every epoch. With ``cache``, each rank keeps
-its parsed records in memory after the first epoch (its files then stay the same every epoch).
+With at least as many files as ranks each rank reads its own files of a seeded per-epoch
+permutation (``file``); with fewer, every rank reads all and keeps records r, r+N, ...
+(``element``). Either way every record is read by one rank per epoch, and every rank runs the
+same number of steps, fixed from the record counts: a short rank fills with a real record at
+weight zero (``data.equal_steps``). Records shuffle in seeded blocks of ``shuffle_buffer``;
+``cache`` keeps each rank's parsed records in memory after the first epoch.
 """
 
 from __future__ import annotations

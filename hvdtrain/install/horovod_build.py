@@ -1,17 +1,11 @@
 """Build and install Horovod 0.28.1 against the TensorFlow in this environment.
 
-Horovod's last release (0.28.1) ships only as a source distribution and does not compile against
-current TensorFlow: ``horovod/tensorflow/xla_mpi_ops.cc`` includes XLA headers whose own
-dependencies TensorFlow no longer ships. Those XLA custom-call ops are only used with
-``HOROVOD_ENABLE_XLA_OPS=1``, which hvdtrain never sets, so the fix is to drop that one source
-from the TensorFlow target's source list before building. Nothing else is changed.
-
-The compiled extension is tied to the exact TensorFlow it was built against, so built wheels are
-cached outside the repository under a key made of the Horovod version, the TensorFlow version,
-the Python tag and the build switches. A second setup run installs the cached wheel in seconds.
-
-Run as ``python -m hvdtrain.install.horovod_build [--gpu]`` from the environment that has
-TensorFlow; ``launch/setup.sh`` does that. This module imports nothing heavy so it can be
+Horovod's last release does not compile against current TensorFlow: ``xla_mpi_ops.cc`` includes
+XLA headers TensorFlow no longer ships. Its ops are used only with ``HOROVOD_ENABLE_XLA_OPS=1``,
+which hvdtrain never sets, so the one fix is to drop that source before building. The extension
+is tied to the exact TensorFlow, so wheels are cached outside the repository keyed by Horovod,
+TensorFlow and Python versions and the build switches. ``launch/setup.sh`` runs
+``python -m hvdtrain.install.horovod_build [--gpu]``; nothing heavy is imported, so it can be
 unit-tested.
 """
 

@@ -2,15 +2,11 @@
 TensorFlow's own collectives.
 
 Change ``import horovod.tensorflow as hvd`` to ``import hvdtrain.tensorflow as hvd`` and a
-Horovod script runs on current TensorFlow. Upstream Horovod 0.28.1 fails there at the first step
-("'Variable' object has no attribute 'ref'"): Keras 3 variables are ``keras.Variable``, not
-``tf.Variable``. The collective operations themselves work, so on the Horovod backend every
-name that needs no change is Horovod's own object, re-exported below; the names that touch
-variables or gradients (``DistributedGradientTape``, ``broadcast_variables``, ``allreduce``,
-``grouped_allreduce``, ``DistributedOptimizer``) go through the trainer's own collectives in
-``hvdtrain.world``: one gradient reduction and one broadcast for the trainer and for the
-drop-in. On the TensorFlow backend (``hvdtrain.dropin`` chooses) the same names come from
-``hvdtrain.dropin_tf`` instead, and Horovod is not imported.
+Horovod script runs on current TensorFlow, where upstream 0.28.1 fails at the first step (Keras 3
+variables are not ``tf.Variable``). On the Horovod backend the names that need no change are
+Horovod's own; those that touch variables or gradients go through the trainer's collectives, so
+trainer and drop-in share one gradient reduction and one broadcast. On the TensorFlow backend the
+names come from ``hvdtrain.dropin_tf`` and Horovod is not imported.
 """
 
 from __future__ import annotations

@@ -1,19 +1,12 @@
 """The process-wide state a run sets, and puts back when it ends: what a program does after
-``hvdtrain.fit`` is what it would do after a plain ``model.fit`` (which leaves all of this as
-it found it), and a second run in the same process (a notebook, a test) starts clean.
+``hvdtrain.fit`` is what it would do after a plain ``model.fit``, and a second run in the same
+process (a notebook, a test) starts clean.
 
-* **Random state**: Python's ``random``, NumPy's global generator, TensorFlow's global seed
-  and the counter it draws operation seeds from, Keras' global seed and seed generator.
-  Inside the run hvdtrain seeds them twice: alike on every rank before the data is built
-  (``seed_alike``: a function that builds the dataset, ``x=make_dataset``, shuffles and draws
-  the same on every rank, so its shards stay disjoint), then per rank before the model is built
-  (``seed_per_rank``: a model built in the run starts from different weights on every rank,
-  which the broadcast from rank 0 must make agree, and its dropout and other seeded layers
-  draw per rank); TensorFlow's global seed stays alike, for pipelines built later.
-* **Keras' precision policy** (the run's ``--precision``).
-* **The umask**: a private one, so run directories and checkpoints stay the user's on a shared
-  cluster.
-* **TensorFlow's op determinism** (``--deterministic`` turns it on for the run).
+That state is the random generators (Python, NumPy, TensorFlow, Keras), Keras' precision policy,
+the umask (private, so run directories stay the user's on a shared cluster) and TensorFlow's op
+determinism. The generators are seeded alike on every rank before the data is built, so a
+dataset built in the run shuffles the same everywhere and its shards stay disjoint, then per
+rank before the model, so seeded layers such as dropout draw per rank.
 """
 
 from __future__ import annotations

@@ -1,16 +1,10 @@
 """A resume never mixes runs: a checkpoint records what it was trained with, and a run that
 resumes it must match.
 
-* **The model** (its name, example shape, class count, and the options that define it) must be
-  the same: the weights would not fit; refused with one line (start a new ``--run-dir``).
-* **The data and the optimizers** (dataset, paths, example count, the data's options; each
-  optimizer's class) and **the settings that change the math** (learning rate and schedule,
-  batch size, seed, reduction, remainder...) may change only when asked: ``--accept-changes``
-  continues with the new ones (fine-tuning on other data, more epochs at another rate; another
-  optimizer starts from fresh state), said in one line. Without it: refused, one line naming
-  the difference and both fixes.
-* Options that change neither (epochs, where and how often to checkpoint, progress, threads,
-  the loop, callbacks, the stall limit...) change freely, as does the world size.
+A different model is refused (its weights would not fit). Different data, optimizers or
+settings that change the math (rate, batch size, seed, ...) are refused with one line naming the
+difference, unless ``--accept-changes`` (fine-tuning, more epochs at another rate). Options that
+change neither (epochs, checkpointing, progress, the loop, ...) and the world size change freely.
 """
 
 from __future__ import annotations

@@ -1,17 +1,11 @@
 """What a run trains: the user's model, which step trains it, its optimizers and the rate they
 follow.
 
-* **The step.** A model on Keras' own ``train_step`` with a compiled loss (or uncompiled: it
-  gets hvdtrain's default objective) and targets is trained by hvdtrain's exact step
-  (``step.StepMath``: global-batch weighting, padding, one collective per step). A model that
-  defines its own step, or that Keras would train on ``add_loss`` alone, or data without
-  targets, is trained by the model's own code (``own_step.OwnStep``). The run says which in
-  one line.
-* **The optimizer** is the model's: the one it was compiled with (its rate, unless
-  ``--learning-rate`` names one), unless ``--optimizer`` names another; an uncompiled model
-  is compiled with ``--optimizer`` (sgd) and hvdtrain's default loss and metrics. A model's own
-  step keeps every optimizer it owns. Every rate is scaled to the world size and warmed up as
-  configured (``schedule``), said in one line.
+A model on Keras' own ``train_step`` with a loss and targets gets hvdtrain's exact step
+(``step``); one with its own step, trained on ``add_loss`` alone, or given data without targets
+runs its own code (``own_step``). The optimizer is the model's compiled one unless
+``--optimizer`` names another (an uncompiled model is compiled with hvdtrain's defaults), and
+every rate is scaled and warmed up as configured (``schedule``). Each choice is said in one line.
 """
 
 from __future__ import annotations
