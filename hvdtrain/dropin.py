@@ -157,13 +157,10 @@ def DistributedOptimizer(optimizer: keras.optimizers.Optimizer, name: str | None
                          backward_passes_per_step: int = 1,
                          average_aggregated_gradients: bool = False
                          ) -> keras.optimizers.Optimizer:
-    """Horovod's ``DistributedOptimizer`` on any Keras 3 optimizer (including
-    ``LossScaleOptimizer``, a learning-rate schedule of the user's own and an optimizer subclass
-    with its own arguments): the optimizer passed in, made distributed. Only its class changes,
-    to a subclass of its own that reduces gradients; its schedule, variables, state and
-    attributes stay (Horovod returns a new optimizer rebuilt from ``get_config``, which fails
-    for a schedule without ``get_config`` and loses whatever the config does not hold). Called
-    again on the same optimizer, the new settings replace the old ones. ``name``: its new name.
+    """Horovod's ``DistributedOptimizer`` on any Keras 3 optimizer: the optimizer passed in,
+    made distributed by changing only its class, so its schedule, variables and attributes stay
+    (Horovod rebuilds it from ``get_config``, which fails for a schedule without one). Called
+    again, the new settings replace the old. ``name``: its new name.
 
     op: ``Average`` (default), ``Sum`` or ``Adasum``; compression: ``Compression.none`` or
     ``Compression.fp16``; sparse_as_dense: densify ``IndexedSlices`` gradients before the

@@ -194,17 +194,10 @@ class Objective:
 
 @dataclass
 class BatchShares:
-    """What a rank's batch is of its global batch: ``rows``, each row's share (real rows: one
-    over the global batch's real rows, or over its group's when batches are accumulated;
-    filler rows: 0), and ``batch``, the rank's share of one batch (one over the world size, and
-    the accumulation steps).
-
-    Why: Keras 3 reports each output's loss (``cls_loss``...) as the plain mean of its batches'
-    means (its tracker's weight is the batch's static size, unknown inside its compiled step),
-    not the mean over examples as it does the total loss: a short last batch counts as much as
-    a full one. A rank adds its rows' part of the global batch's mean with weight ``batch``,
-    so the sums across ranks are the one process's sums: the same columns as one process with
-    the global batch, whose batches the global ones are."""
+    """A rank's part of its global batch: ``rows``, each row's share of it (0 for filler), and
+    ``batch``, the rank's share of one batch. Keras 3 reports each output's loss as the mean of
+    its batches' means, so a rank adds its part of the global batch's mean with weight
+    ``batch``, and the sums across ranks are one process's."""
 
     rows: tf.Tensor
     batch: float
