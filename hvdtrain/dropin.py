@@ -26,8 +26,8 @@ import keras
 from hvdtrain import dropin_ops
 from hvdtrain.errors import UserError
 from hvdtrain.training import distributed_optimizer
-from hvdtrain.world import (Collectives, GradientReduction, HorovodCollectives, World,
-                            chosen_backend, horovod_tensorflow)
+from hvdtrain.collectives import chosen_backend, Collectives, GradientReduction, World
+from hvdtrain.collectives.horovod_backend import horovod_tensorflow, HorovodCollectives
 
 BACKEND, BACKEND_WHY = chosen_backend("auto")
 _ops: Any = horovod_tensorflow() if BACKEND == "horovod" else dropin_ops
@@ -66,8 +66,8 @@ def init(comm: Any = None, process_sets: Any = None) -> None:
         raise refused("hvd.init(comm=...)")
     if process_sets is not None:
         raise refused("Process sets")
-    from hvdtrain.tf_collectives import tensorflow_collectives
-    from hvdtrain.tf_graph_mode import eagerly
+    from hvdtrain.collectives.tensorflow_backend import tensorflow_collectives
+    from hvdtrain.collectives.tf_graph_mode import eagerly
 
     with eagerly():       # also when init() is called inside a TensorFlow 1 graph
         collectives = tensorflow_collectives(_pin_gpu)

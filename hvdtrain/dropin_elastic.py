@@ -5,7 +5,7 @@
 
 Why not Horovod's own: its ``TensorFlowKerasState`` calls ``optimizer.variables()`` (a list in
 Keras 3) and its ``TensorFlowState`` broadcasts its variables only when it is built (eagerly),
-never at ``sync``. Both states here are the trainer's own elastic state (``hvdtrain.world``):
+never at ``sync``. Both states here are the trainer's own elastic state (``hvdtrain.collectives``):
 the TensorFlow variables behind the model, the optimizer or the list given (Keras 3 variables
 included) are kept in memory at every ``commit``, put back by ``restore`` and broadcast from rank
 0 by ``sync``, with the picklable attributes given (``batch=0, epoch=0``). ``ObjectState`` is
@@ -26,8 +26,9 @@ import keras
 import tensorflow as tf
 
 from hvdtrain import dropin
-from hvdtrain.world import (elastic_retry, horovod_object_state_class, keras_elastic_state_class,
-                            tf_variables)
+from hvdtrain.collectives import tf_variables
+from hvdtrain.collectives.horovod_backend import (elastic_retry, horovod_object_state_class,
+                                                  keras_elastic_state_class)
 
 ON_HOROVOD = dropin.BACKEND == "horovod"
 _VariablesState: type = keras_elastic_state_class() if ON_HOROVOD else object

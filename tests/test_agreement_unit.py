@@ -35,7 +35,7 @@ from hvdtrain.training.run import _starting_point, chief_decides
 from hvdtrain.training.schedule import make_schedule
 from hvdtrain.training.step import StepMath, StepOptions
 from hvdtrain.training.trainable import Trainable
-from hvdtrain.world import World
+from hvdtrain.collectives import World
 
 # --- rank 0 decides ----------------------------------------------------------------------------
 

@@ -15,7 +15,7 @@ from hvdtrain.training.autotune import (MARGIN, TABLE_HEADER, Outcome, Setting, 
 from hvdtrain.training.autotune_run import (HOROVOD_CYCLE_MS, TIMED_S, TIMED_UPDATES, Tuning,
                                             alike, autotune, cycle_fixed, launch_environment,
                                             launched_setting, timed_updates, update_times)
-from hvdtrain.world import LocalCollectives, World
+from hvdtrain.collectives import LocalCollectives, World
 
 LAUNCHED = Setting(4.0, 0.1)
 FINAL_LINE = re.compile(r"autotune: best --bucket-mib (?P<bucket>\S+) with "

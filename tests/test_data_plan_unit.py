@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from hvdtrain.data.pipeline import ShardSpec, array_dataset, epoch_plan
-from hvdtrain.world import World
+from hvdtrain.collectives import World
 
 
 def plans(n: int, size: int, batch: int, remainder: str = "pad", epoch: int = 0):

@@ -23,7 +23,7 @@ from hvdtrain.data.load import load_source
 from hvdtrain.data.pipeline import ShardSpec
 from hvdtrain.models import ModelError, build_model
 from hvdtrain.plugins import PluginError
-from hvdtrain.world import World
+from hvdtrain.collectives import World
 
 
 def test_sources_split_and_report_shapes(tmp_path):

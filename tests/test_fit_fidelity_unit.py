@@ -151,7 +151,7 @@ def test_a_run_puts_every_random_generator_and_op_determinism_back():
 
 PLACEMENT = """
 import tensorflow as tf
-from hvdtrain.world import World, place_devices
+from hvdtrain.collectives import place_devices, World
 tf.constant(1.0)                                  # the script used TensorFlow first
 print(place_devices(World(0, 2, 0, 2)))
 """
@@ -216,7 +216,7 @@ def test_a_failing_step_says_which_rank_epoch_step_and_batch(tmp_path):
 
 BROADCASTS = """
 import keras
-from hvdtrain.world import HorovodCollectives
+from hvdtrain.collectives.horovod_backend import HorovodCollectives
 collectives = HorovodCollectives()
 for units in range(1, 8):   # every fit broadcasts another model's variables
     model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(units)])

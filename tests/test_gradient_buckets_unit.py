@@ -9,7 +9,7 @@ import pytest
 import tensorflow as tf
 
 from hvdtrain.config import OptimConfig
-from hvdtrain.world import GradientReduction
+from hvdtrain.collectives import GradientReduction
 
 
 def floats(*sizes: int) -> list[tf.Tensor]:

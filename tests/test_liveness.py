@@ -17,7 +17,7 @@ from hvdtrain.errors import STALLED_EXIT_CODE
 from hvdtrain.training.liveness import (FIRST_PHASE_S, FLOOR_S, PHASE_FACTOR, SAME_EVENT_S,
                                         STEP_FACTOR, STUCK_MIN_S, Heartbeat, Liveness,
                                         Peer, unanswered)
-from hvdtrain.world import World
+from hvdtrain.collectives import World
 
 
 class Clock:

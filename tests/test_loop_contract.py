@@ -14,7 +14,7 @@ from hvdtrain.data.equal_steps import Passes
 from hvdtrain.training.loops import LOOPS
 from hvdtrain.training.objective import Objective, probe
 from hvdtrain.training.step import StepMath
-from hvdtrain.world import LocalCollectives
+from hvdtrain.collectives import LocalCollectives
 
 STEPS, EPOCHS = 3, 3
 

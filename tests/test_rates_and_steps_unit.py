@@ -14,7 +14,7 @@ from hvdtrain.training.callbacks import RateControl
 from hvdtrain.training.own_step import OwnStep, own_step_methods, owned_optimizers
 from hvdtrain.training.schedule import make_schedule
 from hvdtrain.training.trainable import own_step_reason, settable_rate
-from hvdtrain.world import LocalCollectives
+from hvdtrain.collectives import LocalCollectives
 
 
 class Counting(keras.Model):

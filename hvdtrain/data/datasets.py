@@ -228,7 +228,7 @@ class DatasetSplit:
 
 
 def _one_world() -> Any:
-    from hvdtrain.world import World
+    from hvdtrain.collectives import World
 
     return World()
 

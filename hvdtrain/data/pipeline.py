@@ -33,7 +33,7 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 
-from hvdtrain.world import World
+from hvdtrain.collectives import World
 
 PADDING_ID = -1
 

@@ -47,7 +47,7 @@ from hvdtrain.data.contract import (ArraySplit, DataBundle, DataError, checked_b
 from hvdtrain.data.datasets import DatasetSplit, class_ids, class_weight_table
 from hvdtrain.data.equal_steps import count_batches, equal_passes, first_element
 from hvdtrain.data.pipeline import ShardSpec
-from hvdtrain.world import World
+from hvdtrain.collectives import World
 
 
 @dataclass(frozen=True)

@@ -13,8 +13,9 @@ import sys
 from typing import Any
 
 from hvdtrain import __version__
-from hvdtrain.world import (chosen_backend, horovod_build_info, init_collectives,
-                            keepalive_window_s, launched_by_a_launcher, launcher_defaults)
+from hvdtrain.collectives import chosen_backend, init_collectives
+from hvdtrain.collectives.horovod_backend import horovod_build_info
+from hvdtrain.launchers import keepalive_window_s, launched_by_a_launcher, launcher_defaults
 
 SETUP_HINT = "run launch/setup.sh (it rebuilds Horovod against this TensorFlow)"
 

@@ -8,7 +8,7 @@ Horovod script runs on current TensorFlow. Upstream Horovod 0.28.1 fails there a
 name that needs no change is Horovod's own object, re-exported below; the names that touch
 variables or gradients (``DistributedGradientTape``, ``broadcast_variables``, ``allreduce``,
 ``grouped_allreduce``, ``DistributedOptimizer``) go through the trainer's own collectives in
-``hvdtrain.world``: one gradient reduction and one broadcast for the trainer and for the
+``hvdtrain.collectives``: one gradient reduction and one broadcast for the trainer and for the
 drop-in. On the TensorFlow backend (``hvdtrain.dropin`` chooses) the same names come from
 ``hvdtrain.dropin_tf`` instead, and Horovod is not imported.
 """
@@ -26,7 +26,8 @@ from hvdtrain.dropin_tf import as_written
 from hvdtrain.errors import UserError
 from hvdtrain.tensorflow import elastic, util  # noqa: F401  (hvd.elastic, hvd.util)
 from hvdtrain.tensorflow.util import _executing_eagerly  # noqa: F401  (as Horovod has it)
-from hvdtrain.world import GradientReduction, horovod_tensorflow, tf_variables
+from hvdtrain.collectives import GradientReduction, tf_variables
+from hvdtrain.collectives.horovod_backend import horovod_tensorflow
 
 _hvd: ModuleType = horovod_tensorflow() if dropin.BACKEND == "horovod" else dropin_tf
 

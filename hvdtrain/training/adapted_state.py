@@ -17,7 +17,7 @@ from typing import Any
 import keras
 
 from hvdtrain.training.keras_internals import sublayers
-from hvdtrain.world import Collectives
+from hvdtrain.collectives import Collectives
 
 LOOKUPS = (keras.layers.StringLookup, keras.layers.IntegerLookup, keras.layers.TextVectorization)
 

@@ -49,7 +49,8 @@ from hvdtrain.training.autotune import (GRID, TABLE_HEADER, Outcome, Setting, se
                                         table_row, trial_count)
 from hvdtrain.training.own_step import OwnStep
 from hvdtrain.training.step import TrainingStep
-from hvdtrain.world import Collectives, GradientReduction, HorovodCollectives
+from hvdtrain.collectives import Collectives, GradientReduction
+from hvdtrain.collectives.horovod_backend import HorovodCollectives
 from hvdtrain.writes import run_files
 
 WARMUP_UPDATES = 3

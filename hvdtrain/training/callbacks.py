@@ -35,7 +35,7 @@ from hvdtrain.training.liveness import Liveness
 from hvdtrain.training.run_columns import NoteRunColumns, RunColumnsLog, Throughput
 from hvdtrain.training.schedule import WarmupScaledRate
 from hvdtrain.training.step import TrainingStep
-from hvdtrain.world import Collectives, World
+from hvdtrain.collectives import Collectives, World
 from hvdtrain.writes import RunFileWriter, json_rows
 
 

@@ -24,7 +24,7 @@ from hvdtrain.data.files import FileSplit
 from hvdtrain.data.equal_steps import Passes, agreed_steps, left_out_line
 from hvdtrain.data.pipeline import ShardSpec
 from hvdtrain.errors import AgreedError
-from hvdtrain.world import Collectives
+from hvdtrain.collectives import Collectives
 
 
 def resolved_remainder(config: Config, own_step: str | None) -> str:

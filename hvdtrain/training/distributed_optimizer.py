@@ -29,7 +29,7 @@ from typing import Any, Callable, Iterator, Sequence
 import keras
 import tensorflow as tf
 
-from hvdtrain.world import GradientReduction
+from hvdtrain.collectives import GradientReduction
 
 # How a distributed optimizer combines a list of gradients across ranks (None stays None).
 Reducer = Callable[[Sequence[Any], GradientReduction], list[Any]]

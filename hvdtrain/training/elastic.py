@@ -47,7 +47,7 @@ from hvdtrain.training.callbacks import (CheckpointPlan, RateControl, Reporting,
 from hvdtrain.training.run_columns import RunColumnsLog
 from hvdtrain.training.schedule import WarmupScaledRate, world_scale
 from hvdtrain.training.step import StepMath
-from hvdtrain.world import Collectives, tf_variables
+from hvdtrain.collectives import Collectives, tf_variables
 from hvdtrain.writes import run_files
 
 

@@ -34,7 +34,7 @@ import tensorflow as tf
 from hvdtrain.errors import UserError, first_sentence
 from hvdtrain.training.keras_internals import (compile_arguments, compile_metrics,
                                                flat_compiled_metrics, same_rank)
-from hvdtrain.world import Collectives
+from hvdtrain.collectives import Collectives
 
 DEFAULT_LOSS = "sparse_categorical_crossentropy"
 DEFAULT_METRICS = ("accuracy",)

@@ -36,7 +36,7 @@ import tensorflow as tf
 from hvdtrain.training.distributed_optimizer import distributed_for_the_run
 from hvdtrain.training.objective import check_additive
 from hvdtrain.training.step import vote_variables
-from hvdtrain.world import Collectives, GradientReduction
+from hvdtrain.collectives import Collectives, GradientReduction
 
 # The Trainer methods whose override makes a step the model's own.
 OWN_STEP_METHODS = ("train_step", "test_step", "compute_loss", "compute_metrics")

@@ -67,8 +67,8 @@ from hvdtrain.training.resume_check import check_resumable, optimizers_changed
 from hvdtrain.training.run_columns import RunColumns, RunColumnsLog
 from hvdtrain.training.step import Evaluation, StepMath, StepOptions, TrainingStep
 from hvdtrain.training.trainable import Trainable, own_step_reason, prepare
-from hvdtrain.world import (Collectives, GradientReduction, World, ended_by_another_rank,
-                            init_collectives, place_devices)
+from hvdtrain.collectives import (Collectives, ended_by_another_rank, GradientReduction,
+                                  init_collectives, place_devices, World)
 from hvdtrain.writes import run_files
 
 

@@ -64,7 +64,7 @@ import keras
 import tensorflow as tf
 
 from hvdtrain.training.objective import BatchShares, MetricState, Objective
-from hvdtrain.world import Collectives, GradientReduction
+from hvdtrain.collectives import Collectives, GradientReduction
 
 
 class TrainingStep(Protocol):

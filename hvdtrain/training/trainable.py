@@ -28,7 +28,7 @@ from hvdtrain.training.keras_internals import compile_arguments
 from hvdtrain.training.objective import DEFAULT_LOSS, DEFAULT_METRICS, Objective
 from hvdtrain.training.own_step import own_step_methods, owned_optimizers
 from hvdtrain.training.schedule import WarmupScaledRate, make_optimizer, make_schedule
-from hvdtrain.world import World
+from hvdtrain.collectives import World
 
 
 def own_step_reason(model: keras.Model, data: DataBundle) -> str | None:

@@ -1,8 +1,8 @@
 """The TensorFlow backend's collectives inside a TensorFlow 1 graph (``tf.compat.v1`` graph mode,
 run by a ``Session``), where Horovod scripts and Horovod's own tests still build them.
 
-Why a bridge: the backend's cluster is TensorFlow's *eager* context (``tf_collectives``). A
-``tf.compat.v1.Session`` is a separate runtime with its own devices and a collective executor
+Why a bridge: the backend's cluster is TensorFlow's *eager* context (``tensorflow_backend``).
+A ``tf.compat.v1.Session`` is a separate runtime with its own devices and a collective executor
 that knows only this process, so a collective op placed in its graph cannot reach the other
 ranks. Horovod's ops can (they call Horovod's background thread from any runtime); ours become
 a graph node that, each time the session runs it, runs the collective eagerly on the cluster
