@@ -164,6 +164,23 @@ def ended_by_another_rank(error: BaseException) -> bool:
     return any(marker in str(error) for marker in PEER_GONE_MARKERS)
 
 
+def summed_across_ranks(collectives: Collectives, variables: Sequence[Any]) -> list[Any]:
+    """The sum over ranks of each variable's value (one grouped allreduce)."""
+    import tensorflow as tf
+
+    return collectives.allreduce_sum([tf.convert_to_tensor(v) for v in variables])
+
+
+def assign_across_ranks(collectives: Collectives, variables: Sequence[Any],
+                        mean: bool = False) -> None:
+    """Give each variable the sum over ranks of its value (``mean``: that sum divided by the
+    world size), the same on every rank: how metric state becomes the global metric and
+    batch-norm statistics the average of the ranks'."""
+    totals = summed_across_ranks(collectives, variables)
+    for variable, total in zip(variables, totals):
+        variable.assign(total / collectives.world.size if mean else total)
+
+
 def scaled_rows(gathered: Any, scale: float) -> Any:
     """Horovod's reduced sparse gradient: every rank's rows, concatenated in rank order, each
     index as often as it occurs. That is the gradient one process computes over the whole
