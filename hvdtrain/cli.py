@@ -19,12 +19,12 @@ from typing import Callable, NoReturn
 
 from hvdtrain import __version__, inference, output
 from hvdtrain.bench import benchmark
-from hvdtrain.data import convert
-from hvdtrain.config import add_arguments, config_from_args
-from hvdtrain.errors import PeerFailed, UserError
-from hvdtrain.startup import hide_native_notices
 from hvdtrain.collectives import ended_by_another_rank
 from hvdtrain.collectives.horovod_backend import leave_horovod
+from hvdtrain.config import add_arguments, config_from_args
+from hvdtrain.data import convert
+from hvdtrain.errors import PeerFailed, UserError
+from hvdtrain.startup import hide_native_notices
 
 # A rank whose collective failed because another rank left waits this long before it exits.
 AFTER_ANOTHER_RANK_S = 1.0

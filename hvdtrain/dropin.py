@@ -24,10 +24,11 @@ from typing import Any, Sequence
 import keras
 
 from hvdtrain import dropin_ops
+from hvdtrain.collectives import Collectives, GradientReduction, World, chosen_backend
+from hvdtrain.collectives.horovod_backend import HorovodCollectives, horovod_tensorflow
 from hvdtrain.errors import UserError
+from hvdtrain.keras_internals import set_class
 from hvdtrain.training import distributed_optimizer
-from hvdtrain.collectives import chosen_backend, Collectives, GradientReduction, World
-from hvdtrain.collectives.horovod_backend import horovod_tensorflow, HorovodCollectives
 
 BACKEND, BACKEND_WHY = chosen_backend("auto")
 _ops: Any = horovod_tensorflow() if BACKEND == "horovod" else dropin_ops
@@ -182,9 +183,9 @@ def DistributedOptimizer(optimizer: keras.optimizers.Optimizer, name: str | None
     if backward_passes_per_step < 1:
         raise ValueError("backward_passes_per_step must be > 0")
     reduction = gradient_reduction(op, compression, sparse_as_dense, gradient_predivide_factor)
-    optimizer.__class__ = reducing_class(distributed_optimizer.own_class(optimizer), reduction,
-                                         int(backward_passes_per_step),
-                                         bool(average_aggregated_gradients))
+    set_class(optimizer, reducing_class(distributed_optimizer.own_class(optimizer), reduction,
+                                        int(backward_passes_per_step),
+                                        bool(average_aggregated_gradients)))
     if name is not None:
         optimizer.name = name
     return optimizer

@@ -19,9 +19,9 @@ from typing import Any, Callable, Sequence
 import tensorflow as tf
 
 from hvdtrain import dropin
-from hvdtrain.dropin_ops import Average, Compression, Sum, op_name
-from hvdtrain.collectives.tf_graph_mode import eagerly, in_session_graph
 from hvdtrain.collectives.tensorflow_backend import TensorFlowCollectives, on_the_wire
+from hvdtrain.collectives.tf_graph_mode import eagerly, in_session_graph
+from hvdtrain.dropin_ops import Average, Compression, Sum, op_name
 
 
 # The tensor operations below are traced as written when a tf.function calls them: their

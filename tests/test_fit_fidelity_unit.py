@@ -18,7 +18,7 @@ from hvdtrain.data.contract import DataError
 from hvdtrain.data.datasets import keras_parts
 from hvdtrain.data.order import fingerprint, refusal
 from hvdtrain.data.user import KerasData, built
-from hvdtrain.training.keras_internals import op_determinism_enabled
+from hvdtrain.keras_internals import op_determinism_enabled
 from hvdtrain.training.process_state import run_environment, seed_alike, seed_per_rank
 
 ROWS = np.arange(101, dtype=np.int64)
@@ -27,7 +27,7 @@ ROWS = np.arange(101, dtype=np.int64)
 # which the test process may have set.
 PIPELINES = """
 import numpy as np, tensorflow as tf
-from hvdtrain.training.keras_internals import unseeded_randomness
+from hvdtrain.keras_internals import unseeded_randomness
 rows = tf.data.Dataset.from_tensor_slices(np.arange(101))
 found = [
     unseeded_randomness(rows.shuffle(101).batch(4)),

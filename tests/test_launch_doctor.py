@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from conftest import launch
-from hvdtrain.collectives import cpu_threads_per_rank, World
+from hvdtrain.collectives import World, cpu_threads_per_rank
 from hvdtrain.launchers import launched_by_a_launcher
 
 pytestmark = pytest.mark.distributed

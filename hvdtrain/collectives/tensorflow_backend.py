@@ -49,10 +49,10 @@ import socket
 import threading
 from typing import Any, Callable, Sequence
 
-from hvdtrain.errors import UserError
-from hvdtrain.collectives.tf_graph_mode import SessionNodes, eagerly, in_session_graph
 from hvdtrain.collectives.base import GradientReduction, tf_variables
+from hvdtrain.collectives.tf_graph_mode import SessionNodes, eagerly, in_session_graph
 from hvdtrain.collectives.world import World
+from hvdtrain.errors import UserError
 
 JOB = "worker"
 # gRPC ports are chosen free and bound a moment later by TensorFlow's server.

@@ -39,7 +39,7 @@ from hvdtrain.data.equal_steps import count_batches, equal_passes, first_element
 from hvdtrain.data.order import check_same_order
 from hvdtrain.data.pipeline import ShardSpec
 from hvdtrain.errors import UserError
-from hvdtrain.training.keras_internals import dataset_is_batched
+from hvdtrain.keras_internals import dataset_is_batched
 
 
 class DatasetError(UserError):

@@ -27,15 +27,15 @@ import tensorflow as tf
 
 from hvdtrain.checkpoint import CheckpointStore, atomic_write_text, rank_local_variables
 from hvdtrain.checkpoint_state import CheckpointState
+from hvdtrain.collectives import Collectives, World, assign_across_ranks, summed_across_ranks
 from hvdtrain.data.equal_steps import RAN_OUT, Passes
 from hvdtrain.errors import CheckpointWriteFailed, StoppedBySignal, TrainingDiverged
+from hvdtrain.keras_internals import remember_rates, sublayers
 from hvdtrain.startup import process_age_seconds
-from hvdtrain.training.keras_internals import sublayers
 from hvdtrain.training.liveness import Liveness
 from hvdtrain.training.run_columns import NoteRunColumns, RunColumnsLog, Throughput
 from hvdtrain.training.schedule import WarmupScaledRate
 from hvdtrain.training.step import TrainingStep
-from hvdtrain.collectives import Collectives, World, assign_across_ranks, summed_across_ranks
 from hvdtrain.writes import RunFileWriter, json_rows
 
 
@@ -280,7 +280,7 @@ class RateControl(keras.callbacks.Callback):
         """Remember each optimizer's base rate and the rate last set, so a next ``fit`` of the
         same model (a notebook) starts from the base again, not from the scaled rate."""
         for name, (optimizer, base) in self.bases.items():
-            optimizer._hvdtrain_rates = (base, float(optimizer.learning_rate))
+            remember_rates(optimizer, base, float(optimizer.learning_rate))
 
 
 class TensorBoardEvents(keras.callbacks.Callback):

@@ -31,10 +31,10 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from hvdtrain.errors import UserError, first_sentence
-from hvdtrain.training.keras_internals import (compile_arguments, compile_metrics,
-                                               flat_compiled_metrics, same_rank)
 from hvdtrain.collectives import Collectives, assign_across_ranks
+from hvdtrain.errors import UserError, first_sentence
+from hvdtrain.keras_internals import (compile_arguments, compile_metrics, flat_compiled_metrics,
+                                      same_rank)
 
 DEFAULT_LOSS = "sparse_categorical_crossentropy"
 DEFAULT_METRICS = ("accuracy",)

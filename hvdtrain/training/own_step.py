@@ -33,10 +33,10 @@ from typing import Any, Iterator
 import keras
 import tensorflow as tf
 
+from hvdtrain.collectives import Collectives, GradientReduction, assign_across_ranks
 from hvdtrain.training.distributed_optimizer import distributed_for_the_run
 from hvdtrain.training.objective import check_additive
 from hvdtrain.training.step import vote_variables
-from hvdtrain.collectives import Collectives, GradientReduction, assign_across_ranks
 
 # The Trainer methods whose override makes a step the model's own.
 OWN_STEP_METHODS = ("train_step", "test_step", "compute_loss", "compute_metrics")

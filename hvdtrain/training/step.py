@@ -63,8 +63,8 @@ from typing import Any, Protocol
 import keras
 import tensorflow as tf
 
-from hvdtrain.training.objective import BatchShares, MetricState, Objective
 from hvdtrain.collectives import Collectives, GradientReduction
+from hvdtrain.training.objective import BatchShares, MetricState, Objective
 
 
 class TrainingStep(Protocol):
