@@ -60,18 +60,10 @@ KEEPALIVE_VARIABLES = ("OMPI_MCA_oob_tcp_keepalive_time", "OMPI_MCA_oob_tcp_keep
 
 
 def launcher_defaults() -> dict[str, str]:
-    """hvdtrain's settings for the launcher itself (mpirun, and the orted daemons it starts on
-    the other nodes): launch/mpirun.sh, launch/horovodrun.sh and the MPIJob manifest set them;
-    for a bare mpirun or horovodrun, export them first (README, ``hvdtrain doctor``).
-
-    Open MPI's daemons learn of a vanished node only from TCP. By default they probe an idle
-    connection after 300 s and give up 9 x 20 s later, and once mpirun has started to end the
-    job (a rank's liveness monitor ended one, say) its messages to the lost node wait for TCP's
-    retransmissions, about 15 minutes: a launcher outside the nodes outlived its job. With
-    these, a daemon that stops answering is declared lost 36 to 46 s after its node vanished:
-    after a rank's liveness monitor has named it (30 s by default; a rank under a remote daemon then
-    leaves the ending to Open MPI, ``keepalive_window_s``), and in time for the job, every
-    process on every node included, to end within 60 s."""
+    """hvdtrain's settings for the launcher itself (mpirun and its orted daemons; set by
+    launch/mpirun.sh, launch/horovodrun.sh and the MPIJob manifest). Open MPI's own TCP
+    keep-alive leaves a launcher waiting ~15 minutes for a vanished node; with these a silent
+    daemon is declared lost within 36-46 s, so the whole job ends within 60 s."""
     return dict(zip(KEEPALIVE_VARIABLES, ("10", "6", "6")))
 
 

@@ -1,44 +1,13 @@
-"""The TensorFlow backend: hvdtrain's ``Collectives`` over TensorFlow's own collective ops, the
-ones under ``MultiWorkerMirroredStrategy`` (ring all-reduce over gRPC on CPUs, NCCL on GPUs),
-with no Horovod anywhere on the path.
+"""The TensorFlow backend: ``Collectives`` over TensorFlow's own collective ops (those under
+``MultiWorkerMirroredStrategy``: ring all-reduce over gRPC on CPUs, NCCL on GPUs), no Horovod.
 
-Why: Horovod is frozen (its last release builds against current TensorFlow only with a source
-fix), while TensorFlow's collectives are maintained with TensorFlow itself. Keras 3's
-``model.fit`` does not run under ``MultiWorkerMirroredStrategy``; hvdtrain's step and loops do
-not need a strategy, only the collectives, which this module drives directly.
-
-How a job starts (every rank, before TensorFlow's runtime exists):
-
-1. The ranks come from the launcher as today (``mpirun``, ``srun --mpi=pmix``, ``horovodrun``
-   with MPI, the wrappers). One MPI exchange (mpi4py; no MPI collective in training) gives
-   every rank the others' host names and gRPC ports: rank, size, local and cross ranks follow.
-2. The device placement hvdtrain needs (one GPU per local rank, or CPU thread pools) is made,
-   then TensorFlow's eager context becomes a cluster of ``size`` tasks (``/job:worker``) with
-   its collective executor and the coordination service (which carries a failed rank's error
-   to the others at once: ``shutdown``). This must happen before any tensor or variable
-   exists in the process: a model built before it cannot take part (one line says so).
-
-Keys: every collective carries a group key (all ranks: one group for CPU tensors, one for
-GPU tensors) and an instance key, which must name the same operation on every rank. Keys are
-drawn from one counter per group when an operation *runs* (inside a ``tf.function`` as a
-call-time capture), so a rank that retraces a function does not shift any key; as with
-Horovod, every rank must issue the same collectives in the same order. In a TensorFlow 1 graph
-(run by a ``Session``, which cannot reach the cluster) each collective is a node that runs it
-eagerly when the session runs the node (``tf_graph_mode``); the cluster, its tokens and the
-object exchanges are always made eagerly, so a graph's end takes nothing of them along.
-
-Shapes: TensorFlow's all-gather crashes the process on a tensor with no elements, and its
-collectives abort every later collective of the process when the ranks' shapes differ. So no
-empty tensor reaches the all-gather (``concatenated`` sends one element more), and the drop-in's
-operations compare every rank's call before they run (``_first_dims``).
-
-Private TensorFlow API used here (and in ``tf_graph_mode``): ``context.context()``'s collective
-and coordination configuration, ``collective_ops``' V2 ops, ``FuncGraph.
-capture_call_time_value`` and ``context.eager_mode``; the exactness, stop, drop-in and
-multi-node tests run them on real ranks (parametrised over both backends).
-
-What it does not do (refused with one line that names the Horovod backend): elastic
-resizing, Adasum. fp16 on the wire is a cast around the sum.
+Why: Horovod is frozen, TensorFlow's collectives are maintained with TensorFlow. One MPI
+exchange gives every rank the others' addresses; TensorFlow's eager context then becomes a
+cluster of ``size`` tasks (this must happen before any tensor exists in the process). Every
+collective carries a group key and an instance key drawn when it *runs*, so a retrace shifts no
+key; ranks must issue collectives in the same order, as with Horovod. No empty tensor reaches
+the all-gather (it crashes the process): ``concatenated`` pads. Elastic resizing and Adasum
+are refused with one line naming the Horovod backend.
 """
 
 from __future__ import annotations

@@ -1,52 +1,13 @@
 """One liveness monitor per rank: is training still moving, was this rank asked to stop, and
 when must the process end at once because waiting can never end?
 
-A run owns one ``Liveness``. It has one clock, one monitor thread and one way out of the
-process (clock and exit are injectable, so tests move time by hand). What feeds it:
-
-* **The training loop** (``LivenessHooks`` in ``callbacks.py``) says when a step begins and
-  ends and when a long legitimate phase (an epoch's end: validation, metrics, checkpoint)
-  begins and ends.
-* **Signals** only record a request: SIGTERM, SIGINT and SIGUSR1 (Slurm's usual ``--signal``)
-  write their number into Python's wakeup pipe, which the monitor thread reads, so a request
-  is seen even while the main thread waits inside a collective or a TensorFlow op. The ranks
-  then agree to stop after one same step (``StepMath.stop_vote`` rides in the step's
-  allreduce; ``Checkpointing`` agrees again after validation), rank 0 checkpoints there and
-  every rank exits with code 75. Requests less than ``SAME_EVENT_S`` apart are one event
-  delivered twice (a terminal's Ctrl-C reaches the launcher, which forwards it, and the rank);
-  a later second request ends the process at once (128 + the signal), without a checkpoint.
-* **The launcher going away** (this process's parent changes) is a request too: the ranks
-  stop, checkpoint and exit instead of training on unseen. Their output, which led to the dead
-  launcher, goes to /dev/null from then on (rank 0's run log keeps it). Open MPI's own exit on
-  losing its daemon is held back meanwhile (``launchers.hold_open_mpi_abort``).
-
-What ends the process from the monitor thread, with one line each:
-
-* **A stall** (exit 76, ``STALLED_EXIT_CODE``): no step has ended for the limit. A vanished
-  node leaves the survivors inside an allreduce that never returns: MPI sees no error, and
-  Horovod's own stall check runs on the thread that is stuck. The limit (``--stall-timeout``):
-  by default the larger of ``FLOOR_S`` and ``STEP_FACTOR`` times the slowest step so far; a
-  number fixes it; 0 turns it off (it is off on one rank: nothing can hang it). It arms at the
-  first step's end (tracing and the first negotiation take long). A phase gets ``PHASE_FACTOR``
-  times the longest phase so far (``FIRST_PHASE_S`` for the first, which traces validation),
-  at least the step limit; the step after a phase also waits for rank 0's writes and gets
-  twice the limit. The line names the ranks whose heartbeat port does not answer. Open MPI's
-  daemons, which would wait for a lost node for about 15 minutes, are ended with the rank
-  (``launchers.end_open_mpi_daemon``).
-* **A stop that cannot be reached** (128 + the signal): once a stop is requested the limit
-  tightens. A step that has run ``PEER_CHECK_FACTOR`` times longer than the slowest (and at
-  least ``PEER_CHECK_MIN_S``) asks the other ranks' heartbeat ports: one that refuses the
-  connection belongs to a rank whose process has ended, so the step can never finish (srun's
-  ``--kill-on-bad-exit`` sends SIGTERM to the survivors of a dead rank, and Slurm kills them
-  KillWait seconds later). A step that has run ``STUCK_FACTOR`` times the slowest (at least
-  ``STUCK_MIN_S``) is stuck whatever the reason. Between steps (validation, the checkpoint
-  agreement, setup) a request that has waited ``BETWEEN_STEPS_PEER_CHECK_S`` asks the same
-  ports.
-
-``install`` routes the signals here and starts the thread; ``uninstall`` stops the thread and
-puts back the handlers that were there before (or ignores the stop signals, for a process that
-only exits after the run: see ``AfterRun``), so a run in a longer-lived process (a notebook, a
-test) leaves no handler behind.
+It has one clock, one monitor thread and one way out (both injectable, so tests move time by
+hand). The loop reports steps and long phases; signals and a lost launcher only record a stop
+request, which the ranks agree on in the step's allreduce (exit 75 after rank 0's
+checkpoint); a second request ends the process at once. The monitor ends the process itself on
+a stall (exit 76: no step for ``--stall-timeout``, naming the ranks whose heartbeat port does not
+answer) or on a stop that cannot be reached (a peer's process has ended), and ends a stuck Open
+MPI daemon (``launchers.end_open_mpi_daemon``). ``uninstall`` puts every handler back.
 """
 
 from __future__ import annotations
