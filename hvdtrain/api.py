@@ -41,7 +41,7 @@ def init(backend: str = "auto", threads: int | None = None) -> Any:
     rank's ``World`` (rank, size, local rank...). ``hvdtrain.fit`` calls it itself, so a script
     that builds its model inside a function passed to ``fit`` need not."""
     from hvdtrain.config import build_config
-    from hvdtrain.world import init_collectives, place_devices
+    from hvdtrain.collectives import init_collectives, place_devices
 
     chosen = build_config({"backend": backend}).train.backend   # checked like the option
     return init_collectives(chosen, lambda world: place_devices(world, threads)).world

@@ -183,7 +183,7 @@ def build_optimizers(model: keras.Model, optimizers: dict[str, keras.optimizers.
 
 
 def _built_for(optimizer: keras.optimizers.Optimizer) -> list[str]:
-    from hvdtrain.training.keras_internals import optimizer_variables_built_for
+    from hvdtrain.keras_internals import optimizer_variables_built_for
 
     return [v.path for v in optimizer_variables_built_for(optimizer)]
 

@@ -19,11 +19,12 @@ from typing import Callable, NoReturn
 
 from hvdtrain import __version__, inference, output
 from hvdtrain.bench import benchmark
-from hvdtrain.data import convert
+from hvdtrain.collectives import ended_by_another_rank
+from hvdtrain.collectives.horovod_backend import leave_horovod
 from hvdtrain.config import add_arguments, config_from_args
+from hvdtrain.data import convert
 from hvdtrain.errors import PeerFailed, UserError
 from hvdtrain.startup import hide_native_notices
-from hvdtrain.world import ended_by_another_rank, leave_horovod
 
 # A rank whose collective failed because another rank left waits this long before it exits.
 AFTER_ANOTHER_RANK_S = 1.0
@@ -131,7 +132,7 @@ def entry() -> NoReturn:
     output.install()
     launcher = os.getppid()
     code = main(process_exits=True)
-    from hvdtrain.world import launched_by_a_launcher
+    from hvdtrain.launchers import launched_by_a_launcher
 
     launcher_gone = launched_by_a_launcher() and os.getppid() != launcher
     if launcher_gone or (code and launched_by_a_launcher()):

@@ -18,10 +18,11 @@ from typing import Any, Sequence
 import keras
 
 from hvdtrain import dropin_ops
+from hvdtrain.collectives import Collectives, GradientReduction, World, chosen_backend
+from hvdtrain.collectives.horovod_backend import HorovodCollectives, horovod_tensorflow
 from hvdtrain.errors import UserError
+from hvdtrain.keras_internals import set_class
 from hvdtrain.training import distributed_optimizer
-from hvdtrain.world import (Collectives, GradientReduction, HorovodCollectives, World,
-                            chosen_backend, horovod_tensorflow)
 
 BACKEND, BACKEND_WHY = chosen_backend("auto")
 _ops: Any = horovod_tensorflow() if BACKEND == "horovod" else dropin_ops
@@ -60,8 +61,8 @@ def init(comm: Any = None, process_sets: Any = None) -> None:
         raise refused("hvd.init(comm=...)")
     if process_sets is not None:
         raise refused("Process sets")
-    from hvdtrain.tf_collectives import tensorflow_collectives
-    from hvdtrain.tf_graph_mode import eagerly
+    from hvdtrain.collectives.tensorflow_backend import tensorflow_collectives
+    from hvdtrain.collectives.tf_graph_mode import eagerly
 
     with eagerly():       # also when init() is called inside a TensorFlow 1 graph
         collectives = tensorflow_collectives(_pin_gpu)
@@ -173,9 +174,9 @@ def DistributedOptimizer(optimizer: keras.optimizers.Optimizer, name: str | None
     if backward_passes_per_step < 1:
         raise ValueError("backward_passes_per_step must be > 0")
     reduction = gradient_reduction(op, compression, sparse_as_dense, gradient_predivide_factor)
-    optimizer.__class__ = reducing_class(distributed_optimizer.own_class(optimizer), reduction,
-                                         int(backward_passes_per_step),
-                                         bool(average_aggregated_gradients))
+    set_class(optimizer, reducing_class(distributed_optimizer.own_class(optimizer), reduction,
+                                        int(backward_passes_per_step),
+                                        bool(average_aggregated_gradients)))
     if name is not None:
         optimizer.name = name
     return optimizer

@@ -17,8 +17,9 @@ import keras
 import tensorflow as tf
 
 from hvdtrain import dropin
-from hvdtrain.world import (elastic_retry, horovod_object_state_class, keras_elastic_state_class,
-                            tf_variables)
+from hvdtrain.collectives import tf_variables
+from hvdtrain.collectives.horovod_backend import (elastic_retry, horovod_object_state_class,
+                                                  keras_elastic_state_class)
 
 ON_HOROVOD = dropin.BACKEND == "horovod"
 _VariablesState: type = keras_elastic_state_class() if ON_HOROVOD else object

@@ -65,7 +65,7 @@ def evaluate(args: argparse.Namespace) -> int:
     from hvdtrain.training.objective import Objective, probe
     from hvdtrain.training.process_state import seed_alike
     from hvdtrain.training.step import Evaluation
-    from hvdtrain.world import init_collectives, place_devices
+    from hvdtrain.collectives import init_collectives, place_devices
 
     _check_output_dir(args.output)
     collectives = init_collectives(prepare=place_devices)

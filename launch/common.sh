@@ -22,7 +22,7 @@ parse_launcher_args() {
   [ -n "$np" ] || { echo "$(basename "$0"): -np N is required (try --help)" >&2; exit 2; }
 }
 
-# export_launcher_defaults PYTHON: the launcher's own settings (hvdtrain.world.launcher_defaults:
+# export_launcher_defaults PYTHON: the launcher's own settings (hvdtrain.launchers.launcher_defaults:
 # Open MPI's TCP keep-alive between mpirun and its daemons, so that a lost node ends the job
 # within a minute instead of leaving mpirun waiting for it), exported unless already set.
 export_launcher_defaults() {
@@ -30,7 +30,7 @@ export_launcher_defaults() {
   while IFS= read -r setting; do
     name="${setting%%=*}"
     [ -n "${!name:-}" ] || export "${setting?}"
-  done < <("$1" -c 'from hvdtrain.world import launcher_defaults
+  done < <("$1" -c 'from hvdtrain.launchers import launcher_defaults
 for name, value in launcher_defaults().items(): print(f"{name}={value}")')
 }
 

@@ -29,7 +29,7 @@ def main() -> None:
     again = hvdtrain.fit(model, regression_data(), epochs=1, batch_size=16,
                          run_dir=run_dir + "-again", optimizer="adam", learning_rate=0.01,
                          progress=False)
-    from hvdtrain.world import init_collectives
+    from hvdtrain.collectives import init_collectives
 
     collectives = init_collectives()
     everyone = collectives.allgather_object(

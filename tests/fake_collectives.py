@@ -1,4 +1,4 @@
-"""A scripted stand-in for ``hvdtrain.world.Collectives``: one process plays rank R of N.
+"""A scripted stand-in for ``hvdtrain.collectives.Collectives``: one process plays rank R of N.
 
 Every rank must call the same collectives in the same order, and the agreement logic around
 them (rank 0 decides, every rank takes its answer; the ranks sum their votes; pad to the most
@@ -20,7 +20,7 @@ from typing import Any, Callable, Sequence, Union
 
 import tensorflow as tf
 
-from hvdtrain.world import GradientReduction, World
+from hvdtrain.collectives import GradientReduction, World
 
 
 @dataclass(frozen=True)

@@ -25,7 +25,7 @@ import keras
 import numpy as np
 
 import hvdtrain
-from hvdtrain.world import init_collectives
+from hvdtrain.collectives import init_collectives
 
 RANK = int(os.environ.get("OMPI_COMM_WORLD_RANK", os.environ.get("HOROVOD_RANK", "0")))
 OPTIONS = {"batch_size": 16, "progress": False, "tensorboard": False, "lr_scaling": "none",

@@ -56,7 +56,7 @@ class EpochSteps(keras.callbacks.Callback):
 def _keras_form(value: Any, batch_size: int | None) -> Any:
     """What a Keras user hands ``model.fit`` for what hvdtrain takes: a dataset function
     called, an unbatched dataset batched."""
-    from hvdtrain.training.keras_internals import dataset_is_batched
+    from hvdtrain.keras_internals import dataset_is_batched
 
     if callable(value) and not isinstance(value, (tf.data.Dataset, keras.utils.PyDataset)):
         value = value()

@@ -14,11 +14,11 @@ from pathlib import Path
 
 import numpy as np
 
+from hvdtrain.collectives import init_collectives
 from hvdtrain.config import DataConfig
+from hvdtrain.data.contract import ArraySplit
 from hvdtrain.data.files import tfrecord_split
 from hvdtrain.data.pipeline import ShardSpec
-from hvdtrain.data.contract import ArraySplit
-from hvdtrain.world import init_collectives
 
 
 def main() -> None:

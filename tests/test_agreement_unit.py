@@ -20,22 +20,22 @@ import tensorflow as tf
 from fake_collectives import Broadcast, Gather, ScriptedCollectives, Sum, Variables
 from hvdtrain.checkpoint import Checkpoint, CheckpointStore, rank_local_variables
 from hvdtrain.checkpoint_state import CheckpointState
+from hvdtrain.collectives import World
 from hvdtrain.config import Config, OptimConfig
-from hvdtrain.data.pipeline import ShardSpec
 from hvdtrain.data.contract import ArraySplit
+from hvdtrain.data.pipeline import ShardSpec
 from hvdtrain.data.user import PipelineSplit
 from hvdtrain.errors import CheckpointWriteFailed, StoppedBySignal, UserError
-from hvdtrain.training.callbacks import (CheckpointPlan, Checkpointing, RateControl, Reporting,
+from hvdtrain.training.callbacks import (Checkpointing, CheckpointPlan, RateControl, Reporting,
                                          ResumePoint, RunHooks)
+from hvdtrain.training.data_plan import agreed_pass_steps
 from hvdtrain.training.liveness import Liveness
 from hvdtrain.training.objective import Objective
 from hvdtrain.training.own_step import OwnStep
-from hvdtrain.training.data_plan import agreed_pass_steps
 from hvdtrain.training.run import _starting_point, chief_decides
 from hvdtrain.training.schedule import make_schedule
 from hvdtrain.training.step import StepMath, StepOptions
 from hvdtrain.training.trainable import Trainable
-from hvdtrain.world import World
 
 # --- rank 0 decides ----------------------------------------------------------------------------
 

@@ -9,13 +9,13 @@ from types import SimpleNamespace
 
 import pytest
 
+from hvdtrain.collectives import LocalCollectives, World
 from hvdtrain.errors import UserError
 from hvdtrain.training.autotune import (MARGIN, TABLE_HEADER, Outcome, Setting, Trial, search,
                                         table_row, trial_count)
-from hvdtrain.training.autotune_run import (HOROVOD_CYCLE_MS, TIMED_S, TIMED_UPDATES, Tuning,
-                                            alike, autotune, cycle_fixed, launch_environment,
+from hvdtrain.training.autotune_run import (HOROVOD_CYCLE_MS, TIMED_S, TIMED_UPDATES, Tuning, alike,
+                                            autotune, cycle_fixed, launch_environment,
                                             launched_setting, timed_updates, update_times)
-from hvdtrain.world import LocalCollectives, World
 
 LAUNCHED = Setting(4.0, 0.1)
 FINAL_LINE = re.compile(r"autotune: best --bucket-mib (?P<bucket>\S+) with "

@@ -8,8 +8,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from hvdtrain.collectives import World
 from hvdtrain.data.pipeline import ShardSpec, array_dataset, epoch_plan
-from hvdtrain.world import World
 
 
 def plans(n: int, size: int, batch: int, remainder: str = "pad", epoch: int = 0):

@@ -14,6 +14,7 @@ import pytest
 import tensorflow as tf
 
 from conftest import assert_partition, launch, probe_shards, read_metrics, read_summary, train
+from hvdtrain.collectives import World
 from hvdtrain.config import DataConfig, ModelConfig
 from hvdtrain.data.contract import DataError
 from hvdtrain.data.convert import convert
@@ -23,7 +24,6 @@ from hvdtrain.data.load import load_source
 from hvdtrain.data.pipeline import ShardSpec
 from hvdtrain.models import ModelError, build_model
 from hvdtrain.plugins import PluginError
-from hvdtrain.world import World
 
 
 def test_sources_split_and_report_shapes(tmp_path):

@@ -11,11 +11,11 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+from hvdtrain.collectives import World
 from hvdtrain.data.datasets import DatasetSplit
 from hvdtrain.data.equal_steps import (COUNT_CHANGED, EqualPass, Passes, count_changed_line,
                                        left_out_line)
 from hvdtrain.data.pipeline import ShardSpec
-from hvdtrain.world import World
 
 WORDS = np.array(["alpha", "beta", "gamma", "delta", "epsilon"])
 

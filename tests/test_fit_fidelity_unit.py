@@ -18,7 +18,7 @@ from hvdtrain.data.contract import DataError
 from hvdtrain.data.datasets import keras_parts
 from hvdtrain.data.order import fingerprint, refusal
 from hvdtrain.data.user import KerasData, built
-from hvdtrain.training.keras_internals import op_determinism_enabled
+from hvdtrain.keras_internals import op_determinism_enabled
 from hvdtrain.training.process_state import run_environment, seed_alike, seed_per_rank
 
 ROWS = np.arange(101, dtype=np.int64)
@@ -27,7 +27,7 @@ ROWS = np.arange(101, dtype=np.int64)
 # which the test process may have set.
 PIPELINES = """
 import numpy as np, tensorflow as tf
-from hvdtrain.training.keras_internals import unseeded_randomness
+from hvdtrain.keras_internals import unseeded_randomness
 rows = tf.data.Dataset.from_tensor_slices(np.arange(101))
 found = [
     unseeded_randomness(rows.shuffle(101).batch(4)),
@@ -151,7 +151,7 @@ def test_a_run_puts_every_random_generator_and_op_determinism_back():
 
 PLACEMENT = """
 import tensorflow as tf
-from hvdtrain.world import World, place_devices
+from hvdtrain.collectives import place_devices, World
 tf.constant(1.0)                                  # the script used TensorFlow first
 print(place_devices(World(0, 2, 0, 2)))
 """
@@ -216,7 +216,7 @@ def test_a_failing_step_says_which_rank_epoch_step_and_batch(tmp_path):
 
 BROADCASTS = """
 import keras
-from hvdtrain.world import HorovodCollectives
+from hvdtrain.collectives.horovod_backend import HorovodCollectives
 collectives = HorovodCollectives()
 for units in range(1, 8):   # every fit broadcasts another model's variables
     model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(units)])

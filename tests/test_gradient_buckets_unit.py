@@ -8,8 +8,8 @@ import keras
 import pytest
 import tensorflow as tf
 
+from hvdtrain.collectives import GradientReduction
 from hvdtrain.config import OptimConfig
-from hvdtrain.world import GradientReduction
 
 
 def floats(*sizes: int) -> list[tf.Tensor]:

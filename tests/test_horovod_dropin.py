@@ -34,7 +34,7 @@ import numpy as np
 import pytest
 
 from conftest import BIN, REPO, RUN_TIMEOUT, rank_env
-from hvdtrain.world import GradientReduction, LocalCollectives
+from hvdtrain.collectives import GradientReduction, LocalCollectives
 
 PROGRAMS = REPO / "tests" / "horovod_programs"
 BACKENDS = ["horovod", "tensorflow"]

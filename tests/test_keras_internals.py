@@ -7,7 +7,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from hvdtrain.training import keras_internals as internals
+from hvdtrain import keras_internals as internals
 from hvdtrain.training.objective import leaf_metrics
 
 

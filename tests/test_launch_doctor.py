@@ -9,7 +9,8 @@ import sys
 import pytest
 
 from conftest import launch
-from hvdtrain.world import World, cpu_threads_per_rank, launched_by_a_launcher
+from hvdtrain.collectives import World, cpu_threads_per_rank
+from hvdtrain.launchers import launched_by_a_launcher
 
 pytestmark = pytest.mark.distributed
 
@@ -69,7 +70,7 @@ def test_cpu_threads_share_the_node_or_respect_binding():
 
 def test_doctor_says_how_to_keep_a_bare_launcher_from_outliving_a_lost_node():
     from hvdtrain.install.doctor import launcher_notes
-    from hvdtrain.world import launcher_defaults
+    from hvdtrain.launchers import launcher_defaults
 
     assert launcher_notes({}) == []                      # not started by Open MPI
     assert launcher_notes({"OMPI_COMM_WORLD_RANK": "0", **launcher_defaults()}) == []

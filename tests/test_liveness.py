@@ -13,11 +13,11 @@ import time
 
 from conftest import rank_env
 
+from hvdtrain.collectives import World
 from hvdtrain.errors import STALLED_EXIT_CODE
 from hvdtrain.training.liveness import (FIRST_PHASE_S, FLOOR_S, PHASE_FACTOR, SAME_EVENT_S,
-                                        STEP_FACTOR, STUCK_MIN_S, Heartbeat, Liveness,
-                                        Peer, unanswered)
-from hvdtrain.world import World
+                                        STEP_FACTOR, STUCK_MIN_S, Heartbeat, Liveness, Peer,
+                                        unanswered)
 
 
 class Clock:

@@ -10,11 +10,11 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+from hvdtrain.collectives import LocalCollectives
 from hvdtrain.data.equal_steps import Passes
 from hvdtrain.training.loops import LOOPS
 from hvdtrain.training.objective import Objective, probe
 from hvdtrain.training.step import StepMath
-from hvdtrain.world import LocalCollectives
 
 STEPS, EPOCHS = 3, 3
 

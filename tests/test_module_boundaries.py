@@ -82,7 +82,7 @@ def test_the_dropin_apis_share_a_leaf_and_only_keras_builds_on_tensorflow():
     assert not under(imports_in("hvdtrain.dropin_ops"), "hvdtrain", "horovod")
     assert not under(imports_in("hvdtrain.dropin_elastic"), "hvdtrain.keras",
                      "hvdtrain.tensorflow", "horovod")
-    assert not under(imports_in("hvdtrain.tf_graph_mode"), "hvdtrain", "horovod")
+    assert not under(imports_in("hvdtrain.collectives.tf_graph_mode"), "hvdtrain", "horovod")
 
 
 @pytest.mark.parametrize("first, second", [("hvdtrain.keras", "hvdtrain.tensorflow"),
@@ -91,3 +91,56 @@ def test_the_dropin_apis_import_in_either_order(first, second):
     alone, _ = loaded_after(first, second)
     if first == "hvdtrain.tensorflow":
         assert not under(alone, "hvdtrain.keras")
+
+
+def package_modules() -> set[str]:
+    """Every module of the hvdtrain package, by dotted name."""
+    return {".".join(path.relative_to(REPO).with_suffix("").parts).removesuffix(".__init__")
+            for path in (REPO / "hvdtrain").rglob("*.py")}
+
+
+def module_edges(module: str, modules: set[str]) -> set[str]:
+    """The package's modules that ``module``'s import statements (deferred ones too) load:
+    ``from package import name`` loads ``package.name`` where that is a module, else
+    ``package`` (Python's implicit import of a parent package is not counted)."""
+    path = REPO / module.replace(".", "/")
+    source = path / "__init__.py" if path.is_dir() else path.with_suffix(".py")
+    edges: set[str] = set()
+    for node in ast.walk(ast.parse(source.read_text())):
+        if isinstance(node, ast.Import):
+            edges |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            edges |= {f"{node.module}.{alias.name}" if f"{node.module}.{alias.name}" in modules
+                      else node.module for alias in node.names}
+    return (edges & modules) - {module}
+
+
+def import_cycle(graph: dict[str, set[str]]) -> list[str]:
+    """One circle of imports in ``graph`` (a module, the modules it imports, ..., the first
+    again), or [] when there is none."""
+    done: set[str] = set()
+
+    def visit(module: str, path: list[str]) -> list[str]:
+        if module in path:
+            return path[path.index(module):] + [module]
+        if module in done:
+            return []
+        for named in sorted(graph[module]):
+            found = visit(named, path + [module])
+            if found:
+                return found
+        done.add(module)
+        return []
+
+    for module in sorted(graph):
+        found = visit(module, [])
+        if found:
+            return found
+    return []
+
+
+def test_no_module_of_the_package_needs_itself_through_others():
+    """A deferred import (inside a function) only hides a circle, so it counts."""
+    modules = package_modules()
+    assert import_cycle({module: module_edges(module, modules) for module in modules}) == []
+    assert import_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == ["a", "b", "c", "a"]

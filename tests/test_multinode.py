@@ -25,7 +25,7 @@ import netcluster
 from conftest import (BACKENDS, BIN, EXACT, REPO, SLOW_CYCLE_MS, assert_same_weights, final_weights,
                       processes_mentioning, rank_env, read_metrics, read_summary, train)
 from hvdtrain.errors import STALLED_EXIT_CODE
-from hvdtrain.world import launcher_defaults
+from hvdtrain.launchers import launcher_defaults
 
 pytestmark = [pytest.mark.multinode, pytest.mark.distributed]
 

@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+from hvdtrain.collectives import LocalCollectives
 from hvdtrain.training.objective import BatchShares, Objective, ObjectiveError, check_output_kind
 from hvdtrain.training.step import StepMath, StepOptions
-from hvdtrain.world import LocalCollectives
 from workloads import two_tower_data, two_tower_model
 
 

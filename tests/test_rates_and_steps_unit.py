@@ -8,13 +8,13 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+from hvdtrain.collectives import LocalCollectives
 from hvdtrain.config import OptimConfig
 from hvdtrain.data.contract import ArraySplit, DataBundle
 from hvdtrain.training.callbacks import RateControl
 from hvdtrain.training.own_step import OwnStep, own_step_methods, owned_optimizers
 from hvdtrain.training.schedule import make_schedule
 from hvdtrain.training.trainable import own_step_reason, settable_rate
-from hvdtrain.world import LocalCollectives
 
 
 class Counting(keras.Model):

@@ -50,7 +50,7 @@ def _callbacks(fit: dict[str, Any], directory: Path) -> list:
 
 
 def _batched(dataset: tf.data.Dataset) -> bool:
-    from hvdtrain.training.keras_internals import dataset_is_batched
+    from hvdtrain.keras_internals import dataset_is_batched
 
     return dataset_is_batched(dataset)
 

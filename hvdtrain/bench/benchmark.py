@@ -127,7 +127,7 @@ def run(args: argparse.Namespace) -> tuple[bool, dict[str, Any]]:
     from hvdtrain.training.objective import Objective, probe
     from hvdtrain.training.schedule import make_optimizer, make_schedule
     from hvdtrain.training.step import StepMath, StepOptions
-    from hvdtrain.world import init_collectives, place_devices
+    from hvdtrain.collectives import init_collectives, place_devices
 
     collectives = init_collectives(prepare=place_devices)
     world = collectives.world

@@ -60,14 +60,14 @@ def hvdtrain_sweep(collectives, repeats: int) -> list[float]:
 
 
 def sweep(repeats: int) -> list[dict]:
-    from hvdtrain.world import apply_runtime_defaults
+    from hvdtrain.launchers import apply_runtime_defaults
 
     apply_runtime_defaults(gpus_visible=False)
     from mpi4py import MPI                                 # MPI_Init, thread level multiple
 
     comm = MPI.COMM_WORLD
     mpi_seconds = mpi_sweep(comm, repeats)
-    from hvdtrain.world import HorovodCollectives
+    from hvdtrain.collectives.horovod_backend import HorovodCollectives
 
     collectives = HorovodCollectives()                     # adopts the initialised MPI
     hvdtrain_seconds = hvdtrain_sweep(collectives, repeats)

@@ -44,7 +44,7 @@ def input_pipeline_sweep(batch: int, steps: int = 200) -> list[dict]:
     from hvdtrain.data.convert import convert
     from hvdtrain.data.pipeline import ShardSpec
     from hvdtrain.data.load import load_source
-    from hvdtrain.world import World
+    from hvdtrain.collectives import World
 
     rows = []
     with tempfile.TemporaryDirectory() as tmp:

@@ -36,7 +36,8 @@ def path_functions(collectives: Any) -> dict[str, tuple[Callable[[Any], Any], bo
     """Each path's ``tf.function`` and whether it takes the float16 copy of the input."""
     import tensorflow as tf
 
-    from hvdtrain.world import GradientReduction, horovod_tensorflow
+    from hvdtrain.collectives import GradientReduction
+    from hvdtrain.collectives.horovod_backend import horovod_tensorflow
 
     def reduce(tensor: Any, fp16: bool = False) -> Any:
         return collectives.reduce_gradients([tensor], GradientReduction(fp16=fp16))[0]
@@ -66,7 +67,8 @@ def sweep(sizes: list[int], repeats: int, paths: tuple[str, ...] = PATHS) -> lis
     returns them), the paths taking turns call by call after one warm-up call each. Each
     size's input holds multiples of 1/4 in [-2, 2), which a float16 sum of a few ranks keeps
     exact: every reduction path must return the float32 sum exactly, or the sweep fails."""
-    from hvdtrain.world import HorovodCollectives, apply_runtime_defaults
+    from hvdtrain.collectives.horovod_backend import HorovodCollectives
+    from hvdtrain.launchers import apply_runtime_defaults
 
     apply_runtime_defaults(gpus_visible=False)
     import numpy as np

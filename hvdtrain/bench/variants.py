@@ -13,7 +13,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from hvdtrain.tf_collectives import free_port
+from hvdtrain.collectives.tensorflow_backend import free_port
 
 # Open MPI with the flags and environment hvdtrain's ranks need (multi-node options included).
 MPIRUN_WRAPPER = Path(__file__).resolve().parents[2] / "launch" / "mpirun.sh"
@@ -31,7 +31,7 @@ def variant_env(threads: int) -> dict[str, str]:
     """Every variant gets the same CPU threads per process, the same quiet TensorFlow and
     hvdtrain's runtime defaults for Horovod and MPI (which a hand-written loop could set too),
     so the ratios measure code, not environment. The harnesses run on CPUs only."""
-    from hvdtrain.world import runtime_defaults
+    from hvdtrain.launchers import runtime_defaults
 
     return {**runtime_defaults(gpus_visible=False), **os.environ, "TF_CPP_MIN_LOG_LEVEL": "2",
             "CUDA_VISIBLE_DEVICES": os.environ.get("CUDA_VISIBLE_DEVICES", ""),

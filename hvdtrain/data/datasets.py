@@ -20,7 +20,7 @@ from hvdtrain.data.equal_steps import count_batches, equal_passes, first_element
 from hvdtrain.data.order import check_same_order
 from hvdtrain.data.pipeline import ShardSpec
 from hvdtrain.errors import UserError
-from hvdtrain.training.keras_internals import dataset_is_batched
+from hvdtrain.keras_internals import dataset_is_batched
 
 
 class DatasetError(UserError):
@@ -209,7 +209,7 @@ class DatasetSplit:
 
 
 def _one_world() -> Any:
-    from hvdtrain.world import World
+    from hvdtrain.collectives import World
 
     return World()
 

@@ -17,7 +17,7 @@ from typing import Any, Callable
 import tensorflow as tf
 
 from hvdtrain.errors import AgreedError
-from hvdtrain.training.keras_internals import unseeded_randomness
+from hvdtrain.keras_internals import unseeded_randomness
 
 # Elements (unbatched) or batches whose fingerprint is compared.
 FIRST_ELEMENTS = 64

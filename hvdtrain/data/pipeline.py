@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 
-from hvdtrain.world import World
+from hvdtrain.collectives import World
 
 PADDING_ID = -1
 

@@ -19,14 +19,13 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from hvdtrain.collectives import World
 from hvdtrain.config import DataConfig
 from hvdtrain.data.arrays import class_count, split_arrays, targets_array
-from hvdtrain.data.contract import (ArraySplit, DataBundle, DataError, checked_bundle,
-                                    first_leaf)
+from hvdtrain.data.contract import ArraySplit, DataBundle, DataError, checked_bundle, first_leaf
 from hvdtrain.data.datasets import DatasetSplit, class_ids, class_weight_table
 from hvdtrain.data.equal_steps import count_batches, equal_passes, first_element
 from hvdtrain.data.pipeline import ShardSpec
-from hvdtrain.world import World
 
 
 @dataclass(frozen=True)

@@ -13,8 +13,9 @@ import sys
 from typing import Any
 
 from hvdtrain import __version__
-from hvdtrain.world import (chosen_backend, horovod_build_info, init_collectives,
-                            keepalive_window_s, launched_by_a_launcher, launcher_defaults)
+from hvdtrain.collectives import chosen_backend, init_collectives
+from hvdtrain.collectives.horovod_backend import horovod_build_info
+from hvdtrain.launchers import keepalive_window_s, launched_by_a_launcher, launcher_defaults
 
 SETUP_HINT = "run launch/setup.sh (it rebuilds Horovod against this TensorFlow)"
 
@@ -68,7 +69,7 @@ def problems_in(report: dict[str, Any], launched: bool) -> list[str]:
 
 def launcher_notes(environ: dict[str, str]) -> list[str]:
     """Advice that is no problem on one node: Open MPI's launcher, as this rank's environment
-    says it was set up, would outlive a job that loses a node (``world.launcher_defaults``)."""
+    says it was set up, would outlive a job that loses a node (``launchers.launcher_defaults``)."""
     if "OMPI_COMM_WORLD_RANK" not in environ:
         return []
     window = keepalive_window_s(environ)

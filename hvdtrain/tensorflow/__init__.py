@@ -18,11 +18,13 @@ from typing import Any, Sequence
 import tensorflow as tf
 
 from hvdtrain import dropin, dropin_tf
+from hvdtrain.collectives import GradientReduction, tf_variables
+from hvdtrain.collectives.horovod_backend import horovod_tensorflow
 from hvdtrain.dropin_tf import as_written
 from hvdtrain.errors import UserError
+from hvdtrain.keras_internals import copy_as
 from hvdtrain.tensorflow import elastic, util  # noqa: F401  (hvd.elastic, hvd.util)
 from hvdtrain.tensorflow.util import _executing_eagerly  # noqa: F401  (as Horovod has it)
-from hvdtrain.world import GradientReduction, horovod_tensorflow, tf_variables
 
 _hvd: ModuleType = horovod_tensorflow() if dropin.BACKEND == "horovod" else dropin_tf
 
@@ -174,8 +176,7 @@ def DistributedGradientTape(gradtape: tf.GradientTape, compression: Any = Compre
                             gradient_predivide_factor: float = 1.0) -> tf.GradientTape:
     """The same tape (what it recorded, persistent or not), whose ``gradient`` returns the
     gradients combined across ranks (averaged by default), as Horovod's does."""
-    tape = object.__new__(_reducing_tape_class(type(gradtape)))
-    tape.__dict__.update(gradtape.__dict__)
+    tape = copy_as(gradtape, _reducing_tape_class(type(gradtape)))
     tape._hvdtrain_reduction = gradient_reduction(op, compression, sparse_as_dense,
                                                   gradient_predivide_factor)
     return tape

@@ -16,8 +16,8 @@ from typing import Any
 
 import keras
 
-from hvdtrain.training.keras_internals import sublayers
-from hvdtrain.world import Collectives
+from hvdtrain.collectives import Collectives
+from hvdtrain.keras_internals import sublayers
 
 LOOKUPS = (keras.layers.StringLookup, keras.layers.IntegerLookup, keras.layers.TextVectorization)
 

@@ -24,13 +24,14 @@ from typing import Any, Callable, Hashable, Iterator, Sequence
 import tensorflow as tf
 
 from hvdtrain.checkpoint import atomic_write_text
+from hvdtrain.collectives import Collectives, GradientReduction
+from hvdtrain.collectives.horovod_backend import HorovodCollectives
 from hvdtrain.config import bucket_bytes
 from hvdtrain.errors import UserError
-from hvdtrain.training.autotune import (GRID, TABLE_HEADER, Outcome, Setting, search,
-                                        table_row, trial_count)
+from hvdtrain.training.autotune import (GRID, TABLE_HEADER, Outcome, Setting, search, table_row,
+                                        trial_count)
 from hvdtrain.training.own_step import OwnStep
 from hvdtrain.training.step import TrainingStep
-from hvdtrain.world import Collectives, GradientReduction, HorovodCollectives
 from hvdtrain.writes import run_files
 
 WARMUP_UPDATES = 3

@@ -27,15 +27,15 @@ import tensorflow as tf
 
 from hvdtrain.checkpoint import CheckpointStore, atomic_write_text, rank_local_variables
 from hvdtrain.checkpoint_state import CheckpointState
+from hvdtrain.collectives import Collectives, World, assign_across_ranks, summed_across_ranks
 from hvdtrain.data.equal_steps import RAN_OUT, Passes
 from hvdtrain.errors import CheckpointWriteFailed, StoppedBySignal, TrainingDiverged
+from hvdtrain.keras_internals import remember_rates, sublayers
 from hvdtrain.startup import process_age_seconds
-from hvdtrain.training.keras_internals import sublayers
 from hvdtrain.training.liveness import Liveness
 from hvdtrain.training.run_columns import NoteRunColumns, RunColumnsLog, Throughput
 from hvdtrain.training.schedule import WarmupScaledRate
 from hvdtrain.training.step import TrainingStep
-from hvdtrain.world import Collectives, World
 from hvdtrain.writes import RunFileWriter, json_rows
 
 
@@ -199,10 +199,7 @@ class AverageBatchNormStatistics(keras.callbacks.Callback):
     def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
         if not self.statistics or self.collectives.world.size == 1:
             return
-        totals = self.collectives.allreduce_sum([tf.convert_to_tensor(v)
-                                                 for v in self.statistics])
-        for variable, total in zip(self.statistics, totals):
-            variable.assign(total / self.collectives.world.size)
+        assign_across_ranks(self.collectives, self.statistics, mean=True)
 
 
 class PlateauDecay(keras.callbacks.Callback):
@@ -283,7 +280,7 @@ class RateControl(keras.callbacks.Callback):
         """Remember each optimizer's base rate and the rate last set, so a next ``fit`` of the
         same model (a notebook) starts from the base again, not from the scaled rate."""
         for name, (optimizer, base) in self.bases.items():
-            optimizer._hvdtrain_rates = (base, float(optimizer.learning_rate))
+            remember_rates(optimizer, base, float(optimizer.learning_rate))
 
 
 class TensorBoardEvents(keras.callbacks.Callback):
@@ -404,8 +401,7 @@ class Checkpointing(keras.callbacks.Callback):
         if not stop and not (every and done % every == 0):
             return
         # The epoch's metric sums so far, over all ranks: rank 0 keeps them in the checkpoint.
-        sums = self.collectives.allreduce_sum([tf.convert_to_tensor(v)
-                                               for v in self.step.epoch_state_variables])
+        sums = summed_across_ranks(self.collectives, self.step.epoch_state_variables)
         name, reasons, _ = self._save({"epoch": self.epoch, "step": done,
                                        "epoch_state": tuple(np.asarray(s).tolist()
                                                             for s in sums)})

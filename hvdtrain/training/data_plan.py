@@ -18,13 +18,13 @@ from typing import Callable
 
 import tensorflow as tf
 
+from hvdtrain.collectives import Collectives
 from hvdtrain.config import Config
 from hvdtrain.data.contract import DataBundle, Split
-from hvdtrain.data.files import FileSplit
 from hvdtrain.data.equal_steps import Passes, agreed_steps, left_out_line
+from hvdtrain.data.files import FileSplit
 from hvdtrain.data.pipeline import ShardSpec
 from hvdtrain.errors import AgreedError
-from hvdtrain.world import Collectives
 
 
 def resolved_remainder(config: Config, own_step: str | None) -> str:

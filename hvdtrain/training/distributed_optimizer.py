@@ -19,7 +19,8 @@ from typing import Any, Callable, Iterator, Sequence
 import keras
 import tensorflow as tf
 
-from hvdtrain.world import GradientReduction
+from hvdtrain.collectives import GradientReduction
+from hvdtrain.keras_internals import set_class
 
 # How a distributed optimizer combines a list of gradients across ranks (None stays None).
 Reducer = Callable[[Sequence[Any], GradientReduction], list[Any]]
@@ -106,9 +107,9 @@ def distributed_for_the_run(optimizers: Sequence[keras.optimizers.Optimizer],
     the run with the optimizers it came with."""
     originals = [type(optimizer) for optimizer in optimizers]
     for optimizer, cls in zip(optimizers, originals):
-        optimizer.__class__ = reducing_class(cls, reduction, 1, False, reduce)
+        set_class(optimizer, reducing_class(cls, reduction, 1, False, reduce))
     try:
         yield
     finally:
         for optimizer, cls in zip(optimizers, originals):
-            optimizer.__class__ = cls
+            set_class(optimizer, cls)

@@ -18,17 +18,17 @@ from typing import Any, Callable
 import keras
 import tensorflow as tf
 
+from hvdtrain.checkpoint import CheckpointStore
+from hvdtrain.checkpoint_state import CheckpointState
+from hvdtrain.collectives import Collectives, tf_variables
 from hvdtrain.config import Config
 from hvdtrain.data.contract import DataBundle
 from hvdtrain.data.pipeline import ShardSpec
-from hvdtrain.checkpoint import CheckpointStore
-from hvdtrain.checkpoint_state import CheckpointState
 from hvdtrain.training.callbacks import (CheckpointPlan, RateControl, Reporting, RunHooks,
                                          standard_callbacks)
 from hvdtrain.training.run_columns import RunColumnsLog
 from hvdtrain.training.schedule import WarmupScaledRate, world_scale
 from hvdtrain.training.step import StepMath
-from hvdtrain.world import Collectives, tf_variables
 from hvdtrain.writes import run_files
 
 

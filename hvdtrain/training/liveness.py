@@ -1,52 +1,13 @@
 """One liveness monitor per rank: is training still moving, was this rank asked to stop, and
 when must the process end at once because waiting can never end?
 
-A run owns one ``Liveness``. It has one clock, one monitor thread and one way out of the
-process (clock and exit are injectable, so tests move time by hand). What feeds it:
-
-* **The training loop** (``LivenessHooks`` in ``callbacks.py``) says when a step begins and
-  ends and when a long legitimate phase (an epoch's end: validation, metrics, checkpoint)
-  begins and ends.
-* **Signals** only record a request: SIGTERM, SIGINT and SIGUSR1 (Slurm's usual ``--signal``)
-  write their number into Python's wakeup pipe, which the monitor thread reads, so a request
-  is seen even while the main thread waits inside a collective or a TensorFlow op. The ranks
-  then agree to stop after one same step (``StepMath.stop_vote`` rides in the step's
-  allreduce; ``Checkpointing`` agrees again after validation), rank 0 checkpoints there and
-  every rank exits with code 75. Requests less than ``SAME_EVENT_S`` apart are one event
-  delivered twice (a terminal's Ctrl-C reaches the launcher, which forwards it, and the rank);
-  a later second request ends the process at once (128 + the signal), without a checkpoint.
-* **The launcher going away** (this process's parent changes) is a request too: the ranks
-  stop, checkpoint and exit instead of training on unseen. Their output, which led to the dead
-  launcher, goes to /dev/null from then on (rank 0's run log keeps it). Open MPI's own exit on
-  losing its daemon is held back meanwhile (``world.hold_open_mpi_abort``).
-
-What ends the process from the monitor thread, with one line each:
-
-* **A stall** (exit 76, ``STALLED_EXIT_CODE``): no step has ended for the limit. A vanished
-  node leaves the survivors inside an allreduce that never returns: MPI sees no error, and
-  Horovod's own stall check runs on the thread that is stuck. The limit (``--stall-timeout``):
-  by default the larger of ``FLOOR_S`` and ``STEP_FACTOR`` times the slowest step so far; a
-  number fixes it; 0 turns it off (it is off on one rank: nothing can hang it). It arms at the
-  first step's end (tracing and the first negotiation take long). A phase gets ``PHASE_FACTOR``
-  times the longest phase so far (``FIRST_PHASE_S`` for the first, which traces validation),
-  at least the step limit; the step after a phase also waits for rank 0's writes and gets
-  twice the limit. The line names the ranks whose heartbeat port does not answer. Open MPI's
-  daemons, which would wait for a lost node for about 15 minutes, are ended with the rank
-  (``end_open_mpi_daemon``).
-* **A stop that cannot be reached** (128 + the signal): once a stop is requested the limit
-  tightens. A step that has run ``PEER_CHECK_FACTOR`` times longer than the slowest (and at
-  least ``PEER_CHECK_MIN_S``) asks the other ranks' heartbeat ports: one that refuses the
-  connection belongs to a rank whose process has ended, so the step can never finish (srun's
-  ``--kill-on-bad-exit`` sends SIGTERM to the survivors of a dead rank, and Slurm kills them
-  KillWait seconds later). A step that has run ``STUCK_FACTOR`` times the slowest (at least
-  ``STUCK_MIN_S``) is stuck whatever the reason. Between steps (validation, the checkpoint
-  agreement, setup) a request that has waited ``BETWEEN_STEPS_PEER_CHECK_S`` asks the same
-  ports.
-
-``install`` routes the signals here and starts the thread; ``uninstall`` stops the thread and
-puts back the handlers that were there before (or ignores the stop signals, for a process that
-only exits after the run: see ``AfterRun``), so a run in a longer-lived process (a notebook, a
-test) leaves no handler behind.
+It has one clock, one monitor thread and one way out (both injectable, so tests move time by
+hand). The loop reports steps and long phases; signals and a lost launcher only record a stop
+request, which the ranks agree on in the step's allreduce (exit 75 after rank 0's
+checkpoint); a second request ends the process at once. The monitor ends the process itself on
+a stall (exit 76: no step for ``--stall-timeout``, naming the ranks whose heartbeat port does not
+answer) or on a stop that cannot be reached (a peer's process has ended), and ends a stuck Open
+MPI daemon (``launchers.end_open_mpi_daemon``). ``uninstall`` puts every handler back.
 """
 
 from __future__ import annotations
@@ -54,7 +15,6 @@ from __future__ import annotations
 import contextlib
 import enum
 import os
-import re
 import select
 import signal
 import socket
@@ -62,11 +22,11 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping, TextIO
+from typing import TYPE_CHECKING, Any, Callable, Iterator, TextIO
 
+from hvdtrain.collectives import World
 from hvdtrain.errors import STALLED_EXIT_CODE
-from hvdtrain.world import World, hold_open_mpi_abort, keepalive_window_s, launched_by_a_launcher
+from hvdtrain.launchers import end_open_mpi_daemon, hold_open_mpi_abort, launched_by_a_launcher
 
 if TYPE_CHECKING:
     from hvdtrain.config import Config
@@ -87,12 +47,7 @@ PEER_CHECK_FACTOR = 3
 PEER_CHECK_MIN_S = 2.0
 BETWEEN_STEPS_PEER_CHECK_S = 5.0
 POLL_S = 0.5
-OUTPUT_GRACE_S = 1.5
 PROBE_TIMEOUT_S = 3.0
-# A rank under orted waits for the launcher's keep-alive to end the job when it takes at most
-# this long (launcher_defaults: 46 s); Open MPI's own (480 s) is not waited for.
-KEEPALIVE_WAIT_LIMIT_S = 60.0
-HNP_PROBE_S = 1.0
 
 
 class AfterRun(enum.Enum):
@@ -512,75 +467,3 @@ def peers_where(test: Callable[[Peer], bool], peers: list[Peer]) -> list[str]:
 def unanswered(peers: list[Peer], timeout_s: float = PROBE_TIMEOUT_S) -> list[str]:
     """``rank R on HOST`` for every peer whose heartbeat does not answer."""
     return peers_where(lambda peer: not answers(peer, timeout_s), peers)
-
-
-def end_open_mpi_daemon(parent: int) -> None:
-    """End the Open MPI process that started this rank, if one did and it would wait for ever.
-
-    Measured with a node cut off: mpirun (which starts the ranks of its own node) and orted
-    (which mpirun starts on every other node over ssh, or srun under Slurm) both wait for the
-    lost node's acknowledgement of the abort, until TCP gives up (about 15 minutes). mpirun
-    answers a first SIGTERM with an "abort already in progress" and keeps waiting, so it gets
-    SIGKILL, and so do the ssh and srun clients it started (they would wait for the lost node
-    as long); its other nodes' orteds then lose their connection to it and end their ranks.
-
-    Under orted the launcher is elsewhere, possibly outside the nodes, where no rank can end
-    it. Ending orted makes mpirun start to end the job, and its messages to the lost node then
-    wait for TCP's retransmissions; so when the launcher's keep-alive (``world.
-    launcher_defaults``) will find the lost node soon and this rank's node still reaches the
-    launcher, the rank leaves the ending to it (orted ends its ranks then) and ends orted only
-    if that has not happened in time. A rank that cannot reach the launcher is on the lost side:
-    its orted's own messages to mpirun are stuck, so it is ended at once. Slurm's and Gloo's
-    launchers are left alone: they end a failed rank's job themselves.
-    """
-    try:
-        name = Path(f"/proc/{parent}/comm").read_text().strip()
-    except OSError:
-        return
-    if name not in ("orted", "mpirun", "orterun"):
-        return
-    time.sleep(OUTPUT_GRACE_S)   # the daemon forwards this rank's line first
-    if name == "orted":
-        window = keepalive_window_s()
-        if window <= KEEPALIVE_WAIT_LIMIT_S and launcher_answers(os.environ):
-            time.sleep(window + OUTPUT_GRACE_S)
-            if os.getppid() != parent:   # orted is gone (and its pid may be another's now)
-                return
-        victims, signal_number = [parent], signal.SIGTERM
-    else:
-        victims = [parent] + children_named(parent, "ssh") + children_named(parent, "srun")
-        signal_number = signal.SIGKILL
-    for pid in victims:
-        try:
-            os.kill(pid, signal_number)
-        except ProcessLookupError:
-            pass
-
-
-def launcher_answers(environ: Mapping[str, str]) -> bool:
-    """True when this rank's mpirun (Open MPI's HNP, whose addresses Open MPI gives every rank
-    in ``OMPI_MCA_orte_hnp_uri``) accepts a connection: this rank's node is still on the
-    network. False when it does not answer, or its address is unknown."""
-    uri = environ.get("OMPI_MCA_orte_hnp_uri", "")
-    for addresses, port in re.findall(r"tcp://([^;\[]+):(\d+)", uri):
-        for address in addresses.split(","):
-            try:
-                with socket.create_connection((address, int(port)), timeout=HNP_PROBE_S):
-                    return True
-            except OSError:
-                continue
-    return False
-
-
-def children_named(parent: int, name: str) -> list[int]:
-    """Pids of ``parent``'s children whose command is ``name`` (from /proc)."""
-    found = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            text = stat.read_text()
-        except OSError:
-            continue
-        command, fields = text[text.index("(") + 1:text.rindex(")")], text.rsplit(")", 1)[1]
-        if command == name and int(fields.split()[1]) == parent:
-            found.append(int(stat.parent.name))
-    return found

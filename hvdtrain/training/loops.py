@@ -19,6 +19,7 @@ import keras
 import tensorflow as tf
 
 from hvdtrain.data.equal_steps import Passes
+from hvdtrain.keras_internals import train_step_installed
 from hvdtrain.training.step import TrainingStep
 
 
@@ -63,17 +64,8 @@ class ContinuedHooks(keras.callbacks.CallbackList):
 def step_installed(step: TrainingStep) -> Iterator[None]:
     """The run's step as the model's ``train_step``, XLA off, fresh traced functions; all as
     they were afterwards."""
-    model = step.model
-    jit = model.jit_compile
-    model.jit_compile = False
-    model.train_step = step.keras_step
-    model.train_function = model.test_function = None
-    try:
+    with train_step_installed(step.model, step.keras_step):
         yield
-    finally:
-        del model.train_step
-        model.train_function = model.test_function = None
-        model.jit_compile = jit
 
 
 @dataclass(frozen=True)

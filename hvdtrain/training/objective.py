@@ -18,10 +18,10 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from hvdtrain.collectives import Collectives, assign_across_ranks
 from hvdtrain.errors import UserError, first_sentence
-from hvdtrain.training.keras_internals import (compile_arguments, compile_metrics,
-                                               flat_compiled_metrics, same_rank)
-from hvdtrain.world import Collectives
+from hvdtrain.keras_internals import (compile_arguments, compile_metrics, flat_compiled_metrics,
+                                      same_rank)
 
 DEFAULT_LOSS = "sparse_categorical_crossentropy"
 DEFAULT_METRICS = ("accuracy",)
@@ -279,10 +279,7 @@ class MetricState:
     def global_results(self, collectives: Collectives) -> dict[str, float]:
         """Sum every state variable across ranks, then read the metrics: exact global values,
         equal on every rank."""
-        variables = self.variables
-        totals = collectives.allreduce_sum([tf.convert_to_tensor(v) for v in variables])
-        for variable, total in zip(variables, totals):
-            variable.assign(total)
+        assign_across_ranks(collectives, self.variables)
         return {name: float(value) for name, value in self.local_results().items()}
 
 

@@ -18,10 +18,10 @@ from typing import Any, Iterator
 import keras
 import tensorflow as tf
 
+from hvdtrain.collectives import Collectives, GradientReduction, assign_across_ranks
 from hvdtrain.training.distributed_optimizer import distributed_for_the_run
 from hvdtrain.training.objective import check_additive
 from hvdtrain.training.step import vote_variables
-from hvdtrain.world import Collectives, GradientReduction
 
 # The Trainer methods whose override makes a step the model's own.
 OWN_STEP_METHODS = ("train_step", "test_step", "compute_loss", "compute_metrics")
@@ -118,10 +118,7 @@ class OwnStep:
     def _global_metric_results(self) -> dict[str, float]:
         """Sum every metric's state across ranks, then read each metric by name."""
         check_additive(self.model.metrics)
-        variables = self.metric_variables
-        totals = self.collectives.allreduce_sum([tf.convert_to_tensor(v) for v in variables])
-        for variable, total in zip(variables, totals):
-            variable.assign(total)
+        assign_across_ranks(self.collectives, self.metric_variables)
         return {name: float(value) for name, value in self.model.get_metrics_result().items()
                 if _scalar(value)}
 

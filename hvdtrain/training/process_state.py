@@ -20,9 +20,9 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from hvdtrain.training.keras_internals import (keras_random_state, op_determinism_enabled,
-                                               set_keras_random_state, set_op_determinism,
-                                               set_tf_random_state, tf_random_state)
+from hvdtrain.keras_internals import (keras_random_state, op_determinism_enabled,
+                                      set_keras_random_state, set_op_determinism,
+                                      set_tf_random_state, tf_random_state)
 
 
 def seed_alike(seed: int) -> None:

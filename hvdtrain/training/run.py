@@ -38,37 +38,37 @@ from hvdtrain import output
 from hvdtrain.checkpoint import (CheckpointStore, assign_rank_state, atomic_write_text,
                                  build_optimizers, lock_run_dir)
 from hvdtrain.checkpoint_state import CheckpointState
+from hvdtrain.collectives import (Collectives, GradientReduction, World, ended_by_another_rank,
+                                  init_collectives, place_devices)
 from hvdtrain.config import Config, DataConfig, OptimConfig
-from hvdtrain.data.files import LABEL_RANGE_MESSAGE, corrupt_record_message
-from hvdtrain.data.pipeline import ShardSpec
 from hvdtrain.data.contract import ArraySplit, DataBundle
 from hvdtrain.data.equal_steps import count_changed_line
+from hvdtrain.data.files import LABEL_RANGE_MESSAGE, corrupt_record_message
 from hvdtrain.data.load import load_source
+from hvdtrain.data.pipeline import ShardSpec
 from hvdtrain.errors import (AgreedError, CheckpointWriteFailed, PeerFailed, StoppedBySignal,
                              TrainingDiverged, UserError, first_sentence)
+from hvdtrain.keras_internals import (build_compiled_metrics, initial_epoch_of, set_initial_epoch,
+                                      sublayers)
 from hvdtrain.models import build_model, check_input_shape
-from hvdtrain.plugins import load_callable
 from hvdtrain.plots import plot_curves
-from hvdtrain.training.elastic import ElasticRun, elastic_loop
+from hvdtrain.plugins import load_callable
 from hvdtrain.training.adapted_state import agree_on_adapted_state
 from hvdtrain.training.autotune_run import Tuning, autotune
+from hvdtrain.training.callbacks import (CheckpointPlan, FirstStepClock, PlateauDecay, Reporting,
+                                         ResumePoint, RunHooks, StepPosition, resume_metrics_files,
+                                         standard_callbacks)
 from hvdtrain.training.data_plan import DataPlan, plan_data
-from hvdtrain.training.process_state import run_environment, seed_alike, seed_per_rank
-from hvdtrain.training.callbacks import (CheckpointPlan, FirstStepClock, PlateauDecay,
-                                         Reporting, ResumePoint, RunHooks, StepPosition,
-                                         resume_metrics_files, standard_callbacks)
-from hvdtrain.training.keras_internals import (build_compiled_metrics, initial_epoch_of,
-                                               set_initial_epoch, sublayers)
+from hvdtrain.training.elastic import ElasticRun, elastic_loop
 from hvdtrain.training.liveness import Liveness, liveness_for
 from hvdtrain.training.loops import LOOPS
 from hvdtrain.training.objective import probe
 from hvdtrain.training.own_step import OwnStep
+from hvdtrain.training.process_state import run_environment, seed_alike, seed_per_rank
 from hvdtrain.training.resume_check import check_resumable, optimizers_changed
 from hvdtrain.training.run_columns import RunColumns, RunColumnsLog
 from hvdtrain.training.step import Evaluation, StepMath, StepOptions, TrainingStep
 from hvdtrain.training.trainable import Trainable, own_step_reason, prepare
-from hvdtrain.world import (Collectives, GradientReduction, World, ended_by_another_rank,
-                            init_collectives, place_devices)
 from hvdtrain.writes import run_files
 
 

@@ -18,8 +18,8 @@ from typing import Any, Protocol
 import keras
 import tensorflow as tf
 
+from hvdtrain.collectives import Collectives, GradientReduction
 from hvdtrain.training.objective import BatchShares, MetricState, Objective
-from hvdtrain.world import Collectives, GradientReduction
 
 
 class TrainingStep(Protocol):

@@ -14,15 +14,15 @@ from dataclasses import dataclass
 
 import keras
 
+from hvdtrain.collectives import World
 from hvdtrain.config import DEFAULT_LEARNING_RATE, Config
 from hvdtrain.data.contract import DataBundle
 from hvdtrain.errors import UserError
+from hvdtrain.keras_internals import compile_arguments, remembered_rates
 from hvdtrain.training.callbacks import RateControl
-from hvdtrain.training.keras_internals import compile_arguments
 from hvdtrain.training.objective import DEFAULT_LOSS, DEFAULT_METRICS, Objective
 from hvdtrain.training.own_step import own_step_methods, owned_optimizers
 from hvdtrain.training.schedule import WarmupScaledRate, make_optimizer, make_schedule
-from hvdtrain.world import World
 
 
 def own_step_reason(model: keras.Model, data: DataBundle) -> str | None:
@@ -46,7 +46,7 @@ def settable_rate(optimizer: keras.optimizers.Optimizer) -> float | None:
         optimizer.learning_rate = rate
     except TypeError:
         return None
-    base, last = getattr(optimizer, "_hvdtrain_rates", (rate, rate))
+    base, last = remembered_rates(optimizer) or (rate, rate)
     return base if rate == last else rate
 
 

@@ -1,44 +1,13 @@
-"""The TensorFlow backend: hvdtrain's ``Collectives`` over TensorFlow's own collective ops, the
-ones under ``MultiWorkerMirroredStrategy`` (ring all-reduce over gRPC on CPUs, NCCL on GPUs),
-with no Horovod anywhere on the path.
+"""The TensorFlow backend: ``Collectives`` over TensorFlow's own collective ops (those under
+``MultiWorkerMirroredStrategy``: ring all-reduce over gRPC on CPUs, NCCL on GPUs), no Horovod.
 
-Why: Horovod is frozen (its last release builds against current TensorFlow only with a source
-fix), while TensorFlow's collectives are maintained with TensorFlow itself. Keras 3's
-``model.fit`` does not run under ``MultiWorkerMirroredStrategy``; hvdtrain's step and loops do
-not need a strategy, only the collectives, which this module drives directly.
-
-How a job starts (every rank, before TensorFlow's runtime exists):
-
-1. The ranks come from the launcher as today (``mpirun``, ``srun --mpi=pmix``, ``horovodrun``
-   with MPI, the wrappers). One MPI exchange (mpi4py; no MPI collective in training) gives
-   every rank the others' host names and gRPC ports: rank, size, local and cross ranks follow.
-2. The device placement hvdtrain needs (one GPU per local rank, or CPU thread pools) is made,
-   then TensorFlow's eager context becomes a cluster of ``size`` tasks (``/job:worker``) with
-   its collective executor and the coordination service (which carries a failed rank's error
-   to the others at once: ``shutdown``). This must happen before any tensor or variable
-   exists in the process: a model built before it cannot take part (one line says so).
-
-Keys: every collective carries a group key (all ranks: one group for CPU tensors, one for
-GPU tensors) and an instance key, which must name the same operation on every rank. Keys are
-drawn from one counter per group when an operation *runs* (inside a ``tf.function`` as a
-call-time capture), so a rank that retraces a function does not shift any key; as with
-Horovod, every rank must issue the same collectives in the same order. In a TensorFlow 1 graph
-(run by a ``Session``, which cannot reach the cluster) each collective is a node that runs it
-eagerly when the session runs the node (``tf_graph_mode``); the cluster, its tokens and the
-object exchanges are always made eagerly, so a graph's end takes nothing of them along.
-
-Shapes: TensorFlow's all-gather crashes the process on a tensor with no elements, and its
-collectives abort every later collective of the process when the ranks' shapes differ. So no
-empty tensor reaches the all-gather (``_concatenated`` sends one element more), and the drop-in's
-operations compare every rank's call before they run (``_first_dims``).
-
-Private TensorFlow API used here (and in ``tf_graph_mode``): ``context.context()``'s collective
-and coordination configuration, ``collective_ops``' V2 ops, ``FuncGraph.
-capture_call_time_value`` and ``context.eager_mode``; the exactness, stop, drop-in and
-multi-node tests run them on real ranks (parametrised over both backends).
-
-What it does not do (refused with one line that names the Horovod backend): elastic
-resizing, Adasum. fp16 on the wire is a cast around the sum.
+Why: Horovod is frozen, TensorFlow's collectives are maintained with TensorFlow. One MPI
+exchange gives every rank the others' addresses; TensorFlow's eager context then becomes a
+cluster of ``size`` tasks (this must happen before any tensor exists in the process). Every
+collective carries a group key and an instance key drawn when it *runs*, so a retrace shifts no
+key; ranks must issue collectives in the same order, as with Horovod. No empty tensor reaches
+the all-gather (it crashes the process): ``concatenated`` pads. Elastic resizing and Adasum
+are refused with one line naming the Horovod backend.
 """
 
 from __future__ import annotations
@@ -49,9 +18,10 @@ import socket
 import threading
 from typing import Any, Callable, Sequence
 
+from hvdtrain.collectives.base import GradientReduction, tf_variables
+from hvdtrain.collectives.tf_graph_mode import SessionNodes, eagerly, in_session_graph
+from hvdtrain.collectives.world import World
 from hvdtrain.errors import UserError
-from hvdtrain.tf_graph_mode import SessionNodes, eagerly, in_session_graph
-from hvdtrain.world import GradientReduction, World, tf_variables
 
 JOB = "worker"
 # gRPC ports are chosen free and bound a moment later by TensorFlow's server.
@@ -214,7 +184,7 @@ class TensorFlowCollectives:
             return run(value, group, self._instance_key(group), self._tokens[group].handle,
                        hint)
 
-    def _all_reduce(self, tensor: Any, merge_op: str = "Add") -> Any:
+    def all_reduce(self, tensor: Any, merge_op: str = "Add") -> Any:
         """``tensor`` combined across ranks by ``merge_op`` ("Add", "Mul", "Min", "Max")."""
         from tensorflow.python.ops import collective_ops
 
@@ -225,10 +195,10 @@ class TensorFlowCollectives:
 
         return self._collective(reduce, tensor, tensor.shape)
 
-    def _all_gather(self, tensor: Any) -> Any:
+    def all_gather(self, tensor: Any) -> Any:
         """Every rank's ``tensor`` (the same shape on every rank) concatenated along the first
         dimension. Never with zero elements: TensorFlow's all-gather then crashes the process
-        (a segmentation fault, measured), so callers pad (``_concatenated``)."""
+        (a segmentation fault, measured), so callers pad (``concatenated``)."""
         from tensorflow.python.ops import collective_ops
 
         def gather(value: Any, group: int, key: Any, token: Any, hint: str) -> Any:
@@ -241,7 +211,7 @@ class TensorFlowCollectives:
                                      ).concatenate(tensor.shape[1:])
         return self._collective(gather, tensor, shape)
 
-    def _broadcast(self, tensor: Any, root_rank: int) -> Any:
+    def broadcast_tensor(self, tensor: Any, root_rank: int) -> Any:
         """The root rank's ``tensor`` on every rank (each rank passes a tensor of the root's
         shape and dtype: the receivers' values are not used)."""
         from tensorflow.python.ops import collective_ops
@@ -271,7 +241,7 @@ class TensorFlowCollectives:
             by_dtype.setdefault(tensor.dtype, []).append(index)
         for indices in by_dtype.values():
             flats = [tf.reshape(tensors[i], [-1]) for i in indices]
-            total = self._all_reduce(flats[0] if len(flats) == 1 else tf.concat(flats, 0))
+            total = self.all_reduce(flats[0] if len(flats) == 1 else tf.concat(flats, 0))
             parts = (tf.split(total, [tf.size(tensors[i]) for i in indices])
                      if len(indices) > 1 else [total])
             for index, part in zip(indices, parts):
@@ -319,9 +289,9 @@ class TensorFlowCollectives:
         """Every rank's rows of a sparse gradient, in rank order (ranks may hold different
         numbers of rows)."""
         tf = self._tf
-        counts = self._all_gather(tf.shape(slices.indices, out_type=tf.int64)[:1])
-        values = self._concatenated(slices.values, counts)
-        indices = self._concatenated(tf.cast(slices.indices, tf.int64), counts)
+        counts = self.all_gather(tf.shape(slices.indices, out_type=tf.int64)[:1])
+        values = self.concatenated(slices.values, counts)
+        indices = self.concatenated(tf.cast(slices.indices, tf.int64), counts)
         scale = reduction.prescale * reduction.postscale / (
             self.world.size if reduction.op == "average" else 1)
         return tf.IndexedSlices(values * scale if scale != 1.0 else values,
@@ -339,7 +309,7 @@ class TensorFlowCollectives:
         for dtype, group in by_dtype.items():
             sizes = [int(variable.shape.num_elements()) for variable in group]
             flat = tf.concat([tf.reshape(variable, [-1]) for variable in group], 0)
-            received = self._broadcast(flat, root_rank)
+            received = self.broadcast_tensor(flat, root_rank)
             # The root assigns too: in a tf.function an unused broadcast send is pruned, and
             # the receivers would wait for ever.
             for variable, part in zip(group, tf.split(received, sizes)):
@@ -361,9 +331,9 @@ class TensorFlowCollectives:
         tf = self._tf
         data = pickle.dumps(obj)
         with eagerly():
-            lengths = self._all_gather(tf.constant([len(data)], tf.int64)).numpy()
+            lengths = self.all_gather(tf.constant([len(data)], tf.int64)).numpy()
             words = (int(lengths.max()) + 3) // 4
-            gathered = self._all_gather(tf.constant(self._as_words(data, words))).numpy()
+            gathered = self.all_gather(tf.constant(self._as_words(data, words))).numpy()
         raw = gathered.reshape(self.world.size, words).view("uint8")
         return [pickle.loads(raw[rank, :lengths[rank]].tobytes())
                 for rank in range(self.world.size)]
@@ -374,10 +344,10 @@ class TensorFlowCollectives:
         tf = self._tf
         data = pickle.dumps(obj) if self.world.rank == root_rank else b""
         with eagerly():
-            length = int(self._broadcast(tf.constant([len(data)], tf.int64),
-                                         root_rank).numpy()[0])
+            length = int(self.broadcast_tensor(tf.constant([len(data)], tf.int64),
+                                               root_rank).numpy()[0])
             words = (length + 3) // 4
-            received = self._broadcast(tf.constant(self._as_words(data, words)), root_rank)
+            received = self.broadcast_tensor(tf.constant(self._as_words(data, words)), root_rank)
         if self.world.rank == root_rank:
             return obj
         return pickle.loads(received.numpy().view("uint8")[:length].tobytes())
@@ -393,256 +363,44 @@ class TensorFlowCollectives:
         except Exception:  # noqa: BLE001 - the cluster may be gone already; nothing to tell
             pass
 
-    # --- for the Horovod drop-in ------------------------------------------------------------
-    # Horovod's tensor operations that the trainer does not need; ``hvdtrain.dropin_tf`` offers
-    # them under Horovod's names. Each starts with one small all-gather of every rank's
-    # description of its call (operation, op or root, dtype, shape): ranks that disagree then
-    # all get the same error, as Horovod's coordinator gives them, instead of a hang or a
-    # silently wrong result. TensorFlow's CPU collectives carry int32, int64, float16, float32
-    # and float64 only; other types travel converted without loss (``_on_the_wire``).
-
-    _OPERATIONS = ("allreduce", "allgather", "broadcast", "reducescatter", "alltoall")
-    _MERGE_OPS = {"sum": "Add", "average": "Add", "min": "Min", "max": "Max", "product": "Mul"}
-    _DESCRIBED_DIMS = 8      # dimensions after the first compared one by one (more: multiplied)
-
-    def allreduce(self, tensor: Any, op: str = "sum", prescale: float = 1.0,
-                  postscale: float = 1.0) -> Any:
-        """One tensor combined across ranks (same shape and dtype on every rank): op "sum",
-        "average", "min", "max" or "product"; each rank's tensor multiplied by ``prescale``
-        first, the result by ``postscale`` (by ``postscale / size`` for "average"), in
-        Horovod's arithmetic (``_scaled``). Eager or in a tf.function."""
-        return self._reduced("allreduce", self._tf.convert_to_tensor(tensor), op, prescale,
-                             postscale)
-
-    def allgather(self, tensor: Any) -> Any:
-        """Every rank's tensor concatenated along the first dimension, in rank order. The
-        first dimension may differ between ranks, the others may not: the tensors travel
-        padded to the longest and are trimmed after. A scalar is refused, as Horovod does."""
-        tf = self._tf
-        tensor = tf.convert_to_tensor(tensor)
-        self._needs_a_dimension("allgather", tensor, tf.errors.FailedPreconditionError)
-        return self._concatenated(tensor, self._first_dims("allgather", tensor, same_first=False))
-
-    def broadcast(self, tensor: Any, root_rank: int) -> Any:
-        """The root rank's tensor on every rank (same shape and dtype on every rank)."""
-        tf = self._tf
-        tensor = tf.convert_to_tensor(tensor)
-        if not 0 <= root_rank < self.world.size:
-            raise ValueError(f"root_rank {root_rank} is not a rank of this job of "
-                             f"{self.world.size}")
-        checked = self._first_dims("broadcast", tensor, detail=root_rank)
-        wire, dtype = self._on_the_wire(tensor)
-        with tf.control_dependencies([checked]):
-            received = self._broadcast(wire, root_rank)
-        return tf.ensure_shape(tf.cast(received, dtype), tensor.shape)
-
-    def reducescatter(self, tensor: Any, op: str = "sum", prescale: float = 1.0,
-                      postscale: float = 1.0) -> Any:
-        """Combined as ``allreduce`` combines it, then each rank keeps its share of the first
-        dimension, in rank order (the first ``rows % size`` ranks one row more, as Horovod
-        splits it). Done as an allreduce of the whole tensor: each rank receives ``size``
-        times the bytes a true reduce-scatter would send it."""
-        tf = self._tf
-        tensor = tf.convert_to_tensor(tensor)
-        self._needs_a_dimension("reducescatter", tensor, tf.errors.InvalidArgumentError)
-        total = self._reduced("reducescatter", tensor, op, prescale, postscale)
-        rank, size = self.world.rank, self.world.size
-        rows = tf.shape(total)[0]
-        base, extra = rows // size, rows % size
-        start = rank * base + tf.minimum(rank, extra)
-        return total[start:start + base + tf.cast(rank < extra, tf.int32)]
-
-    def alltoall(self, tensor: Any, splits: Any = None) -> tuple[Any, Any]:
-        """Rank r sends its next ``splits[d]`` rows (along the first dimension, in order) to
-        rank d; returns the rows every rank sent here, in rank order, and how many came from
-        each rank (int32). Without ``splits`` the first dimension is divided equally. Done
-        with all-gathers (every rank's splits, then every rank's whole tensor), so each rank
-        receives ``size`` times the bytes a true all-to-all would send it."""
-        tf = self._tf
-        tensor = tf.convert_to_tensor(tensor)
-        size, rank = self.world.size, self.world.rank
-        self._needs_a_dimension("alltoall", tensor)
-        rows = tf.shape(tensor, out_type=tf.int64)[0]
-        checks = []
-        if splits is None:
-            checks.append(tf.debugging.assert_equal(
-                rows % size, tf.constant(0, tf.int64),
-                message=f"alltoall without splits: the first dimension must divide by {size}"))
-            splits = tf.fill([size], rows // size)
-        splits = tf.cast(tf.reshape(splits, [-1]), tf.int64)
-        checks.append(tf.debugging.assert_equal(tf.size(splits), size,
-                                                message=f"alltoall: splits must have {size} "
-                                                        "entries"))
-        checks.append(tf.debugging.assert_equal(tf.reduce_sum(splits), rows,
-                                                message="alltoall: splits must add up to the "
-                                                        "first dimension"))
-        # (Eagerly a failed check has raised already; in a tf.function it runs first.)
-        with tf.control_dependencies([check for check in checks if check is not None]):
-            firsts = self._first_dims("alltoall", tensor, same_first=False)
-        sent = tf.reshape(self._all_gather(splits), [size, size])     # [from rank, to rank]
-        everything = self._concatenated(tensor, firsts)
-        starts = tf.cumsum(firsts, exclusive=True) + tf.reduce_sum(sent[:, :rank], axis=1)
-        counts = sent[:, rank]
-        mine = tf.concat([tf.range(starts[r], starts[r] + counts[r]) for r in range(size)], 0)
-        received = tf.gather(everything, mine)
-        received.set_shape(tf.TensorShape([None]).concatenate(everything.shape[1:]))
-        return received, tf.cast(counts, tf.int32)
-
-    def _needs_a_dimension(self, operation: str, tensor: Any, eager_error: Any = None) -> None:
-        """Horovod's refusal of a scalar: ``eager_error`` (the class Horovod raises when it runs
-        the op eagerly) or ValueError (its shape check when a graph or tf.function is built;
-        eagerly too where Horovod has no error of its own: its eager alltoall of a scalar
-        crashes the process)."""
-        if tensor.shape.rank != 0:
-            return
-        message = f"{operation} needs a tensor with at least one dimension, not a scalar"
-        if eager_error is not None and self._tf.executing_eagerly():
-            raise eager_error(None, None, message)
-        raise ValueError(message)
-
-    def _reduced(self, operation: str, tensor: Any, op: str, prescale: float,
-                 postscale: float) -> Any:
-        tf = self._tf
-        if op not in self._MERGE_OPS:
-            raise ValueError(f"{operation} combines with sum, average, min, max or product, "
-                             f"not {op}")
-        checked = self._first_dims(operation, tensor, detail=list(self._MERGE_OPS).index(op))
-        wire, dtype = self._on_the_wire(self._scaled(tensor, prescale))
-        with tf.control_dependencies([checked]):
-            total = self._all_reduce(wire, self._MERGE_OPS[op])
-        factor = postscale / self.world.size if op == "average" else postscale
-        return self._scaled(tf.cast(total, dtype), factor)
-
-    def _scaled(self, tensor: Any, factor: float) -> Any:
-        """``factor * tensor`` as Horovod computes it on CPUs: in float64 for integers
-        (truncated back), in float32 for 16-bit floats, in the tensor's own type otherwise."""
-        tf = self._tf
-        if factor == 1.0:
-            return tensor
-        dtype = tensor.dtype
-        math = (tf.float64 if dtype.is_integer or dtype == tf.bool else
-                tf.float32 if dtype in (tf.float16, tf.bfloat16) else dtype)
-        return tf.cast(tf.cast(tensor, math) * tf.constant(factor, math), dtype)
-
-    def _on_the_wire(self, tensor: Any) -> tuple[Any, Any]:
-        """(the tensor as it travels, its own dtype): 8- and 16-bit integers and bool travel
-        as int32, uint32 as int64, bfloat16 as float32 (each exact, and sums, products, minima
-        and maxima of 8- and 16-bit integers wrap back as Horovod's do)."""
-        tf = self._tf
-        dtype = tensor.dtype
-        if dtype in (tf.int32, tf.int64, tf.float16, tf.float32, tf.float64):
-            return tensor, dtype
-        wire = {tf.uint8: tf.int32, tf.int8: tf.int32, tf.uint16: tf.int32, tf.int16: tf.int32,
-                tf.bool: tf.int32, tf.uint32: tf.int64, tf.bfloat16: tf.float32}.get(dtype)
-        if wire is None:
-            raise TypeError(f"TensorFlow's collectives cannot carry {dtype.name} tensors")
-        return tf.cast(tensor, wire), dtype
-
-    def _concatenated(self, tensor: Any, firsts: Any) -> Any:
+    def concatenated(self, tensor: Any, firsts: Any) -> Any:
         """Every rank's ``tensor`` (``firsts``: each rank's first dimension) in rank order.
         Each rank sends its rows padded to the most any rank has, flattened, plus one element:
         TensorFlow's all-gather crashes on an empty tensor, and every rank may have none (or
         rows of no elements)."""
         tf = self._tf
-        wire, dtype = self._on_the_wire(tensor)
+        wire, dtype = on_the_wire(tensor)
         known = tf.get_static_value(firsts)
         if known is not None and known.min() == known.max() and tensor.shape.num_elements():
             # Eagerly, or in a graph whose every rank's shape was known when it was built (then
             # the other dimensions, agreed, are known too): equal non-empty parts travel as
             # they are.
-            return tf.cast(self._all_gather(wire), dtype)
+            return tf.cast(self.all_gather(wire), dtype)
         shape = tf.shape(wire, out_type=tf.int64)
         slots = tf.reduce_max(firsts)
         sent = tf.pad(tf.reshape(wire, [-1]),
                       [[0, (slots - shape[0]) * tf.reduce_prod(shape[1:]) + 1]])
-        gathered = tf.reshape(self._all_gather(sent), [self.world.size, -1])[:, :-1]
+        gathered = tf.reshape(self.all_gather(sent), [self.world.size, -1])[:, :-1]
         rows = tf.reshape(gathered, tf.concat([[self.world.size, slots], shape[1:]], 0))
         every = tf.cast(tf.boolean_mask(rows, tf.sequence_mask(firsts, slots)), dtype)
         every.set_shape(tf.TensorShape([None]).concatenate(tensor.shape[1:]))
         return every
 
-    def _first_dims(self, operation: str, tensor: Any, detail: int = 0,
-                    same_first: bool = True) -> Any:
-        """Every rank's first dimension (int64, in rank order), once every rank's call was
-        found to agree with rank 0's: the same operation, op or root (``detail``), dtype and
-        shape (``same_first=False``: but for the first dimension). Where they disagree every
-        rank raises FailedPreconditionError, as Horovod's ranks do: eagerly when the op runs;
-        in a TensorFlow 1 graph when the op is built, from the shapes the graph knows (what it
-        leaves unknown is compared when the op runs, as in a tf.function, where a disagreement
-        raises InvalidArgumentError)."""
-        tf = self._tf
-        compared = [0, 1, 2, 3, *([] if not same_first else [4]),
-                    *range(5, 5 + self._DESCRIBED_DIMS)]
-        if in_session_graph():
-            with eagerly():
-                built = self._all_gather(tf.constant(self._description(
-                    operation, tensor, detail, when_built=True), tf.int64))
-            numbers = built.numpy().reshape(self.world.size, -1)
-            self._check_agreement(numbers, compared)
-            if (numbers[:, compared + [4]] >= 0).all():     # every rank's shape is known
-                return tf.constant(numbers[:, 4])
-        described = tf.reshape(self._all_gather(self._description(operation, tensor, detail)),
-                               [self.world.size, -1])
-        if tf.executing_eagerly():
-            self._check_agreement(described.numpy(), compared)
-            return described[:, 4]
-        columns = tf.gather(described, compared, axis=1)
-        agree = tf.reduce_all(tf.equal(columns, columns[:1]))
-        with tf.control_dependencies([tf.debugging.Assert(agree, [
-                f"ranks disagree on a {operation}: operation, op or root, dtype, rank, shape "
-                "of each rank:", described], summarize=-1)]):
-            return tf.identity(described[:, 4])
 
-    def _check_agreement(self, numbers: Any, compared: list[int]) -> None:
-        """FailedPreconditionError naming every rank's call unless, in each compared column of
-        the ranks' descriptions, the ranks that know the value (-1: not known when built) all
-        have the same."""
-        for column in numbers[:, compared].T:
-            if len(set(column[column >= 0].tolist())) > 1:
-                raise self._tf.errors.FailedPreconditionError(None, None,
-                                                              self._disagreement(numbers))
+def on_the_wire(tensor: Any) -> tuple[Any, Any]:
+    """(the tensor as it travels, its own dtype): 8- and 16-bit integers and bool travel
+    as int32, uint32 as int64, bfloat16 as float32 (each exact, and sums, products, minima
+    and maxima of 8- and 16-bit integers wrap back as Horovod's do)."""
+    import tensorflow as tf
 
-    def _description(self, operation: str, tensor: Any, detail: int,
-                     when_built: bool = False) -> Any:
-        """[operation, op or root, dtype, rank, first dimension, the next dimensions] (int64,
-        a fixed length whatever the tensor's rank; a scalar counts as one row): from the
-        tensor's shape when the op runs, or (``when_built``, a list) from the shape the graph
-        knows when it is built, -1 where it does not."""
-        import math
-
-        tf = self._tf
-        rank, count = tensor.shape.rank, self._DESCRIBED_DIMS
-        head = [self._OPERATIONS.index(operation), detail, tensor.dtype.as_datatype_enum]
-        if when_built:
-            if rank is None:
-                return head + [-1] * (count + 2)
-            dims = [-1 if dim is None else dim for dim in tensor.shape.as_list()]
-            product: Callable[[list[Any]], Any] = (
-                lambda part: -1 if -1 in part else math.prod(part))
-        else:
-            shape = tf.shape(tensor, out_type=tf.int64)
-            dims, product = [shape[i] for i in range(rank)], tf.reduce_prod
-        rest = dims[1:count] + ([product(dims[count:])] if rank > count else [])
-        numbers = head + [rank, dims[0] if rank else 1, *rest] + [0] * (count - len(rest))
-        if when_built:
-            return numbers
-        return tf.stack([tf.constant(n, tf.int64) if isinstance(n, int) else n
-                         for n in numbers])
-
-    def _disagreement(self, numbers: Any) -> str:
-        """One line naming what each rank called (from ``_description``'s numbers)."""
-        from tensorflow.python.framework import dtypes
-
-        calls = []
-        for rank, (operation, detail, dtype, dims, first, *rest) in enumerate(numbers.tolist()):
-            name = self._OPERATIONS[operation]
-            how = (f" from rank {detail}" if name == "broadcast" else
-                   f" ({list(self._MERGE_OPS)[detail]})" if name in ("allreduce", "reducescatter")
-                   else "")
-            shape = (tuple(None if dim < 0 else dim for dim in [first, *rest][:dims])
-                     if 0 <= dims <= self._DESCRIBED_DIMS else "(...)")
-            calls.append(f"rank {rank}: {name}{how} of {dtypes.as_dtype(dtype).name} {shape}")
-        return "ranks disagree on a collective: " + "; ".join(calls)
+    dtype = tensor.dtype
+    if dtype in (tf.int32, tf.int64, tf.float16, tf.float32, tf.float64):
+        return tensor, dtype
+    wire = {tf.uint8: tf.int32, tf.int8: tf.int32, tf.uint16: tf.int32, tf.int16: tf.int32,
+            tf.bool: tf.int32, tf.uint32: tf.int64, tf.bfloat16: tf.float32}.get(dtype)
+    if wire is None:
+        raise TypeError(f"TensorFlow's collectives cannot carry {dtype.name} tensors")
+    return tf.cast(tensor, wire), dtype
 
 
 _SESSION: TensorFlowCollectives | None = None

@@ -9,7 +9,8 @@ tested range.
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+import contextlib
+from typing import Any, Callable, Iterator, Sequence
 
 import keras
 
@@ -237,3 +238,46 @@ def build_compiled_metrics(model: keras.Model, y_true: Any, y_pred: Any) -> None
     metrics = getattr(model, "_compile_metrics", None)
     if metrics is not None and not metrics.built:
         metrics.build(y_true, y_pred)
+
+
+@contextlib.contextmanager
+def train_step_installed(model: keras.Model, train_step: Callable[[Any], Any]) -> Iterator[None]:
+    """``train_step`` as the model's step, XLA off, Keras' cached traced functions dropped (so
+    ``fit`` traces the new step); the model as it was afterwards. Keras reads ``train_step``
+    and ``jit_compile`` from the model when it builds ``train_function``."""
+    jit = model.jit_compile
+    model.jit_compile = False
+    model.train_step = train_step
+    model.train_function = model.test_function = None
+    try:
+        yield
+    finally:
+        del model.train_step
+        model.train_function = model.test_function = None
+        model.jit_compile = jit
+
+
+def set_class(instance: Any, cls: type) -> None:
+    """Make ``instance`` (an optimizer) an instance of ``cls``, a subclass of its own class or
+    its own class again: the same object with the same variables and state, whose methods are
+    ``cls``'s. How an optimizer becomes distributed in place, and back."""
+    instance.__class__ = cls
+
+
+def copy_as(instance: Any, cls: type) -> Any:
+    """A new object of ``cls`` (a subclass of ``instance``'s class) with ``instance``'s
+    attributes: a ``tf.GradientTape`` that keeps what the user's tape recorded."""
+    copy = object.__new__(cls)
+    copy.__dict__.update(instance.__dict__)
+    return copy
+
+
+def remember_rates(optimizer: keras.optimizers.Optimizer, base: float, last: float) -> None:
+    """Note on the optimizer the base rate a run scaled and the rate it last set, so a next run
+    of the same model (a notebook) starts from the base again (``remembered_rates``)."""
+    optimizer._hvdtrain_rates = (base, last)
+
+
+def remembered_rates(optimizer: keras.optimizers.Optimizer) -> tuple[float, float] | None:
+    """(base rate, rate last set) from an earlier run of this optimizer, or None."""
+    return getattr(optimizer, "_hvdtrain_rates", None)

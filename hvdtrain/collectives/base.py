@@ -1,0 +1,202 @@
+"""What every backend offers: the ``Collectives`` protocol, how gradients are combined
+(``GradientReduction``), the world of one (``LocalCollectives``), and the facts the backends share
+(a peer's departure, Keras variables' TensorFlow variables)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol, Sequence
+
+from hvdtrain.collectives.world import World
+
+
+@dataclass(frozen=True)
+class GradientReduction:
+    """How gradients are combined across ranks: the one description that the trainer's step and
+    the Horovod drop-in (``hvdtrain.keras.DistributedOptimizer``,
+    ``hvdtrain.tensorflow.DistributedGradientTape``) hand to ``reduce_gradients``.
+
+    ``op`` is "sum", "average" (Horovod divides by the current world size, so it follows an
+    elastic world) or "adasum". Each rank's tensors are multiplied by ``prescale`` before they
+    are combined and the result by ``postscale`` (Horovod's ``gradient_predivide_factor`` f is
+    prescale 1/f, postscale f). ``fp16`` halves the bytes on the wire. Sparse gradients
+    (``tf.IndexedSlices``, e.g. of an embedding) are gathered, not summed, unless
+    ``sparse_as_dense`` turns them into dense tensors first.
+
+    ``bucket_bytes`` > 0 splits the dense gradients into buckets of about that many bytes,
+    filled from the end of the list (the last layers' gradients, which the backward pass
+    computes first), one grouped allreduce each: in a ``tf.function`` each bucket's allreduce
+    starts as soon as its own gradients exist, while the backward pass still computes the
+    earlier layers' (see ``buckets``). 0 keeps one group for everything.
+    """
+
+    op: str = "sum"
+    fp16: bool = False
+    prescale: float = 1.0
+    postscale: float = 1.0
+    sparse_as_dense: bool = False
+    bucket_bytes: int = 0
+
+    def __post_init__(self) -> None:
+        if self.op not in ("sum", "average", "adasum"):
+            raise ValueError(f"gradient reduction op must be sum, average or adasum, not {self.op}")
+        if self.bucket_bytes < 0:
+            raise ValueError(f"bucket_bytes must be 0 (one group) or more, not {self.bucket_bytes}")
+
+    def buckets(self, tensors: Sequence[Any]) -> list[list[int]]:
+        """The positions of ``tensors`` grouped into buckets, in the order they are issued:
+        walking from the last tensor to the first, a bucket closes once it holds at least
+        ``bucket_bytes`` (a tensor larger than that is a bucket of its own). Within a bucket
+        the positions ascend. A tensor of unknown size counts as 0 bytes."""
+        if self.bucket_bytes == 0:
+            return [list(range(len(tensors)))] if tensors else []
+        found: list[list[int]] = []
+        current: list[int] = []
+        filled = 0
+        for index in reversed(range(len(tensors))):
+            current.insert(0, index)
+            filled += _static_bytes(tensors[index])
+            if filled >= self.bucket_bytes:
+                found.append(current)
+                current, filled = [], 0
+        if current:
+            found.append(current)
+        return found
+
+    def describe(self, variables: Sequence[Any], accumulated: bool = False) -> str:
+        """One line for the run's log: how the gradients of ``variables`` will travel
+        (``accumulated``: summed over micro-steps in variables first, so all at once)."""
+        total = sum(_static_bytes(v) for v in variables) / 2**20
+        count = len(self.buckets(variables))
+        if self.bucket_bytes == 0:
+            return f"gradients: {total:.2f} MiB in one allreduce after the backward pass"
+        when = ("all at the last micro-step (accumulated: no overlap)" if accumulated else
+                "each sent once the backward pass has computed it")
+        return (f"gradients: {total:.2f} MiB in {count} bucket(s) of about "
+                f"{self.bucket_bytes / 2**20:g} MiB, {when}")
+
+
+def _static_bytes(tensor: Any) -> int:
+    """Bytes of a tensor or variable (TensorFlow's or Keras') whose shape is known when the
+    graph is built (0 otherwise)."""
+    import tensorflow as tf
+
+    elements = tf.TensorShape(tensor.shape).num_elements()
+    return 0 if elements is None else elements * tf.as_dtype(tensor.dtype).size
+
+
+class Collectives(Protocol):
+    """The collective operations a data-parallel run needs, for any backend."""
+
+    world: World
+    backend: str      # "horovod", "tensorflow" or "none" (a world of one)
+    chosen: str       # why this backend: "as asked", or what auto found
+
+    def allreduce_sum(self, tensors: Sequence[Any]) -> list[Any]:
+        """Sum each tensor across ranks (grouped into one fused ring-allreduce; graph-safe)."""
+
+    def reduce_gradients(self, tensors: Sequence[Any],
+                         reduction: GradientReduction = GradientReduction()) -> list[Any]:
+        """Combine gradients across ranks as ``reduction`` says, dense ones in one grouped
+        allreduce; a None gradient stays None (graph-safe)."""
+
+    def broadcast_variables(self, variables: Sequence[Any], root_rank: int = 0) -> Any:
+        """Overwrite every rank's variables (TensorFlow or Keras 3) with the root rank's. In a
+        TensorFlow 1 graph that is an op to run, which is returned (None: nothing to run)."""
+
+    def broadcast_object(self, obj: Any, root_rank: int = 0) -> Any:
+        """Return the root rank's picklable object on every rank."""
+
+    def allgather_object(self, obj: Any) -> list[Any]:
+        """Return the list of every rank's object, in rank order."""
+
+    def shutdown(self) -> None:
+        """Leave the job's collectives after an error here, so no peer waits for this rank."""
+
+
+class LocalCollectives:
+    """A world of one: every collective is the identity."""
+
+    backend = "none"
+
+    def __init__(self) -> None:
+        self.world = World()
+        self.chosen = "one process"
+
+    def allreduce_sum(self, tensors: Sequence[Any]) -> list[Any]:
+        return list(tensors)
+
+    def reduce_gradients(self, tensors: Sequence[Any],
+                         reduction: GradientReduction = GradientReduction()) -> list[Any]:
+        # Sum, average and Adasum of one tensor are that tensor.
+        import tensorflow as tf
+
+        scale = reduction.prescale * reduction.postscale
+        return [t if t is None or scale == 1.0 else
+                scaled_rows(t, scale) if isinstance(t, tf.IndexedSlices) else t * scale
+                for t in tensors]
+
+    def broadcast_variables(self, variables: Sequence[Any], root_rank: int = 0) -> None:
+        return None
+
+    def broadcast_object(self, obj: Any, root_rank: int = 0) -> Any:
+        return obj
+
+    def allgather_object(self, obj: Any) -> list[Any]:
+        return [obj]
+
+    def shutdown(self) -> None:
+        return None
+
+
+# What a collective's error says on this rank when another rank has left the job: Horovod's
+# (the other rank shut it down), TensorFlow's (its collectives aborted by the other rank's
+# report, or its connection gone).
+PEER_GONE_MARKERS = ("Horovod has been shut down", "Collective ops is aborted by",
+                     "Socket closed", "Connection reset by peer", "stopped sending heartbeats",
+                     "failed to connect to all addresses")
+
+
+def ended_by_another_rank(error: BaseException) -> bool:
+    """True for the error a collective raises on this rank when another rank has left the job
+    (it failed, reported why, and shut its collectives down as its process ended): this rank
+    has nothing to add to that report."""
+    return any(marker in str(error) for marker in PEER_GONE_MARKERS)
+
+
+def summed_across_ranks(collectives: Collectives, variables: Sequence[Any]) -> list[Any]:
+    """The sum over ranks of each variable's value (one grouped allreduce)."""
+    import tensorflow as tf
+
+    return collectives.allreduce_sum([tf.convert_to_tensor(v) for v in variables])
+
+
+def assign_across_ranks(collectives: Collectives, variables: Sequence[Any],
+                        mean: bool = False) -> None:
+    """Give each variable the sum over ranks of its value (``mean``: that sum divided by the
+    world size), the same on every rank: how metric state becomes the global metric and
+    batch-norm statistics the average of the ranks'."""
+    totals = summed_across_ranks(collectives, variables)
+    for variable, total in zip(variables, totals):
+        variable.assign(total / collectives.world.size if mean else total)
+
+
+def scaled_rows(gathered: Any, scale: float) -> Any:
+    """Horovod's reduced sparse gradient: every rank's rows, concatenated in rank order, each
+    index as often as it occurs. That is the gradient one process computes over the whole
+    global batch, so the optimizer sees what Keras would give it there: Keras 3 optimizers
+    apply ``IndexedSlices`` row by row (Adam and RMSprop square each row), and summing repeated
+    rows first would change the update (measured: 1e-3 apart after one RMSprop step)."""
+    import tensorflow as tf
+
+    if scale == 1.0:
+        return gathered
+    return tf.IndexedSlices(gathered.values * scale, gathered.indices, gathered.dense_shape)
+
+
+def tf_variables(variables: Sequence[Any]) -> list[Any]:
+    """The TensorFlow variables behind Keras 3 variables (what Horovod's broadcast assigns);
+    TensorFlow variables pass through."""
+    import keras
+
+    return [v.value if isinstance(v, keras.Variable) else v for v in variables]
