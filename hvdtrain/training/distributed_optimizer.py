@@ -21,6 +21,7 @@ import tensorflow as tf
 
 from hvdtrain.collectives import GradientReduction
 from hvdtrain.keras_internals import set_class
+from hvdtrain.training.accumulation import Accumulation
 
 # How a distributed optimizer combines a list of gradients across ranks (None stays None).
 Reducer = Callable[[Sequence[Any], GradientReduction], list[Any]]
@@ -33,7 +34,7 @@ class _ReducingOptimizer:
     _hvdtrain_passes: int
     _hvdtrain_average_passes: bool
     _hvdtrain_reduce: Reducer
-    _hvdtrain_accumulated: list[tf.Variable] | None = None
+    _hvdtrain_accumulation: Accumulation | None = None
 
     def apply(self, grads: Sequence[Any], trainable_variables: Sequence[Any] | None = None) -> None:
         grads = list(grads)
@@ -47,34 +48,19 @@ class _ReducingOptimizer:
         if self._hvdtrain_passes == 1:
             apply_locally(self._hvdtrain_reduce(grads, self._hvdtrain_reduction), variables)
             return
-        accumulated = self._hvdtrain_accumulators(variables)
-        for total, gradient in zip(accumulated, grads):
-            if gradient is not None:
-                total.assign_add(tf.cast(tf.convert_to_tensor(gradient), total.dtype))
-        self._hvdtrain_calls.assign_add(1)
+        if self._hvdtrain_accumulation is None:
+            self._hvdtrain_accumulation = Accumulation([v.shape for v in variables],
+                                                       [v.dtype for v in variables],
+                                                       self._hvdtrain_passes)
+        accumulation = self._hvdtrain_accumulation
+        accumulation.add(grads)
 
-        def reduce_and_apply() -> tf.Tensor:
-            totals = [tf.identity(total) for total in accumulated]
+        def reduce_and_apply(totals: list[tf.Tensor]) -> None:
             if self._hvdtrain_average_passes:
                 totals = [total / self._hvdtrain_passes for total in totals]
             apply_locally(self._hvdtrain_reduce(totals, self._hvdtrain_reduction), variables)
-            with tf.control_dependencies(totals):
-                for total in accumulated:   # a fresh start, even after non-finite gradients
-                    total.assign(tf.zeros_like(total))
-            return tf.constant(True)
 
-        tf.cond(self._hvdtrain_calls % self._hvdtrain_passes == 0, reduce_and_apply,
-                lambda: tf.constant(False))
-
-    def _hvdtrain_accumulators(self, variables: list[Any]) -> list[tf.Variable]:
-        if self._hvdtrain_accumulated is None:
-            with tf.init_scope():
-                self._hvdtrain_accumulated = [
-                    tf.Variable(tf.zeros(v.shape, v.dtype), trainable=False,
-                                name="hvdtrain_accumulated") for v in variables]
-                self._hvdtrain_calls = tf.Variable(0, dtype=tf.int64, trainable=False,
-                                                   name="hvdtrain_backward_passes")
-        return self._hvdtrain_accumulated
+        accumulation.at_the_last_pass(reduce_and_apply)
 
 
 def own_class(optimizer: keras.optimizers.Optimizer) -> type:

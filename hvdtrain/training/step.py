@@ -19,6 +19,7 @@ import keras
 import tensorflow as tf
 
 from hvdtrain.collectives import Collectives, GradientReduction
+from hvdtrain.training.accumulation import Accumulation
 from hvdtrain.training.objective import BatchShares, MetricState, Objective
 
 
@@ -99,12 +100,11 @@ class StepMath:
         self.skips_non_finite_updates = True
         (self.global_loss, self.stop_vote, self.stop_votes, self.callback_stop_vote,
          self.callback_stop_votes) = vote_variables()
-        self.accumulated: list[tf.Variable] = []
-        if options.accumulation_steps > 1:
-            self.accumulated = [tf.Variable(tf.zeros(v.shape, tf.float32), trainable=False)
-                                for v in model.trainable_variables]
-            self.accumulated_loss = tf.Variable(0.0, trainable=False, dtype=tf.float32)
-            self.micro_steps = tf.Variable(0, trainable=False, dtype=tf.int64)
+        self.accumulation: Accumulation | None = None
+        if options.accumulation_steps > 1:    # the gradients' sums, then the loss's
+            self.accumulation = Accumulation(
+                [v.shape for v in model.trainable_variables] + [()],
+                [tf.float32] * (len(model.trainable_variables) + 1), options.accumulation_steps)
 
     def reduce(self, gradients: list[Any], scalars: list[tf.Tensor]) -> tuple[list, list]:
         """The step's exchange: (the gradients combined as the options say, the float32
@@ -135,22 +135,10 @@ class StepMath:
 
         tf.cond(tf.math.is_finite(self.global_loss), update, lambda: tf.constant(False))
 
-    def _accumulate(self, gradients: list[tf.Tensor], loss: tf.Tensor) -> None:
-        for total, gradient in zip(self.accumulated, gradients):
-            total.assign_add(tf.cast(gradient, tf.float32))
-        self.accumulated_loss.assign_add(loss)
-        self.micro_steps.assign_add(1)
-
-        def apply_and_reset() -> tf.Tensor:
-            self._apply([tf.identity(total) for total in self.accumulated],
-                        tf.identity(self.accumulated_loss))
-            for total in self.accumulated:
-                total.assign(tf.zeros_like(total))
-            self.accumulated_loss.assign(0.0)
-            return tf.constant(True)
-
-        tf.cond(self.micro_steps % self.options.accumulation_steps == 0, apply_and_reset,
-                lambda: tf.constant(False))
+    def _accumulate(self, accumulation: Accumulation, gradients: list[tf.Tensor],
+                    loss: tf.Tensor) -> None:
+        accumulation.add([*gradients, loss])
+        accumulation.at_the_last_pass(lambda totals: self._apply(totals[:-1], totals[-1]))
 
     @property
     def epoch_state_variables(self) -> list:
@@ -191,8 +179,9 @@ class StepMath:
                 loss += own_losses / shares
             scaled = self.optimizer.scale_loss(loss) if self.loss_scaling else loss
         gradients = tape.gradient(scaled, variables)
-        if self.accumulated:
-            self._accumulate([tf.zeros_like(v) if g is None else tf.convert_to_tensor(g)
+        if self.accumulation is not None:
+            self._accumulate(self.accumulation,
+                             [tf.zeros_like(v) if g is None else tf.convert_to_tensor(g)
                               for g, v in zip(gradients, variables)], loss)
         else:
             self._apply(gradients, loss)
