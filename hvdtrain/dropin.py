@@ -18,13 +18,13 @@ Horovod (join, Adasum, process sets, elastic, the timeline) is ``refused`` in on
 
 from __future__ import annotations
 
-import sys
 from typing import Any, Sequence
 
 import keras
 
 from hvdtrain import dropin_ops
 from hvdtrain.errors import UserError
+from hvdtrain.log import for_run, logger
 from hvdtrain.training import distributed_optimizer
 from hvdtrain.world import (Collectives, GradientReduction, HorovodCollectives, World,
                             chosen_backend, horovod_tensorflow)
@@ -74,8 +74,10 @@ def init(comm: Any = None, process_sets: Any = None) -> None:
         collectives.chosen = BACKEND_WHY
         _homogeneous = len(set(collectives.allgather_object(collectives.world.local_size))) == 1
     if collectives.world.is_chief and BACKEND_WHY != "as asked":
-        print(f"hvdtrain: TensorFlow's collectives, not Horovod ({BACKEND_WHY})",
-              file=sys.stderr, flush=True)
+        # A Horovod script runs on another backend than it names: a warning, said once, on
+        # stderr where the script configured no logging (hvdtrain.log).
+        with for_run("INFO", collectives.world.rank):
+            logger.warning(f"TensorFlow's collectives, not Horovod ({BACKEND_WHY})")
     _session = collectives
 
 
