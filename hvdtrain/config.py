@@ -20,6 +20,7 @@ import yaml
 
 from hvdtrain.builtin_names import DATASETS, MODELS
 from hvdtrain.errors import UserError
+from hvdtrain.log import LEVELS
 from hvdtrain.plugins import PLUGIN
 
 
@@ -221,9 +222,14 @@ class TrainConfig:
                                   plugin=True)
     autotune: bool = option(False, "instead of training, time a few updates of this model on "
                                    "these ranks at other gradient bucket sizes and Horovod cycle "
-                                   "times, and print the fastest as flags (nothing is saved but "
+                                   "times, and report the fastest as flags (nothing is saved but "
                                    "autotune.json)")
     progress: bool = option(True, "show a progress bar on rank 0")
+    log_level: str = option("INFO", "level of hvdtrain's lines (the Python logger "
+                                    "'hvdtrain'): INFO shows rank 0's, WARNING only problems "
+                                    "(every rank's), DEBUG every rank's lines; the progress bar "
+                                    "and one-line errors do not depend on it",
+                            choices=LEVELS)
     debug: bool = option(False, "show full tracebacks for errors")
 
 

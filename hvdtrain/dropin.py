@@ -12,7 +12,6 @@ here imports Horovod, and what needs it (join, Adasum, process sets, elastic, th
 
 from __future__ import annotations
 
-import sys
 from typing import Any, Sequence
 
 import keras
@@ -22,6 +21,7 @@ from hvdtrain.collectives import Collectives, GradientReduction, World, chosen_b
 from hvdtrain.collectives.horovod_backend import HorovodCollectives, horovod_tensorflow
 from hvdtrain.errors import UserError
 from hvdtrain.keras_internals import set_class
+from hvdtrain.log import for_run, logger
 from hvdtrain.training import distributed_optimizer
 
 BACKEND, BACKEND_WHY = chosen_backend("auto")
@@ -69,8 +69,10 @@ def init(comm: Any = None, process_sets: Any = None) -> None:
         collectives.chosen = BACKEND_WHY
         _homogeneous = len(set(collectives.allgather_object(collectives.world.local_size))) == 1
     if collectives.world.is_chief and BACKEND_WHY != "as asked":
-        print(f"hvdtrain: TensorFlow's collectives, not Horovod ({BACKEND_WHY})",
-              file=sys.stderr, flush=True)
+        # A Horovod script runs on another backend than it names: a warning, said once, on
+        # stderr where the script configured no logging (hvdtrain.log).
+        with for_run("INFO", collectives.world.rank):
+            logger.warning(f"TensorFlow's collectives, not Horovod ({BACKEND_WHY})")
     _session = collectives
 
 

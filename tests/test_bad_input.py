@@ -286,7 +286,7 @@ def test_doctor_says_how_to_fix_a_broken_horovod(horovod, message):
     assert any(message in p for p in problems), problems
 
 
-def test_resume_never_mixes_runs(capsys, tmp_path):
+def test_resume_never_mixes_runs(capsys, caplog, tmp_path):
     """A checkpoint records what it trained: another dataset, optimizer or setting is refused
     with one line naming the difference, unless --accept-changes; another model or input shape
     always (another --model: test_resume_with_another_model_or_an_unreadable_checkpoint)."""
@@ -310,7 +310,7 @@ def test_resume_never_mixes_runs(capsys, tmp_path):
     assert snapshot(run) == before
     assert main([*same, "--epochs", "2", "--learning-rate", "0.01", "--optimizer", "adam",
                  "--accept-changes"]) == 0
-    out = capsys.readouterr().out
+    out = caplog.text   # hvdtrain's lines: to pytest's handlers, the program's logging here
     assert ("continuing" in out and "with changed data or settings (optimizer {'optimizer': "
             "'SGD'} -> {'optimizer': 'Adam'}; --learning-rate None -> 0.01)") in out
     assert "resuming after epoch 1" in out

@@ -145,6 +145,8 @@ class LearningRateWarmupCallback(LearningRateScheduleCallback):
     def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
         super().on_epoch_end(epoch, logs)
         if epoch == self.end_epoch - 1 and self.verbose > 0 and rank() == 0:
+            # Part of Keras' epoch display, asked for by verbose=1, as Keras' own callbacks
+            # print theirs (and Horovod's this one): not an hvdtrain log line.
             print(f"\nEpoch {epoch + 1}: finished gradual learning rate warmup to "
                   f"{_learning_rate(self.model):g}.")
 

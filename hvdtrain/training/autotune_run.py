@@ -94,8 +94,9 @@ def launched_setting(tuning: Tuning, cycle_searched: bool,
 
 
 def autotune(tuning: Tuning, say: Callable[[str], None]) -> Outcome:
-    """Run the search on this rank (every rank calls it), print its table and best settings
-    through ``say`` (rank 0's printer), write ``autotune.json`` (rank 0) and return it."""
+    """Run the search on this rank (every rank calls it), report its table and best settings
+    through ``say`` (hvdtrain's logger: rank 0's lines), write ``autotune.json`` (rank 0) and
+    return it."""
     world = tuning.collectives.world
     if world.size == 1:
         raise UserError("--autotune times how gradients travel between ranks; launch it on the "

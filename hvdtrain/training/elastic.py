@@ -24,6 +24,7 @@ from hvdtrain.collectives import Collectives, tf_variables
 from hvdtrain.config import Config
 from hvdtrain.data.contract import DataBundle
 from hvdtrain.data.pipeline import ShardSpec
+from hvdtrain.log import logger
 from hvdtrain.training.callbacks import (CheckpointPlan, RateControl, Reporting, RunHooks,
                                          standard_callbacks)
 from hvdtrain.training.run_columns import RunColumnsLog
@@ -57,8 +58,8 @@ def _log_segment(run_dir: Path, epoch: int, offset: int, world_size: int, lr: fl
     with run_files(run_dir, "elastic.jsonl"), open(run_dir / "elastic.jsonl", "a") as handle:
         handle.write(json.dumps({"epoch": epoch + 1, "offset": offset,
                                  "world_size": world_size, "lr": lr}) + "\n")
-    print(f"elastic: epoch {epoch + 1} continues at example {offset} on {world_size} rank(s), "
-          f"learning rate {lr:.5g}", flush=True)
+    logger.info(f"elastic: epoch {epoch + 1} continues at example {offset} on {world_size} "
+                f"rank(s), learning rate {lr:.5g}")
 
 
 def elastic_loop(run: ElasticRun) -> None:

@@ -50,6 +50,7 @@ from hvdtrain.errors import (AgreedError, CheckpointWriteFailed, PeerFailed, Sto
                              TrainingDiverged, UserError, first_sentence)
 from hvdtrain.keras_internals import (build_compiled_metrics, initial_epoch_of, set_initial_epoch,
                                       sublayers)
+from hvdtrain.log import for_run, logger
 from hvdtrain.models import build_model, check_input_shape
 from hvdtrain.plots import plot_curves
 from hvdtrain.plugins import load_callable
@@ -70,12 +71,6 @@ from hvdtrain.training.run_columns import RunColumns, RunColumnsLog
 from hvdtrain.training.step import Evaluation, StepMath, StepOptions, TrainingStep
 from hvdtrain.training.trainable import Trainable, own_step_reason, prepare
 from hvdtrain.writes import run_files
-
-
-def say(world: World, message: str) -> None:
-    """Print on rank 0 only."""
-    if world.is_chief:
-        print(message, flush=True)
 
 
 def default_run_dir(config: Config) -> Path:
@@ -153,12 +148,12 @@ def _restore(run: CheckpointState, accept_changes: bool, store: CheckpointStore,
              optimizers: dict[str, keras.optimizers.Optimizer]) -> Restored:
     """Rank 0: check that the newest intact checkpoint was trained with what this ``run``
     trains (``resume_check``), load it into the model and its optimizers."""
-    latest = store.newest_intact(lambda line: print(f"hvdtrain: {line}", flush=True))
+    latest = store.newest_intact(logger.warning)
     state = latest.read_state()
     changed = check_resumable(state, run, latest.path, accept_changes)
     if changed:
-        print(f"hvdtrain: continuing {latest.path} with changed data or settings "
-              f"({'; '.join(changed)}), as --accept-changes asks", flush=True)
+        logger.info(f"continuing {latest.path} with changed data or settings "
+                    f"({'; '.join(changed)}), as --accept-changes asks")
     if optimizers_changed(state, run):   # only the weights carry over
         optimizers, state = {}, dataclasses.replace(state, optimizers={}, rates={})
     latest.restore(model, optimizers)
@@ -259,8 +254,8 @@ def _resumed(restored: Restored, world: World, run_dir: Path, store: CheckpointS
         with run_files(run_dir, "the metrics files"):
             resume_metrics_files(run_dir, start.epoch, saved.metrics)
     where = f", step {start.step}" if start.step else ""
-    say(world, f"resuming after epoch {start.epoch}{where} from "
-               f"{store.directory / restored.name}")
+    logger.info(f"resuming after epoch {start.epoch}{where} from "
+                f"{store.directory / restored.name}")
     return start
 
 
@@ -292,8 +287,8 @@ def _starting_point(config: Config, run: CheckpointState, collectives: Collectiv
     elif backup is not None:
         start = ResumePoint(chief_decides(collectives, lambda: _from_backup(backup, model)))
         if start.epoch:
-            say(world, f"BackupAndRestore: continuing after epoch {start.epoch} from "
-                       f"{backup.backup_dir}")
+            logger.info(f"BackupAndRestore: continuing after epoch {start.epoch} from "
+                        f"{backup.backup_dir}")
     if world.is_chief:   # only now: a rejected run must not overwrite a run's config
         with run_files(run_dir, "config.yaml"):
             atomic_write_text(run_dir / "config.yaml", config.to_yaml())
@@ -301,8 +296,8 @@ def _starting_point(config: Config, run: CheckpointState, collectives: Collectiv
         return ResumePoint(start.epoch), []
     changed = agree_on_adapted_state(model, collectives)
     if changed:
-        print(f"note: rank {world.rank}'s adapted state of {', '.join(changed)} differed from "
-              "rank 0's; every rank now uses rank 0's", flush=True)
+        logger.warning(f"note: rank {world.rank}'s adapted state of {', '.join(changed)} "
+                       "differed from rank 0's; every rank now uses rank 0's")
     before_broadcast = collectives.allgather_object(weight_fingerprint(model))
     # One starting point for every rank: rank 0's weights and optimizer state (not the dropout
     # seeds: those stay rank-local so ranks drop different units).
@@ -444,26 +439,32 @@ class Run:
             placed: list[str] = []
             collectives = init_collectives(self.config.train.backend, lambda world: placed.append(
                 place_devices(world, self.config.train.threads)))
-            try:
-                self.liveness.attach(collectives.world)
-                prepared = self._setup(collectives, placed[0], launched)
-                if self.config.train.autotune:
-                    return self._autotune(prepared)
-                start = self._restore(prepared)
-                started = time.perf_counter()
-                history = self._train(prepared, start)
-                return self._finish(prepared, start, history, started)
-            except BaseException as error:
-                peer_failed = ended_by_another_rank(error)
-                leave = peer_failed or (raised_here(error) and not self.process_ends_with_run)
-                if leave and collectives.world.size > 1 and not self.config.train.elastic:
-                    # No peer waits for this rank in a collective; the next run starts
-                    # Horovod afresh.
-                    collectives.shutdown()
-                if peer_failed:
-                    raise PeerFailed("another rank ended with an error (shown by that rank); "
-                                     "this rank stopped with it") from error
-                raise
+            with for_run(train.log_level, lambda: collectives.world.rank):
+                return self._execute(collectives, placed[0], launched)
+
+    def _execute(self, collectives: Collectives, device: str, launched: float) -> RunResult:
+        """``execute`` once the world is known: the phases; on an error, leave the job's
+        collectives where no peer waits for this rank."""
+        try:
+            self.liveness.attach(collectives.world)
+            prepared = self._setup(collectives, device, launched)
+            if self.config.train.autotune:
+                return self._autotune(prepared)
+            start = self._restore(prepared)
+            started = time.perf_counter()
+            history = self._train(prepared, start)
+            return self._finish(prepared, start, history, started)
+        except BaseException as error:
+            peer_failed = ended_by_another_rank(error)
+            leave = peer_failed or (raised_here(error) and not self.process_ends_with_run)
+            if leave and collectives.world.size > 1 and not self.config.train.elastic:
+                # No peer waits for this rank in a collective; the next run starts
+                # Horovod afresh.
+                collectives.shutdown()
+            if peer_failed:
+                raise PeerFailed("another rank ended with an error (shown by that rank); "
+                                 "this rank stopped with it") from error
+            raise
 
     # --- setup -------------------------------------------------------------------------------
 
@@ -477,10 +478,10 @@ class Run:
         run_dir, resuming = _open_run_dir(config, collectives)
         if world.is_chief:
             output.log_to(run_dir)
-        say(world, f"hvdtrain: {world.size} rank(s) on {world.cross_size} node(s); rank 0 on "
-                   f"{world.host}, {device}; run directory {run_dir}")
-        say(world, f"backend: {collectives.backend} ({collectives.chosen})")
-        say(world, "resolved config:\n" + config.to_yaml().rstrip())
+        logger.info(f"{world.size} rank(s) on {world.cross_size} node(s); rank {world.rank} on "
+                    f"{world.host}, {device}; run directory {run_dir}")
+        logger.info(f"backend: {collectives.backend} ({collectives.chosen})")
+        logger.info("resolved config:\n" + config.to_yaml().rstrip())
 
         data = self.data_factory(config.data, config.train.seed)
         seed_per_rank(config.train.seed, world.rank)
@@ -488,20 +489,20 @@ class Run:
         own_step = own_step_reason(model, data)
         plan = plan_data(config, data, collectives, own_step)
         for note in plan.notes:
-            say(world, note)
+            logger.info(note)
         optim = config.optim
         trainable = prepare(config, model, data, world,
                             plan.updates_per_epoch(optim.accumulation_steps), own_step)
         if config.train.elastic and not isinstance(data.train, ArraySplit):
             raise UserError("--elastic supports in-memory datasets (arrays); a pipeline cannot "
                             "be re-sharded at an offset into its epoch")
-        say(world, "step: " + ("hvdtrain's exact step (the model uses Keras' train_step)"
-                               if own_step is None else
-                               f"the model's own train_step ({own_step})"))
-        say(world, trainable.description)
+        logger.info("step: " + ("hvdtrain's exact step (the model uses Keras' train_step)"
+                                if own_step is None else
+                                f"the model's own train_step ({own_step})"))
+        logger.info(trainable.description)
         step = self._step(trainable, data, collectives)
         if world.size > 1 and optim.reduction != "adasum":
-            say(world, GradientReduction(bucket_bytes=optim.bucket_bytes).describe(
+            logger.info(GradientReduction(bucket_bytes=optim.bucket_bytes).describe(
                 trainable.model.trainable_variables, optim.accumulation_steps > 1))
         evaluate, metric_states = self._evaluation(step, trainable, data, collectives)
         with data_errors_named(data):
@@ -597,7 +598,7 @@ class Run:
 
     def _autotune(self, run: Prepared) -> RunResult:
         """``--autotune``: time the run's step at other gradient settings on one real batch
-        and print the fastest (``training.autotune_run``); no restore, no training, no model."""
+        and report the fastest (``training.autotune_run``); no restore, no training, no model."""
         batch = next(iter(run.data.train.dataset(run.spec, 0, 1)))
 
         def step_for(bucket_mib: float) -> TrainingStep:
@@ -611,7 +612,7 @@ class Run:
         with data_errors_named(run.data):
             autotune(Tuning(run.collectives, step_for, batch, optim.accumulation_steps,
                             optim.reduction == "adasum", optim.bucket_mib, run.run_dir),
-                     lambda line: say(run.collectives.world, line))
+                     logger.info)
         return RunResult(run.run_dir, {}, [], run.trainable.model, None)
 
     # --- restore -----------------------------------------------------------------------------
@@ -634,8 +635,8 @@ class Run:
         elastic loop), with the run's callbacks in their fixed order."""
         config, world = self.config, run.collectives.world
         epochs, initial_epoch = config.train.epochs, start.initial_epoch
-        say(world, f"training {self.model_label} on {config.data.dataset}: "
-                   f"{run.plan.describe(run.data.train)}")
+        logger.info(f"training {self.model_label} on {config.data.dataset}: "
+                    f"{run.plan.describe(run.data.train)}")
         if config.train.elastic:
             trainable = run.trainable
             elastic_loop(ElasticRun(config, run.collectives, run.data, trainable.model,
@@ -741,9 +742,9 @@ def _save_model(run_dir: Path, model: keras.Model) -> Path:
             path = run_dir / "model.weights.h5"
             model.save_weights(path)
             why = first_sentence(str(error)) or "no config"
-            print(f"note: Keras cannot save this model whole ({type(error).__name__}: {why}); "
-                  f"saved its weights to {path} (give the class get_config/from_config to "
-                  "save it whole)", flush=True)
+            logger.warning(f"note: Keras cannot save this model whole ({type(error).__name__}: "
+                           f"{why}); saved its weights to {path} (give the class "
+                           "get_config/from_config to save it whole)")
             return path
         partial.replace(run_dir / "model.keras")
     return run_dir / "model.keras"
@@ -761,17 +762,18 @@ def _write_outputs(run_dir: Path, model: keras.Model, summary: RunSummary) -> No
             plot_curves(run_dir / "metrics.jsonl", run_dir / "curves.png")
     agreement = ("identical on all ranks" if summary.weights_identical else
                  "DIFFER across ranks: " + ", ".join(fingerprints))
-    print(f"weights {agreement} (fingerprint {fingerprints[0]})", flush=True)
+    (logger.info if summary.weights_identical else logger.warning)(
+        f"weights {agreement} (fingerprint {fingerprints[0]})")
     if summary.first_step_seconds is not None:
-        print(f"startup: the first training step ended {summary.first_step_seconds:.1f} s "
-              f"after rank 0's process started ({summary.setup_seconds:.1f} s of it in "
-              "setup: Horovod, data, model, restore)", flush=True)
+        logger.info(f"startup: the first training step ended {summary.first_step_seconds:.1f} s "
+                    f"after rank 0's process started ({summary.setup_seconds:.1f} s of it in "
+                    "setup: Horovod, data, model, restore)")
     if metrics:   # the compiled metrics first, then the losses
         names = sorted(metrics, key=lambda name: name.endswith("loss"))
         shown = ", ".join(f"{name[4:]}: {metrics[name]:.4f}" for name in names)
         when = ("" if summary.validation_epoch is None
                 else f" (after epoch {summary.validation_epoch})")
-        print(f"held-out {shown} on {summary.validation_examples or 'the validation'} "
-              f"examples{when}; model saved to {saved}", flush=True)
+        logger.info(f"held-out {shown} on {summary.validation_examples or 'the validation'} "
+                    f"examples{when}; model saved to {saved}")
     else:
-        print(f"no validation data; model saved to {saved}", flush=True)
+        logger.info(f"no validation data; model saved to {saved}")
