@@ -38,3 +38,19 @@ def load_callable(path: str, what: str) -> Callable[..., object]:
         raise PluginError(f"module '{module_name}' has no function '{function_name}'; give "
                           f"the {what} as package.module:function")
     return function
+
+
+def load_callbacks(paths: list[str] | tuple[str, ...]) -> list[object]:
+    """The Keras callbacks that each ``module:fn`` in ``paths`` returns (one or a list)."""
+    import keras
+
+    found: list[object] = []
+    for path in paths:
+        made = load_callable(path, "callbacks")()
+        made = list(made) if isinstance(made, (list, tuple)) else [made]
+        wrong = [type(c).__name__ for c in made if not isinstance(c, keras.callbacks.Callback)]
+        if wrong:
+            raise UserError(f"'{path}' returned {', '.join(wrong)}, not Keras callbacks; "
+                            "return a list of keras.callbacks.Callback")
+        found += made
+    return found

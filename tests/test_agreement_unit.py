@@ -20,7 +20,7 @@ import tensorflow as tf
 from fake_collectives import Broadcast, Gather, ScriptedCollectives, Sum, Variables
 from hvdtrain.checkpoint import Checkpoint, CheckpointStore, rank_local_variables
 from hvdtrain.checkpoint_state import CheckpointState
-from hvdtrain.collectives import World
+from hvdtrain.collectives import World, chief_decides
 from hvdtrain.config import Config, OptimConfig
 from hvdtrain.data.contract import ArraySplit
 from hvdtrain.data.pipeline import ShardSpec
@@ -32,7 +32,7 @@ from hvdtrain.training.data_plan import agreed_pass_steps
 from hvdtrain.training.liveness import Liveness
 from hvdtrain.training.objective import Objective
 from hvdtrain.training.own_step import OwnStep
-from hvdtrain.training.run import _starting_point, chief_decides
+from hvdtrain.training.restore import starting_point
 from hvdtrain.training.schedule import make_schedule
 from hvdtrain.training.step import StepMath, StepOptions
 from hvdtrain.training.trainable import Trainable
@@ -338,7 +338,7 @@ def test_only_rank_0_restores_the_epoch_state_of_a_resumed_epoch(tmp_path):
 
 def _resumable(rank: int, run_dir: Path) -> tuple[Config, CheckpointState, CheckpointStore,
                                                   StepMath, Trainable, ScriptedCollectives]:
-    """What ``_starting_point`` receives on ``rank``; its collectives scripted later."""
+    """What ``starting_point`` receives on ``rank``; its collectives scripted later."""
     collectives = ScriptedCollectives(rank, 2, [])
     config = Config()
     model = _model(dropout=True)
@@ -371,8 +371,8 @@ def test_a_resumed_run_starts_every_rank_at_rank_0s_point_with_its_own_generator
     model.set_weights([w * 0 for w in trained])           # restore must bring them back
 
     chief.script = [Broadcast(), Gather({1: "fingerprint-1"}), Variables()]
-    start, before = _starting_point(config, run, chief, chief_dir, True, store, step,
-                                    trainable, None, None)
+    start, before = starting_point(config, run, chief, chief_dir, True, store, step,
+                                   trainable, None, None)
     expected = ResumePoint(2, 3, ([1.0, 2.0],))
     assert start == expected and not chief.unused()
     (decided,) = chief.values("broadcast_object")
@@ -383,8 +383,8 @@ def test_a_resumed_run_starts_every_rank_at_rank_0s_point_with_its_own_generator
     config, run, store, step, trainable, other = _resumable(1, other_dir)
     other.script = [Broadcast(decided), Gather({0: fingerprint}),
                     Variables(*chief.values("broadcast_variables"))]
-    start, before = _starting_point(config, run, other, other_dir, True, store, step,
-                                    trainable, None, None)
+    start, before = starting_point(config, run, other, other_dir, True, store, step,
+                                   trainable, None, None)
     assert start == expected and not other.unused()
     assert before == [fingerprint, other.values("allgather_object")[0]]
     for rank, model in enumerate((chief_model, step.model)):

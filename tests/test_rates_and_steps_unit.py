@@ -95,7 +95,7 @@ def test_a_models_own_step_on_one_rank_reports_its_metrics_exactly():
     x = tf.constant(np.random.default_rng(0).random((4, 3)), tf.float32)
     y = tf.constant([0, 1, 1, 0])
     step.begin_epoch()
-    with step.distributed():
+    with step.training():
         for _ in range(3):
             logs = step.keras_step((x, y, tf.ones(4), tf.ones(4)))
     assert type(model.optimizer) is keras.optimizers.SGD            # its own class back

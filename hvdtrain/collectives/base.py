@@ -5,9 +5,11 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Protocol, Sequence
+from typing import Any, Callable, Protocol, Sequence
 
 from hvdtrain.collectives.world import World
+from hvdtrain.errors import (AgreedError, CheckpointWriteFailed, StoppedBySignal, TrainingDiverged,
+                             UserError)
 
 
 @dataclass(frozen=True)
@@ -164,6 +166,24 @@ def ended_by_another_rank(error: BaseException) -> bool:
     return any(marker in str(error) for marker in PEER_GONE_MARKERS)
 
 
+def chief_decides(collectives: Collectives, decide: Callable[[], Any]) -> Any:
+    """Run ``decide`` on rank 0 and give every rank its result, or raise its error everywhere.
+
+    Rank 0 alone reads the file system for these decisions; a user error found there must stop
+    every rank with the same message rather than leave the others waiting in a collective.
+    """
+    outcome: tuple[Any, str] = (None, "")
+    if collectives.world.is_chief:
+        try:
+            outcome = (decide(), "")
+        except UserError as error:
+            outcome = (None, str(error))
+    value, error = collectives.broadcast_object(outcome)
+    if error:
+        raise AgreedError(error)
+    return value
+
+
 def summed_across_ranks(collectives: Collectives, variables: Sequence[Any]) -> list[Any]:
     """The sum over ranks of each variable's value (one grouped allreduce)."""
     import tensorflow as tf
@@ -179,6 +199,21 @@ def assign_across_ranks(collectives: Collectives, variables: Sequence[Any],
     totals = summed_across_ranks(collectives, variables)
     for variable, total in zip(variables, totals):
         variable.assign(total / collectives.world.size if mean else total)
+
+
+def raised_here(error: BaseException) -> bool:
+    """Whether an error began on this rank (the user's code, a one-rank mistake) while its
+    peers may wait for it in a collective, rather than in a collective (a peer's process is
+    gone: shutting Horovod down then waits on it, until Slurm kills the rank, measured) or by
+    agreement of every rank (a stop, a divergence, a failed checkpoint write, a refusal all
+    ranks reached together)."""
+    import tensorflow as tf
+
+    if isinstance(error, (StoppedBySignal, TrainingDiverged, CheckpointWriteFailed,
+                          AgreedError)):
+        return False
+    return ("Horovod" not in str(error) and not ended_by_another_rank(error)
+            and not isinstance(error, (tf.errors.UnavailableError, tf.errors.AbortedError)))
 
 
 def scaled_rows(gathered: Any, scale: float) -> Any:

@@ -179,9 +179,7 @@ class Trials:
         self._run_horovod_with(setting)
         step, call = self._step(setting.bucket_mib)
         self.state.restore()
-        distributed = (step.distributed() if isinstance(step, OwnStep)
-                       else contextlib.nullcontext())
-        with distributed:
+        with step.training():
             seconds = update_times(lambda: call(self.tuning.batch), step,
                                    self.tuning.micro_steps,
                                    self.tuning.collectives.broadcast_object)

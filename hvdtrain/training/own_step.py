@@ -13,7 +13,7 @@ summed across ranks, so the metrics are exact over the global data. Evaluation r
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import keras
 import tensorflow as tf
@@ -70,7 +70,7 @@ class OwnStep:
          self.callback_stop_votes) = vote_variables()
 
     @contextlib.contextmanager
-    def distributed(self) -> Iterator[None]:
+    def training(self) -> Iterator[None]:
         """While the block runs, the model's optimizers average gradients across ranks."""
         with distributed_for_the_run(list(self.optimizers.values()), self.reduction,
                                      self.collectives.reduce_gradients):
@@ -135,6 +135,15 @@ class OwnStep:
 
     def epoch_results(self, logs: dict[str, Any]) -> dict[str, float]:
         return self._global_logs(logs)
+
+    @property
+    def probed_metrics(self) -> list[Any]:
+        return []
+
+    def validation(self) -> tuple[Callable[[Any], dict[str, float]], list[Any]]:
+        """The model's own ``test_step`` (``evaluate``), its logs named ``val_*``."""
+        return (lambda dataset: {"val_" + name: value
+                                 for name, value in self.evaluate(dataset).items()}), []
 
     def evaluate(self, dataset: tf.data.Dataset) -> dict[str, float]:
         """The model's ``test_step`` over this rank's share, then the exact global values."""

@@ -13,7 +13,8 @@ A model with its own ``train_step`` is trained by ``own_step`` instead; both are
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Protocol
+import contextlib
+from typing import Any, Callable, ContextManager, Protocol
 
 import keras
 import tensorflow as tf
@@ -54,6 +55,17 @@ class TrainingStep(Protocol):
     @property
     def epoch_state_variables(self) -> list[Any]:
         """The epoch's running metric state (mid-epoch checkpoints save its sum over ranks)."""
+
+    @property
+    def probed_metrics(self) -> list[Any]:
+        """The metric states a probe batch must build before training (none: the model's)."""
+
+    def validation(self) -> tuple[Callable[[Any], dict[str, float]], list[Any]]:
+        """(exact validation over every rank's share of a dataset, ``val_*`` names; the metric
+        states the probe batch must build for it)."""
+
+    def training(self) -> ContextManager[None]:
+        """What must be in place while this step trains (the run enters it around the loop)."""
 
 
 def vote_variables() -> tuple[tf.Variable, ...]:
@@ -151,6 +163,18 @@ class StepMath:
 
     def begin_epoch(self) -> None:
         self.train_metrics.reset()
+
+    @property
+    def probed_metrics(self) -> list[Any]:
+        return [self.train_metrics]
+
+    def validation(self) -> tuple[Callable[[Any], dict[str, float]], list[Any]]:
+        evaluation = Evaluation(self.model, self.collectives, self.objective)
+        return evaluation.run, [evaluation.metrics]
+
+    def training(self) -> ContextManager[None]:
+        """Nothing: hvdtrain's step reduces gradients itself."""
+        return contextlib.nullcontext()
 
     def epoch_results(self, logs: dict[str, Any]) -> dict[str, float]:
         return self.train_metrics.global_results(self.collectives)

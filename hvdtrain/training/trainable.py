@@ -17,10 +17,11 @@ import keras
 from hvdtrain.collectives import World
 from hvdtrain.config import DEFAULT_LEARNING_RATE, Config
 from hvdtrain.data.contract import DataBundle
-from hvdtrain.errors import UserError
-from hvdtrain.keras_internals import compile_arguments, remembered_rates
+from hvdtrain.errors import UserError, first_sentence
+from hvdtrain.keras_internals import (build_compiled_metrics, compile_arguments, remembered_rates,
+                                      sublayers)
 from hvdtrain.training.callbacks import RateControl
-from hvdtrain.training.objective import DEFAULT_LOSS, DEFAULT_METRICS, Objective
+from hvdtrain.training.objective import DEFAULT_LOSS, DEFAULT_METRICS, Objective, probe
 from hvdtrain.training.own_step import own_step_methods, owned_optimizers
 from hvdtrain.training.schedule import WarmupScaledRate, make_optimizer, make_schedule
 
@@ -156,3 +157,25 @@ def _describe(what: str, bases: dict, fixed: list[str], schedule: WarmupScaledRa
         line += (f"; {', '.join(fixed)} follow(s) the user's own LearningRateSchedule, left as "
                  "written (not scaled)")
     return line
+
+
+def probe_trainable(trainable: Trainable, batch: tuple, metric_states: list, label: str) -> None:
+    """One real batch before training: hvdtrain's step builds its metrics and checks the
+    outputs against the loss; a model's own step is built (as its first step would)."""
+    model = trainable.model
+    if trainable.own_step is None:
+        probe(model, trainable.objective, batch, metric_states, label)
+        # Keras' fit reads the model's own compiled metrics at every epoch end (hvdtrain's
+        # exact values replace them): they must be built, and see no batch here.
+        features, targets = batch[:2]
+        build_compiled_metrics(model, targets, model(features, training=False))
+        return
+    if all(layer.built for layer in sublayers(model)) and model.weights:
+        return
+    try:
+        model(batch[0], training=False)
+    except Exception as error:  # noqa: BLE001 - whatever a user's call raises
+        why = f"{type(error).__name__}: {first_sentence(str(error))}"
+        raise UserError(f"model '{label}' is not built and calling it on a batch "
+                        f"failed ({why}); build it (and its sub-models) before training"
+                        ) from error
