@@ -281,3 +281,11 @@ def remember_rates(optimizer: keras.optimizers.Optimizer, base: float, last: flo
 def remembered_rates(optimizer: keras.optimizers.Optimizer) -> tuple[float, float] | None:
     """(base rate, rate last set) from an earlier run of this optimizer, or None."""
     return getattr(optimizer, "_hvdtrain_rates", None)
+
+
+def pythonified_logs(logs: dict | None) -> dict:
+    """An epoch's logs as Keras' ``CallbackList`` hands them to each callback's
+    ``on_epoch_end``: a new flat dict, values made Python floats where they convert."""
+    from keras.src.utils import python_utils
+
+    return python_utils.pythonify_logs(logs)

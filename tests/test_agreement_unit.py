@@ -26,14 +26,14 @@ from hvdtrain.data.contract import ArraySplit
 from hvdtrain.data.pipeline import ShardSpec
 from hvdtrain.data.user import PipelineSplit
 from hvdtrain.errors import CheckpointWriteFailed, StoppedBySignal, UserError
-from hvdtrain.training.callbacks import (Checkpointing, CheckpointPlan, RateControl, Reporting,
-                                         ResumePoint, RunHooks)
+from hvdtrain.training.callbacks import (Checkpointing, CheckpointPlan, Reporting, ResumePoint,
+                                         RunHooks)
 from hvdtrain.training.data_plan import agreed_pass_steps
 from hvdtrain.training.liveness import Liveness
 from hvdtrain.training.objective import Objective
 from hvdtrain.training.own_step import OwnStep
 from hvdtrain.training.restore import starting_point
-from hvdtrain.training.schedule import make_schedule
+from hvdtrain.training.schedule import RateControl, make_schedule
 from hvdtrain.training.step import StepMath, StepOptions
 from hvdtrain.training.trainable import Trainable
 
@@ -138,7 +138,7 @@ def test_rank_0_saves_every_ranks_generator_state_and_gives_every_rank_the_check
     chief = ScriptedCollectives(0, 2, [Gather({1: theirs}), Gather({1: ("", None, False)})])
     callback = _checkpointing(chief, _step(chief, model), tmp_path)
     callback.on_epoch_begin(0)
-    callback.on_epoch_end(0, {"loss": 0.5})
+    callback.end_epoch(0, {"loss": 0.5})
     written = CheckpointStore(tmp_path, 2).latest()
     assert written.name == "epoch-0001"
     saved = written.rank_states()
@@ -160,14 +160,14 @@ def test_rank_1_gets_rank_0s_failed_checkpoint_write_as_its_own_error(tmp_path):
     callback = _checkpointing(chief, _step(chief, _model()), chief_dir)
     callback.on_epoch_begin(0)
     with pytest.raises(CheckpointWriteFailed) as on_chief:
-        callback.on_epoch_end(0, {"loss": 0.5})
+        callback.end_epoch(0, {"loss": 0.5})
     (told,) = chief.values("allgather_object")
     assert told[0] == f"error: {on_chief.value}"
     other = ScriptedCollectives(1, 2, [Gather({0: told})])
     callback = _checkpointing(other, _step(other, _model()), other_dir)
     callback.on_epoch_begin(0)
     with pytest.raises(CheckpointWriteFailed) as on_other:
-        callback.on_epoch_end(0, {"loss": 0.5})
+        callback.end_epoch(0, {"loss": 0.5})
     assert str(on_other.value) == str(on_chief.value)
     assert "could not write checkpoint epoch-0001" in str(on_other.value)
     assert other.values("allgather_object") == [("", None, False)]
@@ -178,7 +178,7 @@ def test_a_stop_requested_on_rank_1_ends_rank_0_after_the_epochs_checkpoint(tmp_
     chief = ScriptedCollectives(0, 2, [Gather({1: ("", "SIGTERM", False)})])
     callback = _checkpointing(chief, _step(chief, _model()), tmp_path)
     callback.on_epoch_begin(0)
-    callback.on_epoch_end(0, {"loss": 0.5})
+    callback.end_epoch(0, {"loss": 0.5})
     assert (tmp_path / "checkpoints" / "epoch-0001").is_dir()
     with pytest.raises(StoppedBySignal, match=r"^stopped by SIGTERM on rank 1 after epoch 1; "
                                               r"checkpoint epoch-0001 written"):
@@ -189,7 +189,7 @@ def test_rank_1_sends_its_own_stop_request_and_stops_with_rank_0s_checkpoint(tmp
     other = ScriptedCollectives(1, 2, [Gather({0: ("epoch-0001", None, False)})])
     callback = _checkpointing(other, _step(other, _model()), tmp_path, stop_reason="SIGUSR1")
     callback.on_epoch_begin(0)
-    callback.on_epoch_end(0, {"loss": 0.5})
+    callback.end_epoch(0, {"loss": 0.5})
     assert other.values("allgather_object") == [("", "SIGUSR1", False)]
     assert callback.stop_message.startswith("stopped by SIGUSR1 on rank 1 after epoch 1; "
                                             "checkpoint epoch-0001 written")
@@ -200,7 +200,7 @@ def test_a_callback_on_rank_0_that_stops_training_stops_rank_1_at_the_same_epoch
     other = ScriptedCollectives(1, 2, [Gather({0: ("epoch-0001", None, True)})])
     callback = _checkpointing(other, _step(other, _model()), tmp_path)
     callback.on_epoch_begin(0)
-    callback.on_epoch_end(0, {"loss": 0.5})
+    callback.end_epoch(0, {"loss": 0.5})
     assert callback.model.stop_training
     assert not callback.stop_message                # a callback's stop, not a stop request
 

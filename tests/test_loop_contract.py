@@ -12,6 +12,7 @@ import tensorflow as tf
 
 from hvdtrain.collectives import LocalCollectives
 from hvdtrain.data.equal_steps import Passes
+from hvdtrain.training.epoch_end import CallbackGroups
 from hvdtrain.training.loops import LOOPS
 from hvdtrain.training.objective import Objective, probe
 from hvdtrain.training.step import StepMath
@@ -77,7 +78,8 @@ def _run(loop: str, initial_epoch: int, done_steps: int, passes: Passes) -> list
     probe(model, objective, next(iter(dataset)), [step.train_metrics], "test model")
     recorder = Recorder()
     RECORDING[:] = [recorder]
-    LOOPS[loop](step, dataset, EPOCHS, initial_epoch, passes, [recorder], done_steps)
+    LOOPS[loop](step, dataset, EPOCHS, initial_epoch, passes,
+                CallbackGroups([recorder], [], [], [], None), done_steps)
     return recorder.calls
 
 

@@ -11,9 +11,8 @@ import tensorflow as tf
 from hvdtrain.collectives import LocalCollectives
 from hvdtrain.config import OptimConfig
 from hvdtrain.data.contract import ArraySplit, DataBundle
-from hvdtrain.training.callbacks import RateControl
 from hvdtrain.training.own_step import OwnStep, own_step_methods, owned_optimizers
-from hvdtrain.training.schedule import make_schedule
+from hvdtrain.training.schedule import RateControl, make_schedule
 from hvdtrain.training.trainable import own_step_reason, settable_rate
 
 

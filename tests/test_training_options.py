@@ -13,8 +13,7 @@ from conftest import (BACKENDS, EXACT, assert_same_weights, final_weights, read_
                       read_summary, train)
 from hvdtrain.config import DataConfig, OptimConfig
 from hvdtrain.data.load import load_source
-from hvdtrain.training.callbacks import PlateauDecay
-from hvdtrain.training.schedule import make_schedule, scale_factor
+from hvdtrain.training.schedule import PlateauDecay, make_schedule, scale_factor
 
 
 @pytest.mark.distributed

@@ -30,13 +30,13 @@ from hvdtrain.checkpoint_state import CheckpointState
 from hvdtrain.collectives import Collectives, World, assign_across_ranks, summed_across_ranks
 from hvdtrain.data.equal_steps import RAN_OUT, Passes
 from hvdtrain.errors import CheckpointWriteFailed, StoppedBySignal, TrainingDiverged
-from hvdtrain.keras_internals import remember_rates, sublayers
+from hvdtrain.keras_internals import sublayers
 from hvdtrain.startup import process_age_seconds
 from hvdtrain.training.liveness import Liveness
-from hvdtrain.training.run_columns import NoteRunColumns, RunColumnsLog, Throughput
-from hvdtrain.training.schedule import WarmupScaledRate
+from hvdtrain.training.run_columns import RunColumnsLog, Throughput
+from hvdtrain.training.schedule import PlateauDecay, RateControl
 from hvdtrain.training.step import TrainingStep
-from hvdtrain.writes import RunFileWriter, json_rows
+from hvdtrain.writes import json_rows
 
 
 def _column_key(name: str) -> tuple[int, int, str]:
@@ -58,7 +58,7 @@ def epoch_row(epoch: int, logs: dict, columns: RunColumnsLog) -> dict[str, float
 
 
 class EpochMetrics(keras.callbacks.Callback):
-    """Reset the local metric sums each epoch and replace the logs with exact global values."""
+    """Reset the local metric sums at each epoch's begin (``end_epoch`` reduces them)."""
 
     def __init__(self, step: TrainingStep) -> None:
         super().__init__()
@@ -66,9 +66,6 @@ class EpochMetrics(keras.callbacks.Callback):
 
     def on_epoch_begin(self, epoch: int, logs: dict | None = None) -> None:
         self.step.begin_epoch()
-
-    def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
-        logs.update(self.step.epoch_results(logs))
 
 
 class StepPosition(keras.callbacks.Callback):
@@ -144,10 +141,10 @@ class FirstStepClock(keras.callbacks.Callback):
 
 
 class LivenessHooks(keras.callbacks.Callback):
-    """Tell the rank's ``Liveness`` when each step begins and ends and when an epoch's end
-    (validation and its collectives, rank 0's checkpoint) is a phase. First in the list, so
-    the phase starts before any other epoch-end callback. With a stall limit, every rank
-    serves a heartbeat port and learns the others' at train begin (an allgather)."""
+    """Tell the rank's ``Liveness`` when each step begins and ends, and when the phase that
+    ``end_epoch`` begins (validation and its collectives, rank 0's checkpoint) ends. With a
+    stall limit, every rank serves a heartbeat port and learns the others' at train begin (an
+    allgather)."""
 
     def __init__(self, liveness: Liveness, collectives: Collectives) -> None:
         super().__init__()
@@ -166,7 +163,7 @@ class LivenessHooks(keras.callbacks.Callback):
     def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
         self.liveness.step_ends()
 
-    def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
+    def epoch_end_begins(self, epoch: int) -> None:
         self.liveness.phase_begins(f"the end of epoch {epoch + 1} (validation, metrics, "
                                    "checkpoint)")
         self.in_phase = True
@@ -202,87 +199,6 @@ class AverageBatchNormStatistics(keras.callbacks.Callback):
         assign_across_ranks(self.collectives, self.statistics, mean=True)
 
 
-class PlateauDecay(keras.callbacks.Callback):
-    """Multiply the rate by ``factor`` when the averaged val_loss has not improved for
-    ``patience`` epochs. Every rank sees the same reduced val_loss, so all decide alike."""
-
-    def __init__(self, schedule: WarmupScaledRate, factor: float, patience: int) -> None:
-        super().__init__()
-        self.schedule = schedule
-        self.factor = factor
-        self.patience = patience
-        self.best = float("inf")
-        self.wait = 0
-
-    def state(self) -> dict[str, float]:
-        return {"best": self.best, "wait": self.wait, "scale": self.schedule.plateau_scale}
-
-    def load(self, state: dict[str, float]) -> None:
-        self.best, self.wait = state["best"], int(state["wait"])
-        self.schedule.plateau_scale = float(state["scale"])
-
-    def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
-        if logs["val_loss"] < self.best:
-            self.best, self.wait = logs["val_loss"], 0
-            return
-        self.wait += 1
-        if self.wait >= self.patience:
-            self.schedule.plateau_scale *= self.factor
-            self.wait = 0
-
-
-class RateControl(keras.callbacks.Callback):
-    """Before every step, set each optimizer's rate: its base rate times the schedule's
-    multiplier at its own step counter, times whatever other callbacks did to it.
-
-    A callback that sets the rate (Keras' ``ReduceLROnPlateau``, ``LearningRateScheduler``)
-    is seen as a change since the rate last set here; the ratio is kept as a factor, so the
-    change lasts and the schedule goes on from it. Factors are saved in checkpoints.
-    """
-
-    def __init__(self, schedule: WarmupScaledRate,
-                 bases: dict[str, tuple[keras.optimizers.Optimizer, float]]) -> None:
-        """``bases``: attribute name -> (optimizer, its base rate for one rank)."""
-        super().__init__()
-        self.schedule = schedule
-        self.bases = bases
-        self.factors = {name: 1.0 for name in bases}
-        self.last_set: dict[str, float | None] = {name: None for name in bases}
-
-    def state(self) -> dict[str, float]:
-        return dict(self.factors)
-
-    def load(self, factors: dict[str, float]) -> None:
-        self.factors.update({name: float(f) for name, f in factors.items() if name in self.bases})
-
-    def set_rates(self) -> None:
-        for name, (optimizer, base) in self.bases.items():
-            current = float(optimizer.learning_rate)
-            last = self.last_set[name]
-            if last is not None and last > 0 and current != last:
-                self.factors[name] *= current / last
-            step = int(optimizer.iterations.numpy())
-            optimizer.learning_rate = base * self.schedule.multiplier(step) * self.factors[name]
-            self.last_set[name] = float(optimizer.learning_rate)
-
-    def on_train_begin(self, logs: dict | None = None) -> None:
-        """Set the rates for the coming step at once (an elastic segment that starts at an
-        epoch's end runs no step, yet logs its world's rate), and note them, so a change a
-        callback makes before the first step (at the first epoch's begin) is seen as one."""
-        for name in self.bases:
-            self.last_set[name] = None
-        self.set_rates()
-
-    def on_train_batch_begin(self, batch: int, logs: dict | None = None) -> None:
-        self.set_rates()
-
-    def on_train_end(self, logs: dict | None = None) -> None:
-        """Remember each optimizer's base rate and the rate last set, so a next ``fit`` of the
-        same model (a notebook) starts from the base again, not from the scaled rate."""
-        for name, (optimizer, base) in self.bases.items():
-            remember_rates(optimizer, base, float(optimizer.learning_rate))
-
-
 class TensorBoardEvents(keras.callbacks.Callback):
     """Rank 0 writes every epoch's logs (losses, metrics) and the run's own columns (rate,
     examples/second) as TensorBoard scalars under ``run_dir/tensorboard``."""
@@ -307,21 +223,6 @@ def validates_after(epoch: int, frequency: int | list[int]) -> bool:
     if isinstance(frequency, int):
         return (epoch + 1) % frequency == 0
     return epoch + 1 in frequency
-
-
-class Validation(keras.callbacks.Callback):
-    """Evaluate on every rank's validation shard and add exact ``val_*`` metrics to the logs,
-    after the epochs ``validation_freq`` names."""
-
-    def __init__(self, evaluate: Callable[[], dict[str, float]],
-                 frequency: int | list[int] = 1) -> None:
-        super().__init__()
-        self.evaluate = evaluate
-        self.frequency = frequency
-
-    def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
-        if validates_after(epoch, self.frequency):
-            logs.update(self.evaluate())
 
 
 @dataclass(frozen=True)
@@ -359,9 +260,13 @@ class Checkpointing(keras.callbacks.Callback):
         self.columns = hooks.run_columns
         self.live_state = live_state
         self.passes = hooks.passes
+        self.agreed = hooks.agreed_stop
         self.epoch = 0
         self.epoch_steps = 0
-        self.stop_message = ""
+
+    @property
+    def stop_message(self) -> str:
+        return self.agreed.message
 
     def _stop_reason(self) -> str | None:
         return None if self.liveness is None else self.liveness.stop_reason
@@ -410,14 +315,15 @@ class Checkpointing(keras.callbacks.Callback):
                                   f"{done} of {steps}; checkpoint {name} written; "
                                   "continue with the same command and --resume auto")
 
-    def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
+    def end_epoch(self, epoch: int, logs: dict) -> None:
+        """The epoch's checkpoint, then every rank stops if any asked (``end_epoch``)."""
         name, reasons, stop_training = self._save({
             "epoch": epoch + 1, "metrics": epoch_row(epoch, logs, self.columns)})
         self.model.stop_training = stop_training
         if reasons:
-            self.stop_message = (f"stopped by {reasons} after epoch {epoch + 1}; checkpoint "
-                                 f"{name} written; continue with the same command and "
-                                 "--resume auto")
+            self.agreed.message = (f"stopped by {reasons} after epoch {epoch + 1}; checkpoint "
+                                   f"{name} written; continue with the same command and "
+                                   "--resume auto")
 
     def _save(self, position: dict[str, Any]) -> tuple[str, str, bool]:
         """Rank 0 writes; every rank gets the checkpoint's name (or rank 0's write error,
@@ -562,6 +468,14 @@ class Reporting:
     first_step: FirstStepClock | None = None
 
 
+@dataclass
+class AgreedStop:
+    """A stop the ranks agreed on at an epoch's end, carried out at the next epoch's begin.
+    One per job: an elastic job's next world (new callbacks) must not lose it."""
+
+    message: str = ""
+
+
 @dataclass(frozen=True)
 class RunHooks:
     """What the callbacks of one run act on (built by the run, for whichever loop trains).
@@ -582,6 +496,7 @@ class RunHooks:
     user_callbacks: Sequence[keras.callbacks.Callback] = ()
     run_columns: RunColumnsLog = field(default_factory=RunColumnsLog)
     world_size_column: bool = False
+    agreed_stop: AgreedStop = field(default_factory=lambda: AgreedStop())
 
 
 # Keras callbacks that write files or print: on rank 0 only, as one process would write them.
@@ -622,50 +537,3 @@ def rank_aware(callbacks: Sequence[keras.callbacks.Callback],
                world: World) -> list[keras.callbacks.Callback]:
     """The user's callbacks with each writer limited to rank 0 (see ``WRITERS``)."""
     return [ChiefOnly(c, world.is_chief) if isinstance(c, WRITERS) else c for c in callbacks]
-
-
-def standard_callbacks(hooks: RunHooks) -> list[keras.callbacks.Callback]:
-    """The callbacks of a run, in the order they must fire at the end of an epoch: first the
-    ones every rank runs (they hold collectives; the last of them notes the run's own columns
-    beside the logs), then the user's callbacks (every rank; the logs they see already hold the
-    exact global metrics and validation, equal on every rank, so decisions such as early
-    stopping agree, and no key one plain ``model.fit`` would not have; writers run on rank 0
-    only), then the checkpoint and stop agreement, then rank 0's writers and its report, which
-    add the run's columns to what they record."""
-    model, world, report = hooks.step.model, hooks.collectives.world, hooks.reporting
-    throughput = Throughput(report.global_batch)
-    callbacks: list[keras.callbacks.Callback] = [
-        *([LivenessHooks(hooks.liveness, hooks.collectives)] if hooks.liveness is not None
-          else []),
-        *([DataRanOut(hooks.passes)] if hooks.passes is not None and world.is_chief else []),
-        StopOnDivergence(hooks.step, hooks.checkpoints.store),
-        *([report.first_step] if report.first_step is not None else []),
-        throughput,
-        hooks.rates,
-        EpochMetrics(hooks.step),
-        AverageBatchNormStatistics(model, hooks.collectives),
-        *([Validation(hooks.evaluate, hooks.validation_freq)] if hooks.evaluate is not None
-          else []),
-        NoteRunColumns(throughput, hooks.step.optimizers, hooks.run_columns,
-                       world.size if hooks.world_size_column else None),
-    ]
-    if hooks.plateau is not None:
-        callbacks.append(hooks.plateau)
-    callbacks += rank_aware(hooks.user_callbacks, world)
-    plateau, rates = hooks.plateau, hooks.rates
-
-    def live_state() -> dict[str, Any]:
-        return {"rates": rates.state(),
-                **({"plateau": plateau.state()} if plateau is not None else {})}
-
-    callbacks.append(Checkpointing(hooks, live_state))
-    if world.is_chief:
-        run_dir, columns = report.run_dir, hooks.run_columns
-        callbacks.append(RunFileWriter(lambda: MetricsFiles(run_dir, columns), run_dir,
-                                       "the metrics files"))
-        if report.tensorboard:
-            callbacks.append(RunFileWriter(
-                lambda: TensorBoardEvents(run_dir / "tensorboard", columns), run_dir,
-                "TensorBoard events"))
-        callbacks.append(Progress(throughput, columns, report.show_progress, report.interactive))
-    return callbacks

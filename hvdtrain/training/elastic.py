@@ -11,7 +11,7 @@ nothing before the elastic loop may talk to other ranks. Rank 0 records every ep
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
@@ -25,10 +25,10 @@ from hvdtrain.config import Config
 from hvdtrain.data.contract import DataBundle
 from hvdtrain.data.pipeline import ShardSpec
 from hvdtrain.log import logger
-from hvdtrain.training.callbacks import (CheckpointPlan, RateControl, Reporting, RunHooks,
-                                         standard_callbacks)
+from hvdtrain.training.callbacks import AgreedStop, CheckpointPlan, Reporting, RunHooks
+from hvdtrain.training.epoch_end import RunCallbacks, standard_callbacks
 from hvdtrain.training.run_columns import RunColumnsLog
-from hvdtrain.training.schedule import WarmupScaledRate, world_scale
+from hvdtrain.training.schedule import RateControl, WarmupScaledRate, world_scale
 from hvdtrain.training.step import StepMath
 from hvdtrain.writes import run_files
 
@@ -62,6 +62,23 @@ def _log_segment(run_dir: Path, epoch: int, offset: int, world_size: int, lr: fl
                 f"rank(s), learning rate {lr:.5g}")
 
 
+@dataclass
+class Continuity:
+    """What one world hands the next: whether training has begun (the user's callbacks see one
+    train begin), a stop the ranks agreed on at an epoch's end, and the last world's step,
+    whose stop votes not yet delivered carry over (a world change must not lose a stop)."""
+
+    began: bool = False
+    agreed_stop: AgreedStop = field(default_factory=AgreedStop)
+    step: StepMath | None = None
+
+    def next_world(self, step: StepMath) -> None:
+        if self.step is not None:
+            step.stop_vote.assign(self.step.stop_vote)
+            step.callback_stop_vote.assign(self.step.callback_stop_vote)
+        self.step = step
+
+
 def elastic_loop(run: ElasticRun) -> None:
     """Train epochs ``[initial_epoch, epochs)`` through Horovod's elastic retry loop."""
     config, collectives, data = run.config, run.collectives, run.data
@@ -69,31 +86,34 @@ def elastic_loop(run: ElasticRun) -> None:
         tf_variables(run.model.weights + run.optimizer.variables), epoch=run.initial_epoch,
         offset=0)
     optim = config.optim
+    continuity = Continuity()
 
     @collectives.elastic_run
     def train(state: Any) -> None:
-        """One world's segment of the training: the callbacks' train begin and end frame it
-        (as one ``fit`` call would), each epoch's steps reach them in Keras' ``params``."""
+        """One world's segment of the training: hvdtrain's callbacks are this world's (their
+        train begin frames it), each epoch's steps reach them in Keras' ``params``; the user's
+        callbacks see one training (``Continuity``)."""
         world = collectives.refresh_world()
         run.schedule.set_world_scale(world_scale(optim, world.size))
         step = StepMath(run.model, run.optimizer, collectives, run.first_step.objective,
                         run.first_step.options, run.first_step.train_metrics)   # this world
+        continuity.next_world(step)
         train_step = tf.function(step.keras_step, jit_compile=False)
         val_spec = ShardSpec(data.val.num_examples, world, config.train.batch_size, "pad",
                              False)
         remainder = "pad" if config.data.remainder == "auto" else config.data.remainder
         epochs = config.train.epochs
-        hooks = keras.callbacks.CallbackList(standard_callbacks(RunHooks(
+        hooks = RunCallbacks(standard_callbacks(RunHooks(
             collectives=collectives, step=step, rates=run.rates,
             checkpoints=CheckpointPlan(run.store, run.state),
             reporting=Reporting(run.run_dir, world.size * config.train.batch_size,
                                 config.train.progress, tensorboard=config.train.tensorboard),
             evaluate=lambda: run.evaluate(val_spec), user_callbacks=run.user_callbacks,
-            run_columns=run.run_columns, world_size_column=True)),
-            add_history=False, add_progbar=False, model=run.model, epochs=epochs, steps=None,
-            verbose=0)
+            run_columns=run.run_columns, world_size_column=True,
+            agreed_stop=continuity.agreed_stop)), run.model, epochs, None)
         run.model.stop_training = False
-        hooks.on_train_begin()
+        hooks.begin_training(again=continuity.began)
+        continuity.began = True
         while state.epoch < epochs:
             spec = ShardSpec(data.train.num_examples, world, config.train.batch_size,
                              remainder, config.data.shuffle, config.train.seed, 1, state.offset)

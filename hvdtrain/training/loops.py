@@ -20,19 +20,19 @@ import tensorflow as tf
 
 from hvdtrain.data.equal_steps import Passes
 from hvdtrain.keras_internals import train_step_installed
+from hvdtrain.training.epoch_end import CallbackGroups, RunCallbacks
 from hvdtrain.training.step import TrainingStep
 
 
-class ContinuedHooks(keras.callbacks.CallbackList):
+class ContinuedHooks(RunCallbacks):
     """The run's callbacks across the ``fit`` calls of one training: a call that starts inside
     an epoch (a resumed one) numbers its steps from 0, so batch numbers are shifted by
     ``offset`` there; train begin fires once, at the first call, and train end once, by
     ``end_training`` after the last."""
 
-    def __init__(self, callbacks: list[keras.callbacks.Callback], model: keras.Model,
-                 epochs: int, steps: int) -> None:
-        super().__init__(callbacks, add_history=False, add_progbar=False, model=model,
-                         epochs=epochs, steps=steps, verbose=0)
+    def __init__(self, callbacks: CallbackGroups, model: keras.Model, epochs: int, steps: int,
+                 history: keras.callbacks.History) -> None:
+        super().__init__(callbacks, model, epochs, steps, last=[history])
         self.offset = 0
         self.begun = False
         self.last_logs: dict | None = None
@@ -122,13 +122,13 @@ def finalized_once(model: keras.Model) -> Iterator[None]:
 
 
 def fit_loop(step: TrainingStep, dataset: tf.data.Dataset, epochs: int, initial_epoch: int,
-             passes: Passes, callbacks: list[keras.callbacks.Callback],
+             passes: Passes, callbacks: CallbackGroups,
              done_steps: int = 0) -> keras.callbacks.History:
     """Train with the model's own ``fit`` (its progress bar off: hvdtrain's own shows on rank
     0), one call per ``fit_segments`` segment."""
     model = step.model
     history = keras.callbacks.History()
-    hooks = ContinuedHooks([*callbacks, history], model, epochs, passes.keras_steps)
+    hooks = ContinuedHooks(callbacks, model, epochs, passes.keras_steps, history)
     segments = fit_segments(passes, initial_epoch, epochs, done_steps)
     shared = iter(dataset) if len(segments) > 1 else None
     finalizing = finalized_once(model) if shared is not None else contextlib.nullcontext()
@@ -149,7 +149,7 @@ def fit_loop(step: TrainingStep, dataset: tf.data.Dataset, epochs: int, initial_
 
 
 def custom_loop(step: TrainingStep, dataset: tf.data.Dataset, epochs: int, initial_epoch: int,
-                passes: Passes, callbacks: list[keras.callbacks.Callback],
+                passes: Passes, callbacks: CallbackGroups,
                 done_steps: int = 0) -> keras.callbacks.History:
     """Train with a plain loop around one ``tf.function`` step, firing the same callbacks. A
     callback may stop training by setting ``model.stop_training``, as under ``fit``."""
@@ -157,9 +157,7 @@ def custom_loop(step: TrainingStep, dataset: tf.data.Dataset, epochs: int, initi
     model = step.model
     model.stop_training = False
     history = keras.callbacks.History()
-    hooks = keras.callbacks.CallbackList([*callbacks, history], add_history=False,
-                                         add_progbar=False, model=model, epochs=epochs,
-                                         steps=passes.keras_steps, verbose=0)
+    hooks = RunCallbacks(callbacks, model, epochs, passes.keras_steps, last=[history])
     batches = iter(dataset)
     hooks.on_train_begin()
     epoch_logs: dict | None = None

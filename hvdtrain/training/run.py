@@ -32,8 +32,9 @@ from hvdtrain.log import for_run, logger
 from hvdtrain.models import build_model, check_input_shape
 from hvdtrain.plugins import load_callbacks
 from hvdtrain.training.autotune_run import Tuning, autotune
-from hvdtrain.training.callbacks import (CheckpointPlan, FirstStepClock, PlateauDecay, Reporting,
-                                         ResumePoint, RunHooks, StepPosition, standard_callbacks)
+from hvdtrain.training.callbacks import (CheckpointPlan, FirstStepClock, Reporting, ResumePoint,
+                                         RunHooks, StepPosition)
+from hvdtrain.training.epoch_end import standard_callbacks
 from hvdtrain.training.checks import check_backend, check_data, check_world, data_errors_named
 from hvdtrain.training.data_plan import DataPlan, plan_data
 from hvdtrain.training.elastic import ElasticRun, elastic_loop
@@ -44,6 +45,7 @@ from hvdtrain.training.own_step import OwnStep
 from hvdtrain.training.process_state import run_environment, seed_alike, seed_per_rank
 from hvdtrain.training.restore import open_run_dir, starting_point, weight_fingerprint
 from hvdtrain.training.run_columns import RunColumns, RunColumnsLog
+from hvdtrain.training.schedule import PlateauDecay
 from hvdtrain.training.step import StepMath, StepOptions, TrainingStep
 from hvdtrain.training.trainable import Trainable, own_step_reason, prepare, probe_trainable
 
@@ -335,12 +337,13 @@ class Run:
             evaluate=None if run.data.val is None else validate_epoch,
             validation_freq=self.validation_freq, plateau=run.plateau,
             user_callbacks=run.user_callbacks, run_columns=run.run_columns))
+        callbacks.before.insert(0, position)
         with data_errors_named(run.data, world.rank), run.step.training():
             done = start.resume.step if start.resume.epoch == initial_epoch else 0
             try:
                 return LOOPS[config.train.loop](
                     run.step, run.plan.stream(run.data.train, initial_epoch, done, epochs),
-                    epochs, initial_epoch, run.plan.passes, [position, *callbacks], done)
+                    epochs, initial_epoch, run.plan.passes, callbacks, done)
             except tf.errors.OpError as error:
                 if position.epoch is not None and not ended_by_another_rank(error):
                     error.add_note(f"hvdtrain: rank {world.rank} failed in epoch "

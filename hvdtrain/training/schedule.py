@@ -17,6 +17,7 @@ import keras
 
 from hvdtrain.config import DEFAULT_LEARNING_RATE, OptimConfig
 from hvdtrain.errors import UserError
+from hvdtrain.keras_internals import remember_rates
 from hvdtrain.plugins import is_plugin, load_callable
 
 
@@ -119,3 +120,84 @@ def keras_optimizer_classes() -> dict[str, type]:
     """Keras' optimizers by lower-case class name (``keras.optimizers.get`` knows only some)."""
     return {name.lower(): value for name, value in vars(keras.optimizers).items()
             if isinstance(value, type) and issubclass(value, keras.optimizers.Optimizer)}
+
+
+class PlateauDecay(keras.callbacks.Callback):
+    """Multiply the rate by ``factor`` when the averaged val_loss has not improved for
+    ``patience`` epochs. Every rank sees the same reduced val_loss, so all decide alike."""
+
+    def __init__(self, schedule: WarmupScaledRate, factor: float, patience: int) -> None:
+        super().__init__()
+        self.schedule = schedule
+        self.factor = factor
+        self.patience = patience
+        self.best = float("inf")
+        self.wait = 0
+
+    def state(self) -> dict[str, float]:
+        return {"best": self.best, "wait": self.wait, "scale": self.schedule.plateau_scale}
+
+    def load(self, state: dict[str, float]) -> None:
+        self.best, self.wait = state["best"], int(state["wait"])
+        self.schedule.plateau_scale = float(state["scale"])
+
+    def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
+        if logs["val_loss"] < self.best:
+            self.best, self.wait = logs["val_loss"], 0
+            return
+        self.wait += 1
+        if self.wait >= self.patience:
+            self.schedule.plateau_scale *= self.factor
+            self.wait = 0
+
+
+class RateControl(keras.callbacks.Callback):
+    """Before every step, set each optimizer's rate: its base rate times the schedule's
+    multiplier at its own step counter, times whatever other callbacks did to it.
+
+    A callback that sets the rate (Keras' ``ReduceLROnPlateau``, ``LearningRateScheduler``)
+    is seen as a change since the rate last set here; the ratio is kept as a factor, so the
+    change lasts and the schedule goes on from it. Factors are saved in checkpoints.
+    """
+
+    def __init__(self, schedule: WarmupScaledRate,
+                 bases: dict[str, tuple[keras.optimizers.Optimizer, float]]) -> None:
+        """``bases``: attribute name -> (optimizer, its base rate for one rank)."""
+        super().__init__()
+        self.schedule = schedule
+        self.bases = bases
+        self.factors = {name: 1.0 for name in bases}
+        self.last_set: dict[str, float | None] = {name: None for name in bases}
+
+    def state(self) -> dict[str, float]:
+        return dict(self.factors)
+
+    def load(self, factors: dict[str, float]) -> None:
+        self.factors.update({name: float(f) for name, f in factors.items() if name in self.bases})
+
+    def set_rates(self) -> None:
+        for name, (optimizer, base) in self.bases.items():
+            current = float(optimizer.learning_rate)
+            last = self.last_set[name]
+            if last is not None and last > 0 and current != last:
+                self.factors[name] *= current / last
+            step = int(optimizer.iterations.numpy())
+            optimizer.learning_rate = base * self.schedule.multiplier(step) * self.factors[name]
+            self.last_set[name] = float(optimizer.learning_rate)
+
+    def on_train_begin(self, logs: dict | None = None) -> None:
+        """Set the rates for the coming step at once (an elastic segment that starts at an
+        epoch's end runs no step, yet logs its world's rate), and note them, so a change a
+        callback makes before the first step (at the first epoch's begin) is seen as one."""
+        for name in self.bases:
+            self.last_set[name] = None
+        self.set_rates()
+
+    def on_train_batch_begin(self, batch: int, logs: dict | None = None) -> None:
+        self.set_rates()
+
+    def on_train_end(self, logs: dict | None = None) -> None:
+        """Remember each optimizer's base rate and the rate last set, so a next ``fit`` of the
+        same model (a notebook) starts from the base again, not from the scaled rate."""
+        for name, (optimizer, base) in self.bases.items():
+            remember_rates(optimizer, base, float(optimizer.learning_rate))

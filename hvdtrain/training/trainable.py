@@ -20,10 +20,10 @@ from hvdtrain.data.contract import DataBundle
 from hvdtrain.errors import UserError, first_sentence
 from hvdtrain.keras_internals import (build_compiled_metrics, compile_arguments, remembered_rates,
                                       sublayers)
-from hvdtrain.training.callbacks import RateControl
 from hvdtrain.training.objective import DEFAULT_LOSS, DEFAULT_METRICS, Objective, probe
 from hvdtrain.training.own_step import own_step_methods, owned_optimizers
-from hvdtrain.training.schedule import WarmupScaledRate, make_optimizer, make_schedule
+from hvdtrain.training.schedule import (RateControl, WarmupScaledRate, make_optimizer,
+                                        make_schedule)
 
 
 def own_step_reason(model: keras.Model, data: DataBundle) -> str | None:
