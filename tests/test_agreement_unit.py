@@ -26,8 +26,8 @@ from hvdtrain.data.contract import ArraySplit
 from hvdtrain.data.pipeline import ShardSpec
 from hvdtrain.data.user import PipelineSplit
 from hvdtrain.errors import CheckpointWriteFailed, StoppedBySignal, UserError
-from hvdtrain.training.callbacks import (Checkpointing, CheckpointPlan, Reporting, ResumePoint,
-                                         RunHooks)
+from hvdtrain.training.callbacks import Reporting, RunHooks
+from hvdtrain.training.checkpointing import Checkpointing, CheckpointPlan, ResumePoint
 from hvdtrain.training.data_plan import agreed_pass_steps
 from hvdtrain.training.liveness import Liveness
 from hvdtrain.training.objective import Objective
@@ -108,7 +108,9 @@ def _checkpointing(collectives: ScriptedCollectives, step: StepMath, run_dir: Pa
                      checkpoints=CheckpointPlan(CheckpointStore(run_dir, 2),
                                                 CheckpointState(model="dense"), resume=resume),
                      reporting=Reporting(run_dir, 8, show_progress=False), liveness=liveness)
-    callback = Checkpointing(hooks, lambda: {"rates": {}})
+    callback = Checkpointing(hooks.step, hooks.collectives, hooks.checkpoints,
+                             lambda: {"rates": {}}, hooks.agreed_stop, hooks.run_columns,
+                             hooks.liveness, hooks.passes)
     callback.set_model(step.model)
     callback.set_params({"epochs": 2, "steps": 4, "verbose": 0})
     return callback

@@ -1,12 +1,8 @@
-"""Rank-aware epoch hooks, shared by the Keras ``fit`` path and the custom loop.
-
-Order matters and is fixed by ``standard_callbacks``: training metrics are reduced across ranks,
-then validation runs (every rank, reduced exactly), then the run's own columns (rates,
-throughput) are noted beside the logs, then the user's callbacks run, then rank 0 checkpoints,
-writes the metrics files and prints the epoch summary. Every rank runs the hooks that hold
-collectives, in the same order, so no allreduce is left waiting. The logs Keras passes along
-hold only what one plain ``model.fit`` would put there (``run_columns``).
-"""
+"""The run's own callbacks besides the epoch end (``epoch_end``): per-step hooks (liveness,
+divergence, the first-step clock, where training is), rank 0's reporting (metrics files,
+TensorBoard, progress), the user's writer callbacks on rank 0 alone, and ``RunHooks``, what
+they act on. Every rank runs the hooks that hold collectives, in the same order, so no
+allreduce is left waiting; the logs hold only what one plain ``model.fit`` would put there."""
 
 from __future__ import annotations
 
@@ -17,44 +13,24 @@ import math
 import sys
 import time
 import warnings
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Callable, Sequence
 
 import keras
-import numpy as np
 import tensorflow as tf
 
-from hvdtrain.checkpoint import CheckpointStore, atomic_write_text, rank_local_variables
-from hvdtrain.checkpoint_state import CheckpointState
-from hvdtrain.collectives import Collectives, World, assign_across_ranks, summed_across_ranks
+from hvdtrain.checkpoint import CheckpointStore, atomic_write_text
+from hvdtrain.collectives import Collectives, World
 from hvdtrain.data.equal_steps import RAN_OUT, Passes
-from hvdtrain.errors import CheckpointWriteFailed, StoppedBySignal, TrainingDiverged
-from hvdtrain.keras_internals import sublayers
+from hvdtrain.errors import TrainingDiverged
 from hvdtrain.startup import process_age_seconds
+from hvdtrain.training.checkpointing import AgreedStop, CheckpointPlan
 from hvdtrain.training.liveness import Liveness
-from hvdtrain.training.run_columns import RunColumnsLog, Throughput
+from hvdtrain.training.run_columns import RunColumnsLog, Throughput, epoch_row, ordered
 from hvdtrain.training.schedule import PlateauDecay, RateControl
 from hvdtrain.training.step import TrainingStep
 from hvdtrain.writes import json_rows
-
-
-def _column_key(name: str) -> tuple[int, int, str]:
-    """Training metrics (loss first), then validation metrics (val_loss first)."""
-    validation = name.startswith("val_")
-    base = name[4:] if validation else name
-    return (int(validation), 0 if base == "loss" else 1, base)
-
-
-def ordered(logs: dict) -> dict[str, float]:
-    """Epoch logs as floats in one fixed column order (the two loops fill logs differently)."""
-    return {name: float(logs[name]) for name in sorted(logs, key=_column_key)}
-
-
-def epoch_row(epoch: int, logs: dict, columns: RunColumnsLog) -> dict[str, float]:
-    """What the run records of Keras' epoch ``epoch``: its logs in a fixed order, then the
-    run's own columns (which win over a log of the same name)."""
-    return {**ordered(logs), **columns.columns(epoch)}
 
 
 class EpochMetrics(keras.callbacks.Callback):
@@ -177,28 +153,6 @@ class LivenessHooks(keras.callbacks.Callback):
         self.liveness.training_ended()
 
 
-class AverageBatchNormStatistics(keras.callbacks.Callback):
-    """Average batch-norm moving statistics across ranks at the end of every epoch.
-
-    Batch statistics inside a step stay rank-local (each rank normalises its own batch, as
-    Horovod's default does, with no extra allreduce per layer per step); the moving mean and
-    variance, which inference uses, are averaged once per epoch so that every rank validates,
-    checkpoints and saves the same model.
-    """
-
-    def __init__(self, model: keras.Model, collectives: Collectives) -> None:
-        super().__init__()
-        self.collectives = collectives
-        self.statistics = [v for layer in sublayers(model)
-                           if isinstance(layer, keras.layers.BatchNormalization)
-                           for v in layer.non_trainable_variables]
-
-    def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
-        if not self.statistics or self.collectives.world.size == 1:
-            return
-        assign_across_ranks(self.collectives, self.statistics, mean=True)
-
-
 class TensorBoardEvents(keras.callbacks.Callback):
     """Rank 0 writes every epoch's logs (losses, metrics) and the run's own columns (rate,
     examples/second) as TensorBoard scalars under ``run_dir/tensorboard``."""
@@ -223,130 +177,6 @@ def validates_after(epoch: int, frequency: int | list[int]) -> bool:
     if isinstance(frequency, int):
         return (epoch + 1) % frequency == 0
     return epoch + 1 in frequency
-
-
-@dataclass(frozen=True)
-class ResumePoint:
-    """Where a resumed run starts: after ``epoch`` whole epochs and ``step`` steps of the next
-    (0: at its start), with that epoch's metric state summed over the ranks (rank 0 holds it,
-    the others start from zero: the sums are only ever reduced by adding)."""
-
-    epoch: int = 0
-    step: int = 0
-    epoch_state: tuple = ()
-
-
-class Checkpointing(keras.callbacks.Callback):
-    """Every rank: checkpoint (rank 0 writes) at each epoch end, every ``every_steps`` steps,
-    and at the step where the ranks agreed to stop; then stop every rank if they agreed.
-
-    After each write the ranks exchange rank 0's outcome and their stop requests, so a failed
-    write or a stop ends every rank alike and no rank is left waiting in a collective. A stop
-    agreed at an epoch's last step, or asked for during validation, takes effect after the
-    epoch's callbacks, with the epoch-end checkpoint (a request in the last epoch lets the run
-    finish: saving the final model takes no longer than stopping).
-
-    A callback that sets ``model.stop_training`` from a batch hook, on any rank, stops every
-    rank after the next step: the flag becomes a vote that rides in that step's allreduce. At
-    an epoch end the ranks agree in the exchange above (any rank's flag stops all).
-    """
-
-    def __init__(self, hooks: "RunHooks", live_state: Callable[[], dict[str, Any]]) -> None:
-        super().__init__()
-        self.step = hooks.step
-        self.collectives = hooks.collectives
-        self.plan = hooks.checkpoints
-        self.liveness = hooks.liveness
-        self.columns = hooks.run_columns
-        self.live_state = live_state
-        self.passes = hooks.passes
-        self.agreed = hooks.agreed_stop
-        self.epoch = 0
-        self.epoch_steps = 0
-
-    @property
-    def stop_message(self) -> str:
-        return self.agreed.message
-
-    def _stop_reason(self) -> str | None:
-        return None if self.liveness is None else self.liveness.stop_reason
-
-    def on_epoch_begin(self, epoch: int, logs: dict | None = None) -> None:
-        if self.stop_message:   # agreed at the previous epoch's end
-            raise StoppedBySignal(self.stop_message)
-        self.epoch = epoch
-        self.epoch_steps = (self.params["steps"] if self.passes is None
-                            else self.passes.epoch_steps(epoch))
-        resume = self.plan.resume
-        if resume.step and epoch == resume.epoch and self.collectives.world.is_chief:
-            for variable, value in zip(self.step.epoch_state_variables, resume.epoch_state):
-                variable.assign(tf.cast(np.asarray(value), variable.dtype))
-
-    def on_train_batch_begin(self, batch: int, logs: dict | None = None) -> None:
-        if self._stop_reason() is not None and not self.step.stop_vote.numpy():
-            self.step.stop_vote.assign(1.0)
-
-    def _callback_stop(self) -> None:
-        """A batch hook's ``stop_training`` becomes a vote; the ranks' summed votes, delivered
-        by the step, stop every rank at once."""
-        if self.model.stop_training:
-            self.model.stop_training = False
-            self.step.callback_stop_vote.assign(1.0)
-        if float(self.step.callback_stop_votes.numpy()) > 0:
-            self.model.stop_training = True
-            self.step.callback_stop_vote.assign(0.0)
-            self.step.callback_stop_votes.assign(0.0)
-
-    def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
-        self._callback_stop()
-        done, steps, every = batch + 1, self.epoch_steps, self.plan.every_steps
-        if done == steps:   # the epoch end checkpoints (and stops, if agreed)
-            return
-        stop = float(self.step.stop_votes.numpy()) > 0
-        if not stop and not (every and done % every == 0):
-            return
-        # The epoch's metric sums so far, over all ranks: rank 0 keeps them in the checkpoint.
-        sums = summed_across_ranks(self.collectives, self.step.epoch_state_variables)
-        name, reasons, _ = self._save({"epoch": self.epoch, "step": done,
-                                       "epoch_state": tuple(np.asarray(s).tolist()
-                                                            for s in sums)})
-        if stop:
-            raise StoppedBySignal(f"stopped by {reasons} at epoch {self.epoch + 1}, step "
-                                  f"{done} of {steps}; checkpoint {name} written; "
-                                  "continue with the same command and --resume auto")
-
-    def end_epoch(self, epoch: int, logs: dict) -> None:
-        """The epoch's checkpoint, then every rank stops if any asked (``end_epoch``)."""
-        name, reasons, stop_training = self._save({
-            "epoch": epoch + 1, "metrics": epoch_row(epoch, logs, self.columns)})
-        self.model.stop_training = stop_training
-        if reasons:
-            self.agreed.message = (f"stopped by {reasons} after epoch {epoch + 1}; checkpoint "
-                                   f"{name} written; continue with the same command and "
-                                   "--resume auto")
-
-    def _save(self, position: dict[str, Any]) -> tuple[str, str, bool]:
-        """Rank 0 writes; every rank gets the checkpoint's name (or rank 0's write error,
-        raised everywhere), the stop requests of all ranks ("" when none) and whether any
-        rank's callbacks asked to stop training."""
-        model = self.step.model
-        local = [v.numpy() for v in rank_local_variables(model)]
-        rank_states = self.collectives.allgather_object(local) if local else None
-        outcome = ""
-        if self.collectives.world.is_chief:
-            try:
-                outcome = self.plan.store.save(model, self.step.optimizers, replace(
-                    self.plan.state, **self.live_state(), **position), rank_states).name
-            except CheckpointWriteFailed as error:
-                outcome = f"error: {error}"
-        wants_stop = bool(model.stop_training or self.step.callback_stop_vote.numpy())
-        shared = self.collectives.allgather_object((outcome, self._stop_reason(), wants_stop))
-        name = shared[0][0]
-        if name.startswith("error: "):
-            raise CheckpointWriteFailed(name[len("error: "):])
-        reasons = ", ".join(f"{reason} on rank {rank}"
-                            for rank, (_, reason, _) in enumerate(shared) if reason)
-        return name, reasons, any(stop for _, _, stop in shared)
 
 
 def batch_values(logs: dict | None) -> str:
@@ -445,17 +275,6 @@ class Progress(keras.callbacks.Callback):
 
 
 @dataclass(frozen=True)
-class CheckpointPlan:
-    """Where the run checkpoints, how often within an epoch (0: at epoch ends only), what every
-    checkpoint records besides its position, and where a resumed run starts."""
-
-    store: CheckpointStore
-    state: CheckpointState
-    every_steps: int = 0
-    resume: ResumePoint = ResumePoint()
-
-
-@dataclass(frozen=True)
 class Reporting:
     """What rank 0 reports: the run directory's metrics files (and TensorBoard events), the
     progress lines, and when the first step ended."""
@@ -466,14 +285,6 @@ class Reporting:
     interactive: bool = False
     tensorboard: bool = False
     first_step: FirstStepClock | None = None
-
-
-@dataclass
-class AgreedStop:
-    """A stop the ranks agreed on at an epoch's end, carried out at the next epoch's begin.
-    One per job: an elastic job's next world (new callbacks) must not lose it."""
-
-    message: str = ""
 
 
 @dataclass(frozen=True)

@@ -25,7 +25,8 @@ from hvdtrain.config import Config
 from hvdtrain.data.contract import DataBundle
 from hvdtrain.data.pipeline import ShardSpec
 from hvdtrain.log import logger
-from hvdtrain.training.callbacks import AgreedStop, CheckpointPlan, Reporting, RunHooks
+from hvdtrain.training.callbacks import Reporting, RunHooks
+from hvdtrain.training.checkpointing import AgreedStop, CheckpointPlan
 from hvdtrain.training.epoch_end import RunCallbacks, standard_callbacks
 from hvdtrain.training.run_columns import RunColumnsLog
 from hvdtrain.training.schedule import RateControl, WarmupScaledRate, world_scale

@@ -14,9 +14,10 @@ import keras
 
 from hvdtrain.collectives import Collectives, assign_across_ranks
 from hvdtrain.keras_internals import pythonified_logs, sublayers
-from hvdtrain.training.callbacks import (Checkpointing, DataRanOut, EpochMetrics, LivenessHooks,
-                                         MetricsFiles, Progress, RunHooks, StopOnDivergence,
-                                         TensorBoardEvents, rank_aware, validates_after)
+from hvdtrain.training.callbacks import (DataRanOut, EpochMetrics, LivenessHooks, MetricsFiles,
+                                         Progress, RunHooks, StopOnDivergence, TensorBoardEvents,
+                                         rank_aware, validates_after)
+from hvdtrain.training.checkpointing import Checkpointing
 from hvdtrain.training.run_columns import NoteRunColumns, Throughput
 from hvdtrain.training.step import TrainingStep
 from hvdtrain.writes import RunFileWriter
@@ -141,7 +142,9 @@ def standard_callbacks(hooks: RunHooks) -> CallbackGroups:
         return {"rates": rates.state(),
                 **({"plateau": plateau.state()} if plateau is not None else {})}
 
-    checkpointing = Checkpointing(hooks, live_state)
+    checkpointing = Checkpointing(hooks.step, hooks.collectives, hooks.checkpoints, live_state,
+                                  hooks.agreed_stop, hooks.run_columns, hooks.liveness,
+                                  hooks.passes)
     after: list[keras.callbacks.Callback] = [checkpointing]
     if world.is_chief:
         run_dir, columns = report.run_dir, hooks.run_columns

@@ -23,10 +23,11 @@ from hvdtrain.errors import UserError
 from hvdtrain.keras_internals import initial_epoch_of, set_initial_epoch
 from hvdtrain.log import logger
 from hvdtrain.training.adapted_state import agree_on_adapted_state
-from hvdtrain.training.callbacks import ResumePoint, resume_metrics_files
-from hvdtrain.training.schedule import PlateauDecay
+from hvdtrain.training.callbacks import resume_metrics_files
+from hvdtrain.training.checkpointing import ResumePoint
 from hvdtrain.training.checks import check_elastic
 from hvdtrain.training.resume_check import check_resumable, optimizers_changed
+from hvdtrain.training.schedule import PlateauDecay
 from hvdtrain.training.step import TrainingStep
 from hvdtrain.training.trainable import Trainable
 from hvdtrain.writes import run_files

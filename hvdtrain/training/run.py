@@ -32,12 +32,12 @@ from hvdtrain.log import for_run, logger
 from hvdtrain.models import build_model, check_input_shape
 from hvdtrain.plugins import load_callbacks
 from hvdtrain.training.autotune_run import Tuning, autotune
-from hvdtrain.training.callbacks import (CheckpointPlan, FirstStepClock, Reporting, ResumePoint,
-                                         RunHooks, StepPosition)
-from hvdtrain.training.epoch_end import standard_callbacks
+from hvdtrain.training.callbacks import FirstStepClock, Reporting, RunHooks, StepPosition
+from hvdtrain.training.checkpointing import CheckpointPlan, ResumePoint
 from hvdtrain.training.checks import check_backend, check_data, check_world, data_errors_named
 from hvdtrain.training.data_plan import DataPlan, plan_data
 from hvdtrain.training.elastic import ElasticRun, elastic_loop
+from hvdtrain.training.epoch_end import standard_callbacks
 from hvdtrain.training.liveness import Liveness, liveness_for
 from hvdtrain.training.loops import LOOPS
 from hvdtrain.training.outputs import RunSummary, float32_copy, write_outputs

@@ -98,3 +98,21 @@ class NoteRunColumns(keras.callbacks.Callback):
         rates = {name: float(optimizer.learning_rate)
                  for name, optimizer in self.optimizers.items() if optimizer.built}
         self.log.add(RunColumns(epoch + 1, rates, self.throughput.rate(), self.world_size))
+
+
+def _column_key(name: str) -> tuple[int, int, str]:
+    """Training metrics (loss first), then validation metrics (val_loss first)."""
+    validation = name.startswith("val_")
+    base = name[4:] if validation else name
+    return (int(validation), 0 if base == "loss" else 1, base)
+
+
+def ordered(logs: dict) -> dict[str, float]:
+    """Epoch logs as floats in one fixed column order (the two loops fill logs differently)."""
+    return {name: float(logs[name]) for name in sorted(logs, key=_column_key)}
+
+
+def epoch_row(epoch: int, logs: dict, columns: RunColumnsLog) -> dict[str, float]:
+    """What the run records of Keras' epoch ``epoch``: its logs in a fixed order, then the
+    run's own columns (which win over a log of the same name)."""
+    return {**ordered(logs), **columns.columns(epoch)}

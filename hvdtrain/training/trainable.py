@@ -22,8 +22,7 @@ from hvdtrain.keras_internals import (build_compiled_metrics, compile_arguments,
                                       sublayers)
 from hvdtrain.training.objective import DEFAULT_LOSS, DEFAULT_METRICS, Objective, probe
 from hvdtrain.training.own_step import own_step_methods, owned_optimizers
-from hvdtrain.training.schedule import (RateControl, WarmupScaledRate, make_optimizer,
-                                        make_schedule)
+from hvdtrain.training.schedule import RateControl, WarmupScaledRate, make_optimizer, make_schedule
 
 
 def own_step_reason(model: keras.Model, data: DataBundle) -> str | None:
