@@ -14,16 +14,22 @@ import pytest
 from conftest import BIN, REPO, RUN_TIMEOUT, rank_env
 
 
-def imports_in(module: str) -> set[str]:
-    """Every module an import statement anywhere in ``module``'s source names."""
+def import_statements(module: str) -> list[tuple[str | None, list[str]]]:
+    """Every import statement anywhere in ``module``'s source (at its top or inside a
+    function): (the module of ``from ... import``, else None; the names imported)."""
     path = REPO / module.replace(".", "/")
     source = path / "__init__.py" if path.is_dir() else path.with_suffix(".py")
+    return [(node.module if isinstance(node, ast.ImportFrom) else None,
+             [alias.name for alias in node.names])
+            for node in ast.walk(ast.parse(source.read_text()))
+            if isinstance(node, ast.Import) or (isinstance(node, ast.ImportFrom) and node.module)]
+
+
+def imports_in(module: str) -> set[str]:
+    """Every module an import statement anywhere in ``module``'s source names."""
     named: set[str] = set()
-    for node in ast.walk(ast.parse(source.read_text())):
-        if isinstance(node, ast.Import):
-            named |= {alias.name for alias in node.names}
-        elif isinstance(node, ast.ImportFrom) and node.module:
-            named |= {node.module, *(f"{node.module}.{alias.name}" for alias in node.names)}
+    for origin, names in import_statements(module):
+        named |= set(names) if origin is None else {origin, *(f"{origin}.{n}" for n in names)}
     return named
 
 
@@ -103,15 +109,10 @@ def module_edges(module: str, modules: set[str]) -> set[str]:
     """The package's modules that ``module``'s import statements (deferred ones too) load:
     ``from package import name`` loads ``package.name`` where that is a module, else
     ``package`` (Python's implicit import of a parent package is not counted)."""
-    path = REPO / module.replace(".", "/")
-    source = path / "__init__.py" if path.is_dir() else path.with_suffix(".py")
     edges: set[str] = set()
-    for node in ast.walk(ast.parse(source.read_text())):
-        if isinstance(node, ast.Import):
-            edges |= {alias.name for alias in node.names}
-        elif isinstance(node, ast.ImportFrom) and node.module:
-            edges |= {f"{node.module}.{alias.name}" if f"{node.module}.{alias.name}" in modules
-                      else node.module for alias in node.names}
+    for origin, names in import_statements(module):
+        edges |= set(names) if origin is None else {
+            f"{origin}.{name}" if f"{origin}.{name}" in modules else origin for name in names}
     return (edges & modules) - {module}
 
 
