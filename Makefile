@@ -21,9 +21,13 @@ train: setup
 test: setup
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
-# The single-process layer: no ranks, daemons, containers or cluster.
+# The single-process layer, tests/unit: no ranks, daemons, containers or cluster. The marker
+# filter keeps out the few tests in tests/unit that start ranks (marked distributed, beside the
+# single-process tests of their subject); every test outside tests/unit is marked distributed,
+# multinode or slow, so the filter alone would select the same set.
 test-fast: setup
-	$(BIN)/python -m pytest -m "not distributed and not multinode and not slow" $(PYTEST_ARGS)
+	$(BIN)/python -m pytest tests/unit -m "not distributed and not multinode and not slow" \
+		$(PYTEST_ARGS)
 
 lint: setup
 	$(BIN)/python -m flake8 hvdtrain tests

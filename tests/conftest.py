@@ -21,6 +21,14 @@ from netcluster import SLURM_BASICS
 from nohorovod_env import venv_without_horovod  # noqa: F401  (a fixture, for every test file)
 
 REPO = Path(__file__).resolve().parents[1]
+# The layers: unit/ (single process), distributed/ and cluster/ (real ranks, by subject),
+# ranks/ (the scripts those tests launch as rank processes), support/ (helper modules every
+# layer imports; setup.cfg puts support/ and ranks/ on pytest's sys.path).
+TESTS = REPO / "tests"
+SUPPORT = TESTS / "support"
+RANKS = TESTS / "ranks"
+# PYTHONPATH for launched processes that import a rank script or a support module by name.
+RANK_PYTHONPATH = os.pathsep.join([str(RANKS), str(SUPPORT)])
 BIN = Path(sys.executable).parent
 # Generous for 2 cores (two TensorFlow imports at once) yet far below CI's budget: a hang fails.
 RUN_TIMEOUT = 240
@@ -162,7 +170,7 @@ def probe_shards(tmp: Path, kind: str, what: str, batch: int) -> list[dict]:
     """Every rank's example ids, step counts and weight sums over two epochs (shard_probe)."""
     out = tmp / f"shards-{kind}.json"
     result = launch(LAUNCHER, 2, [kind, what, str(batch), str(out)], module="shard_probe",
-                    PYTHONPATH=str(REPO / "tests"))
+                    PYTHONPATH=RANK_PYTHONPATH)
     assert result.returncode == 0, result.stdout + result.stderr
     return json.loads(out.read_text())
 
@@ -242,6 +250,16 @@ def resnet_run(session_tmp):
     return train(session_tmp, "resnet", "--model", "resnet", "--resnet-blocks", "1",
                  "--dataset", "synthetic", "--synthetic-shape", "16", "16", "3",
                  "--synthetic-examples", "320", "--epochs", "3", "--batch-size", "32")
+
+
+@pytest.fixture
+def no_horovod(tmp_path) -> str:
+    """A PYTHONPATH entry on which ``import horovod`` fails, as where it is not installed."""
+    shim = tmp_path / "no-horovod"
+    (shim / "horovod").mkdir(parents=True)
+    (shim / "horovod" / "__init__.py").write_text(
+        'raise ImportError("No module named \'horovod\' (tests: Horovod hidden)")\n')
+    return str(shim)
 
 
 # --- a real single-node Slurm cluster ----------------------------------------------------------

@@ -9,7 +9,7 @@ import re
 
 import pytest
 
-from conftest import LAUNCHER, REPO, launch
+from conftest import LAUNCHER, RANK_PYTHONPATH, launch
 from readme_pattern_ranks import PATTERNS, pattern_blocks
 
 pytestmark = pytest.mark.distributed
@@ -19,7 +19,7 @@ def test_the_readme_patterns_run_on_two_ranks_with_identical_weights(tmp_path):
     blocks = pattern_blocks(PATTERNS.read_text())
     assert len(blocks) == 4
     result = launch(LAUNCHER, 2, [str(tmp_path)], module="readme_pattern_ranks",
-                    timeout=400, PYTHONPATH=str(REPO / "tests"))
+                    timeout=400, PYTHONPATH=RANK_PYTHONPATH)
     output = result.stdout + result.stderr
     assert result.returncode == 0, output[-4000:]
     reports = [json.loads(line) for line in re.findall(r"pattern (\{.*\})", output)]

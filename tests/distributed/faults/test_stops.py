@@ -24,9 +24,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import (BACKENDS, REPO, SLOW_CYCLE_MS, assert_same_weights, final_weights, launch,
-                      processes_mentioning, rank_env, rank_pid, read_metrics, read_summary, run,
-                      train, wait_for)
+from conftest import (BACKENDS, RANKS, RANK_PYTHONPATH, REPO, SLOW_CYCLE_MS, assert_same_weights,
+                      final_weights, launch, processes_mentioning, rank_env, rank_pid, read_metrics,
+                      read_summary, run, train, wait_for)
 from hvdtrain.checkpoint import Checkpoint, CheckpointStore
 from jobs import assert_nothing_left, flip_a_byte
 
@@ -194,8 +194,8 @@ def test_hvdtrain_fit_under_mpirun_stops_cleanly_on_sigterm(tmp_path, backend):
     run_dir = tmp_path / "run"
     job = subprocess.Popen(
         [str(REPO / "launch" / "mpirun.sh"), "-np", "2", "--command",
-         f"{sys.executable} {REPO / 'tests' / 'fit_stop_script.py'} {run_dir}"],
-        env=rank_env(HOROVOD_CYCLE_TIME=SLOW_CYCLE_MS, PYTHONPATH=str(REPO / "tests"),
+         f"{sys.executable} {RANKS / 'fit_stop_script.py'} {run_dir}"],
+        env=rank_env(HOROVOD_CYCLE_TIME=SLOW_CYCLE_MS, PYTHONPATH=RANK_PYTHONPATH,
                      HVDTRAIN_BACKEND=backend),
         cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         stdin=subprocess.DEVNULL, start_new_session=True)
@@ -222,7 +222,7 @@ def test_ranks_whose_mpirun_is_killed_stop_with_their_exit_code_and_log_the_line
     line is in rank 0's run log. A subreaper collects the orphaned ranks' exit codes."""
     run_dir = tmp_path / "run"
     result = subprocess.run(
-        [sys.executable, str(REPO / "tests" / "orphan_reaper.py"), "--when",
+        [sys.executable, str(RANKS / "orphan_reaper.py"), "--when",
          str(run_dir / "checkpoints" / "epoch-*-step-*"), "--kill", "mpirun", "--",
          str(REPO / "launch" / "mpirun.sh"), "-np", "2", "--", "--run-dir", str(run_dir),
          "--no-progress", *ARGS], env=rank_env(HOROVOD_CYCLE_TIME=SLOW_CYCLE_MS), cwd=tmp_path,
@@ -275,7 +275,7 @@ def test_slurm_stop_and_time_limit_requeue_finish_like_an_uninterrupted_run(slur
     # Slurm warns up to a minute early: the signal came 50-95 s into the allocation, whose
     # slowed training (8 epochs of 45 steps, over 126 s) outlasts the limit on any machine.
     job = slurm.submit(*args, "--callbacks", "workloads:slow_first_slurm_allocation",
-                       sbatch=("--time=2", "--signal=B:USR1@10"), PYTHONPATH=str(REPO / "tests"))
+                       sbatch=("--time=2", "--signal=B:USR1@10"), PYTHONPATH=RANK_PYTHONPATH)
     deadline = time.time() + 900
     while (record := slurm.finished(job)) is None:
         assert time.time() < deadline, slurm.output(job)[-3000:]
@@ -328,7 +328,7 @@ def test_stop_and_resume_with_dropout_equals_an_uninterrupted_run(tmp_path, mode
     TensorFlow backend's interrupted run slows its steps with a callback of the user's kind
     (HOROVOD_CYCLE_TIME does not reach it)."""
     args = [*DROPOUT_ARGS, "--model", model, "--backend", backend]
-    paths = {"PYTHONPATH": str(REPO / "tests")}
+    paths = {"PYTHONPATH": RANK_PYTHONPATH}
     straight = train(tmp_path, "straight", *args, **paths)
     run_dir = tmp_path / "stopped"
     slow = ["--callbacks", "workloads:slow_steps"] if backend == "tensorflow" else []
@@ -340,7 +340,6 @@ def test_stop_and_resume_with_dropout_equals_an_uninterrupted_run(tmp_path, mode
     assert_same_run(straight, resumed)
 
 
-TESTS = str(REPO / "tests")
 GAN_ARGS = ["--model", "user_programs:gan_model", "--dataset", "user_programs:digit_images",
             "--epochs", "2", "--batch-size", "16", "--checkpoint-every-steps", "5",
             "--deterministic", "--no-tensorboard"]
@@ -357,7 +356,7 @@ def final_state(run_dir) -> tuple[list[np.ndarray], list[np.ndarray]]:
 
 @pytest.mark.distributed
 def test_gan_through_the_cli_stops_and_resumes_to_the_uninterrupted_result(tmp_path):
-    straight = train(tmp_path, "straight", *GAN_ARGS, PYTHONPATH=TESTS)
+    straight = train(tmp_path, "straight", *GAN_ARGS, PYTHONPATH=RANK_PYTHONPATH)
     log = straight.with_suffix(".log").read_text()
     assert "step: the model's own train_step (it defines train_step)" in log
     assert read_summary(straight)["weights_identical"]
@@ -365,10 +364,10 @@ def test_gan_through_the_cli_stops_and_resumes_to_the_uninterrupted_result(tmp_p
 
     run_dir = tmp_path / "stopped"
     code, output = stop_after_a_step_checkpoint(run_dir, *GAN_ARGS, "--resume", "auto",
-                                                PYTHONPATH=TESTS)
+                                                PYTHONPATH=RANK_PYTHONPATH)
     assert code == 75, output[-3000:]
     assert re.search(r"stopped by SIG\w+ on rank [01].* at epoch \d, step \d+", output)
-    resumed = train(tmp_path, "stopped", *GAN_ARGS, "--resume", "auto", PYTHONPATH=TESTS)
+    resumed = train(tmp_path, "stopped", *GAN_ARGS, "--resume", "auto", PYTHONPATH=RANK_PYTHONPATH)
     assert "resuming after epoch" in resumed.with_suffix(".log").read_text()
     (ours_w, ours_o), (theirs_w, theirs_o) = final_state(resumed), final_state(straight)
     for left, right in zip(ours_w + ours_o, theirs_w + theirs_o):

@@ -11,7 +11,7 @@ import re
 import sys
 from pathlib import Path
 
-PATTERNS = Path(__file__).resolve().parents[1] / "hvdtrain" / "README.md"
+PATTERNS = Path(__file__).resolve().parents[2] / "hvdtrain" / "README.md"
 SECTION = "\n## Four patterns, complete\n"
 
 

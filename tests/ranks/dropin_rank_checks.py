@@ -1,5 +1,5 @@
 """Checks of the Horovod drop-in (``hvdtrain.keras``, ``hvdtrain.tensorflow``) that every rank
-of one ``horovodrun -np 2 python -m pytest tests/dropin_rank_checks.py`` runs, in the same
+of one ``horovodrun -np 2 python -m pytest tests/ranks/dropin_rank_checks.py`` runs, in the same
 order, the way Horovod's own ``test/parallel`` tests run. Most re-express the applicable tests
 of Horovod's ``test/parallel/test_tensorflow2_keras.py`` for Keras 3; the rest check the
 behaviour a Horovod user relies on, including what ``test_tensorflow.py`` has beyond the

@@ -7,7 +7,7 @@ step (the optimizer has no variables before it); a metric averaged over the rank
 ``hvd.allreduce``; a ``tf.train.Checkpoint`` written by rank 0 only. The data are
 scikit-learn's bundled 8x8 digits, so nothing is downloaded.
 
-    horovodrun -np 2 python tests/horovod_programs/gradient_tape_loop.py --out-dir /tmp/run
+    horovodrun -np 2 python tests/ranks/horovod_programs/gradient_tape_loop.py --out-dir /tmp/run
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Start a command, SIGKILL one process of its tree (by name) once a path appears, and report
 the exit codes of the processes that were orphaned by it.
 
-    python tests/orphan_reaper.py --when 'run/checkpoints/epoch-*-step-*' --kill mpirun \
+    python tests/ranks/orphan_reaper.py --when 'run/checkpoints/epoch-*-step-*' --kill mpirun \
         --within 60 -- launch/mpirun.sh -np 2 ...
 
 This process makes itself a child subreaper, so the killed process's children (the ranks) are

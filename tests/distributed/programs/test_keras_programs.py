@@ -46,7 +46,6 @@ import json
 import os
 import re
 import subprocess
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -54,11 +53,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import BACKENDS, LAUNCHER, REPO, launch
-
-TESTS = REPO / "tests"
-sys.path.insert(0, str(TESTS))
-from keras_programs import PROGRAMS, VAL_IDS  # noqa: E402
+from conftest import BACKENDS, LAUNCHER, RANK_PYTHONPATH, launch
+from keras_programs import PROGRAMS, VAL_IDS
 
 pytestmark = pytest.mark.distributed
 BATCH = 16         # per rank; one process runs 2 x BATCH
@@ -98,7 +94,7 @@ def run_job(out: Path, mode: str, backend: str) -> Job:
         records = [json.loads((out / f"{mode}-{rank}.json").read_text()) for rank in range(ranks)]
         return Job(mode, records, f"(reused {out})", 0, 0.0)
     out.mkdir(parents=True, exist_ok=True)
-    env = {"PYTHONPATH": str(TESTS)}
+    env = {"PYTHONPATH": RANK_PYTHONPATH}
     if backend != "auto":
         env["HVDTRAIN_BACKEND"] = backend
     batch = BATCH * (2 if ranks == 1 else 1)

@@ -1,5 +1,5 @@
 """What the programs in this folder share: the GPU a process takes, and what each leaves
-behind for ``tests/test_horovod_dropin.py``.
+behind for ``tests/distributed/horovod/test_horovod_dropin.py``.
 
 A Horovod program would not need the report: the test does, to check that every rank ended
 with the same weights (``weights-<rank>.npz``, compared bit for bit) and that the training

@@ -4,7 +4,6 @@ how an update is timed; what refuses to start. Single-process, no collectives.""
 
 from __future__ import annotations
 
-import re
 from types import SimpleNamespace
 
 import pytest
@@ -16,11 +15,9 @@ from hvdtrain.training.autotune_run import (HOROVOD_CYCLE_MS, TIMED_S, TIMED_UPD
                                             alike, autotune, cycle_fixed, launch_environment,
                                             launched_setting, timed_updates, update_times)
 from hvdtrain.world import LocalCollectives, World
+from autotune_lines import FINAL_LINE
 
 LAUNCHED = Setting(4.0, 0.1)
-FINAL_LINE = re.compile(r"autotune: best --bucket-mib (?P<bucket>\S+) with "
-                        r"HOROVOD_CYCLE_TIME=(?P<cycle>\S+) \((?P<best>\S+) ms/step vs "
-                        r"(?P<launched>\S+) ms/step as launched\)")
 
 
 def clock(times: dict[Setting, float], default: float = 100.0):

@@ -1,5 +1,5 @@
 """Horovod's TensorFlow collective operations on this project's build, on every rank of one
-``horovodrun -np 2 python -m pytest tests/collective_rank_checks.py`` (``test_collectives.py``
+``horovodrun -np 2 python -m pytest tests/ranks/collective_rank_checks.py`` (``test_collectives.py``
 launches it; the normal test run does not collect this file: no ``test_`` prefix).
 
 The cases re-express, for TensorFlow 2.21 / Keras 3 in eager mode and a tf.function, the CPU

@@ -8,7 +8,7 @@ rank's mean rate and the job's total, the sum of the ranks' measured rates (an a
 one rank's rate times the number of ranks. The flags are the ones Horovod's users know;
 ``--use-adasum`` is passed to the drop-in, which refuses it on TensorFlow's collectives.
 
-    horovodrun -np 2 python tests/horovod_programs/synthetic_throughput.py \
+    horovodrun -np 2 python tests/ranks/horovod_programs/synthetic_throughput.py \
         --model convnet --image-size 32 --batch-size 16
 """
 

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import (BIN, REPO, processes_mentioning, rank_env, rank_pid, read_metrics,
-                      read_summary, wait_for)
+from conftest import (BIN, RANK_PYTHONPATH, processes_mentioning, rank_env, rank_pid,
+                      read_metrics, read_summary, wait_for)
 from hvdtrain.writes import json_rows
 
 pytestmark = pytest.mark.distributed
@@ -49,7 +49,7 @@ def test_elastic_run_survives_a_slot_leaving_and_joining(tmp_path):
     epochs = 8
     job, run_dir = start_elastic(tmp_path, f"cat {hosts}", "--epochs", str(epochs),
                                  "--commit-every", "4", "--callbacks", "workloads:leave_mid_epoch",
-                                 PYTHONPATH=str(REPO / "tests"),
+                                 PYTHONPATH=RANK_PYTHONPATH,
                                  HVDTRAIN_TEST_HOSTS=str(hosts))
 
     def logged() -> list[dict]:

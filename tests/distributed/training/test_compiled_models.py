@@ -7,17 +7,15 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 
 import keras
 import numpy as np
 import pytest
 
-from conftest import (BACKENDS, BIN, LAUNCHER, REPO, final_weights, launch, read_metrics,
-                      read_summary, train)
+from conftest import (BACKENDS, BIN, LAUNCHER, RANKS, RANK_PYTHONPATH, final_weights, launch,
+                      read_metrics, read_summary, train)
 
 pytestmark = pytest.mark.distributed
-TESTS = str(REPO / "tests")
 # Plain SGD, fixed data order, op determinism: the update must not depend on the world size.
 EXACT_REGRESSION = ["--model", "workloads:regression_model", "--dataset",
                     "workloads:regression_data", "--epochs", "3", "--optimizer", "sgd",
@@ -30,14 +28,14 @@ def regression_one_process(session_tmp):
     exactness test's reference and the model the predict test serves, trained once for
     whichever of them runs first."""
     return train(session_tmp, "reg-1", *EXACT_REGRESSION, "--batch-size", "32",
-                 "--learning-rate", "0.1", np=1, PYTHONPATH=TESTS)
+                 "--learning-rate", "0.1", np=1, PYTHONPATH=RANK_PYTHONPATH)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_compiled_regression_two_ranks_equal_one_process_with_twice_the_batch(
         session_tmp, regression_one_process, backend):
     two = train(session_tmp, f"reg-2-{backend}", *EXACT_REGRESSION, "--batch-size", "16",
-                "--learning-rate", "0.05", "--backend", backend, PYTHONPATH=TESTS)
+                "--learning-rate", "0.05", "--backend", backend, PYTHONPATH=RANK_PYTHONPATH)
     one = regression_one_process
     for a, b in zip(final_weights(two), final_weights(one)):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
@@ -49,7 +47,8 @@ def test_compiled_regression_two_ranks_equal_one_process_with_twice_the_batch(
 
 
 def test_logits_model_compiled_from_logits_reaches_the_default_accuracy(session_tmp):
-    run = train(session_tmp, "logits", "--model", "workloads:logits_model", PYTHONPATH=TESTS)
+    run = train(session_tmp, "logits", "--model", "workloads:logits_model",
+                PYTHONPATH=RANK_PYTHONPATH)
     assert read_summary(run)["metrics"]["val_accuracy"] >= 0.95
 
 
@@ -58,8 +57,7 @@ def test_auc_and_precision_on_two_ranks_equal_one_process_over_the_same_set(sess
     the metric over the whole validation set, computed here in one process."""
     run = train(session_tmp, "auc", "--model", "workloads:auc_model", "--dataset",
                 "workloads:even_digits", "--epochs", "3", "--optimizer", "lamb",
-                "--learning-rate", "0.005", PYTHONPATH=TESTS)
-    sys.path.insert(0, TESTS)
+                "--learning-rate", "0.005", PYTHONPATH=RANK_PYTHONPATH)
     from workloads import even_digits
 
     data = even_digits()
@@ -78,7 +76,7 @@ def test_two_inputs_two_outputs_train_evaluate_and_name_their_metrics(session_tm
     every per-output metric reaches the metrics files, the curves and ``evaluate``."""
     run = train(session_tmp, "towers", "--model", "workloads:two_tower_model", "--dataset",
                 "workloads:two_tower_data", "--epochs", "3", "--optimizer", "workloads:adamw",
-                "--learning-rate", "0.002", PYTHONPATH=TESTS)
+                "--learning-rate", "0.002", PYTHONPATH=RANK_PYTHONPATH)
     rows = read_metrics(run)
     for name in ("loss", "digit_loss", "ink_loss", "digit_accuracy", "ink_mae",
                  "val_digit_accuracy", "val_ink_mae"):
@@ -88,7 +86,7 @@ def test_two_inputs_two_outputs_train_evaluate_and_name_their_metrics(session_tm
     assert (run / "curves.png").stat().st_size > 0
     report = run.parent / "towers-eval.json"
     result = launch(LAUNCHER, 2, ["evaluate", str(run), "--output", str(report)],
-                    PYTHONPATH=TESTS)
+                    PYTHONPATH=RANK_PYTHONPATH)
     assert result.returncode == 0, result.stdout + result.stderr
     evaluated = json.loads(report.read_text())
     assert evaluated["digit_accuracy"] == pytest.approx(
@@ -110,7 +108,7 @@ def test_uneven_user_pipeline_finishes_with_equal_steps_and_user_callbacks(sessi
     user's callback stops training on every rank at the same epoch."""
     run = train(session_tmp, "pipeline", "--dataset", "workloads:uneven_pipeline",
                 "--batch-size", "16", "--epochs", "6", "--callbacks",
-                "workloads:early_stop_callbacks", PYTHONPATH=TESTS)
+                "workloads:early_stop_callbacks", PYTHONPATH=RANK_PYTHONPATH)
     log = run.with_suffix(".log").read_text()
     assert "63 steps/epoch" in log
     summary = read_summary(run)
@@ -121,11 +119,12 @@ def test_uneven_user_pipeline_finishes_with_equal_steps_and_user_callbacks(sessi
 def test_python_api_under_horovodrun(session_tmp):
     out = session_tmp / "api.json"
     command = [str(BIN / "horovodrun"), "-np", "2", str(BIN / "python"),
-               str(REPO / "tests" / "api_script.py"), str(out), str(session_tmp / "api-run")]
+               str(RANKS / "api_script.py"), str(out), str(session_tmp / "api-run")]
     from conftest import rank_env
 
-    result = subprocess.run(command, cwd=session_tmp, env=rank_env(PYTHONPATH=TESTS), text=True,
-                            capture_output=True, timeout=300, stdin=subprocess.DEVNULL)
+    result = subprocess.run(command, cwd=session_tmp, env=rank_env(PYTHONPATH=RANK_PYTHONPATH),
+                            text=True, capture_output=True, timeout=300,
+                            stdin=subprocess.DEVNULL)
     assert result.returncode == 0, result.stdout + result.stderr
     ranks = json.loads(out.read_text())
     assert len(ranks) == 2 and ranks[0]["metrics"] == ranks[1]["metrics"]
@@ -140,7 +139,7 @@ def test_python_api_under_horovodrun(session_tmp):
 def test_uncompiled_logits_model_gets_one_line_not_silent_training(tmp_path):
     result = launch("none", 1, ["train", "--run-dir", str(tmp_path / "r"), "--model",
                                 "workloads:uncompiled_logits_model", "--epochs", "1"],
-                    PYTHONPATH=TESTS)
+                    PYTHONPATH=RANK_PYTHONPATH)
     lines = result.stderr.strip().splitlines()
     assert result.returncode == 2, result.stdout + result.stderr
     assert lines[-1].startswith("hvdtrain: error: the model's output is not a probability "

@@ -1,7 +1,8 @@
-"""Across nodes, for real: two nodes on this machine (tests/netcluster.py: network namespaces on
-a bridge, each with its own address, hostname and sshd; a Slurm cluster with one slurmd per
-node) running 2 ranks each through every documented launch path; exactness across nodes; a node
-cut off mid-epoch ends the job within a bound, leaving no process, and --resume continues.
+"""Across nodes, for real: two nodes on this machine (tests/support/netcluster.py: network
+namespaces on a bridge, each with its own address, hostname and sshd; a Slurm cluster with one
+slurmd per node) running 2 ranks each through every documented launch path; exactness across
+nodes; a node cut off mid-epoch ends the job within a bound, leaving no process, and --resume
+continues.
 
 Every launch starts on node1, as a user logged into a cluster's first node would, except the
 MPIJob shape and the node cut with the launchers outside the nodes, which start on this machine

@@ -11,14 +11,14 @@ MPI. Only the names and the addresses this module creates are ever touched: the 
 
 By hand (as root; installs openssh-server with apt when missing):
 
-    python tests/netcluster.py up [--nodes 2] [--bandwidth 1gbit] [--slurm] [--dir DIR]
+    python tests/support/netcluster.py up [--nodes 2] [--bandwidth 1gbit] [--slurm] [--dir DIR]
                                   [--congestion-control cubic|bbr|...|system]
-    python tests/netcluster.py exec node1 -- hostname      # a command on a node
-    python tests/netcluster.py down [--dir DIR]
+    python tests/support/netcluster.py exec node1 -- hostname      # a command on a node
+    python tests/support/netcluster.py down [--dir DIR]
 
 ``up`` prints what it made (addresses, the ssh config to use from outside, the hostfile);
 ``down`` stops every process in the nodes and removes everything ``up`` made, by name.
-The test fixture (tests/test_multinode.py) uses the same ``up``/``down``.
+The test fixture (tests/cluster/test_multinode.py) uses the same ``up``/``down``.
 """
 
 from __future__ import annotations
@@ -229,7 +229,7 @@ def _ssh_files(cluster: Cluster) -> None:
     sh(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(cluster.key)])
     shutil.copy(f"{cluster.key}.pub", directory / "authorized_keys")
     # No ServerAliveInterval, as ssh's defaults: a session to a lost node then waits for TCP,
-    # and it is hvdtrain's watchdog that ends the job (tests/test_multinode.py).
+    # and it is hvdtrain's watchdog that ends the job (tests/cluster/test_multinode.py).
     options = (f"  User root\n  IdentityFile {cluster.key}\n  StrictHostKeyChecking no\n"
                "  UserKnownHostsFile /dev/null\n  LogLevel ERROR\n  BatchMode yes\n"
                "  ConnectTimeout 5\n")

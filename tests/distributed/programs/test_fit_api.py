@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from conftest import LAUNCHER, REPO, launch
+from conftest import LAUNCHER, RANK_PYTHONPATH, launch
 
 pytestmark = pytest.mark.distributed
 
@@ -18,7 +18,7 @@ pytestmark = pytest.mark.distributed
 def checks(tmp_path_factory) -> list[dict]:
     out = tmp_path_factory.mktemp("fit-api")
     result = launch(LAUNCHER, 2, [str(out)], module="fit_api_checks", cwd=out, timeout=300,
-                    PYTHONPATH=str(REPO / "tests"))
+                    PYTHONPATH=RANK_PYTHONPATH)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return json.loads((out / "checks.json").read_text())
 
@@ -56,7 +56,7 @@ def test_the_command_line_shows_a_one_rank_error_once(tmp_path):
     result = launch(LAUNCHER, 2, ["--callbacks", "fit_api_checks:failing_on_rank_1",
                                   "--epochs", "3", "--run-dir", str(tmp_path / "r"),
                                   "--no-progress"], cwd=tmp_path,
-                    PYTHONPATH=str(REPO / "tests"))
+                    PYTHONPATH=RANK_PYTHONPATH)
     output = result.stdout + result.stderr
     assert result.returncode != 0
     assert output.count("Traceback (most recent call last)") == 1, output[-3000:]

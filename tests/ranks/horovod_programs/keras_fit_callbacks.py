@@ -7,7 +7,7 @@ by the number of ranks and warmed up to that value, ``hvd.DistributedOptimizer``
 broadcast of rank 0's initial state, metrics averaged over the ranks, checkpoints and progress
 bars on rank 0 only. The data are scikit-learn's bundled 8x8 digits, so nothing is downloaded.
 
-    horovodrun -np 2 python tests/horovod_programs/keras_fit_callbacks.py --out-dir /tmp/run
+    horovodrun -np 2 python tests/ranks/horovod_programs/keras_fit_callbacks.py --out-dir /tmp/run
 """
 
 from __future__ import annotations

@@ -16,16 +16,13 @@ from __future__ import annotations
 import json
 import re
 import subprocess
-import sys
 
 import numpy as np
 import pytest
 
-from conftest import BACKENDS, BIN, LAUNCHER, REPO, launch, rank_env
+from conftest import BACKENDS, BIN, LAUNCHER, RANK_PYTHONPATH, launch, rank_env
 
-TESTS = REPO / "tests"
-sys.path.insert(0, str(TESTS))
-from user_programs import PROGRAMS  # noqa: E402
+from user_programs import PROGRAMS
 
 pytestmark = pytest.mark.distributed
 BATCH = 32   # per rank; the reference runs 2 x BATCH in one process
@@ -43,7 +40,7 @@ def reference(tmp_path_factory) -> dict:
     out = tmp_path_factory.mktemp("user-programs-keras")
     result = subprocess.run(
         [str(BIN / "python"), "-m", "user_program_ranks", "keras", str(out), str(2 * BATCH)],
-        cwd=out, env=rank_env(PYTHONPATH=str(TESTS)), text=True, capture_output=True,
+        cwd=out, env=rank_env(PYTHONPATH=RANK_PYTHONPATH), text=True, capture_output=True,
         timeout=300, stdin=subprocess.DEVNULL)
     assert result.returncode == 0, result.stderr[-4000:]
     return json.loads((out / "keras-0.json").read_text())
@@ -55,7 +52,7 @@ def runs(tmp_path_factory, request, reference):
     records, the hvdtrain job's directory)."""
     out = tmp_path_factory.mktemp(f"user-programs-{request.param}")
     result = launch(LAUNCHER, 2, ["hvdtrain", str(out), str(BATCH)],
-                    module="user_program_ranks", timeout=420, PYTHONPATH=str(TESTS),
+                    module="user_program_ranks", timeout=420, PYTHONPATH=RANK_PYTHONPATH,
                     HVDTRAIN_BACKEND=request.param, USER_PROGRAMS_BUCKET_MIB=BUCKET_MIB)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
     ranks = [json.loads((out / f"hvdtrain-{rank}.json").read_text()) for rank in (0, 1)]

@@ -11,7 +11,7 @@ import pytest
 
 from hvdtrain.checkpoint import LOCK_FILE
 from conftest import launch
-from test_autotune_unit import FINAL_LINE
+from autotune_lines import FINAL_LINE
 
 pytestmark = pytest.mark.distributed
 
