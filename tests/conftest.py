@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 from hvdtrain.cli import main
+import system_packages
 from netcluster import SLURM_BASICS
 from nohorovod_env import venv_without_horovod  # noqa: F401  (a fixture, for every test file)
 
@@ -264,30 +265,17 @@ def no_horovod(tmp_path) -> str:
 
 # --- a real single-node Slurm cluster ----------------------------------------------------------
 
-IS_ROOT_WITH_APT = os.geteuid() == 0 and shutil.which("apt-get") is not None
-
-
 def run(command: list[str], timeout: int, **kwargs) -> subprocess.CompletedProcess:
     return subprocess.run(command, text=True, capture_output=True, timeout=timeout,
                           stdin=subprocess.DEVNULL, **kwargs)
 
 
-def ensure_debian_packages(*packages: str) -> None:
-    """Install what is missing with apt-get, or skip the test saying why it cannot."""
-    missing = [p for p in packages
-               if run(["dpkg-query", "-W", "-f=${Status}", p], 30).stdout
-               != "install ok installed"]
-    if not missing:
-        return
-    if not IS_ROOT_WITH_APT:
-        pytest.skip(f"needs Debian packages {' '.join(missing)} and root to install them")
-    env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
-    result = run(["apt-get", "install", "-y", "-q", *missing], 900, env=env)
-    if result.returncode != 0:
-        result = run(["bash", "-c", "apt-get update -q && apt-get install -y -q "
-                      + " ".join(missing)], 900, env=env)
-    if result.returncode != 0:
-        pytest.skip(f"apt-get could not install {' '.join(missing)}: {result.stderr[-300:]}")
+def require_debian_packages(*packages: str) -> None:
+    """Skip the test, naming the setup command that installs them, unless every one of
+    ``packages`` is installed (pytest installs nothing)."""
+    absent = system_packages.missing(*packages)
+    if absent:
+        pytest.skip(system_packages.why_missing(absent))
 
 
 SLURM_CONF = """\
@@ -357,7 +345,7 @@ class SlurmCluster:
 @pytest.fixture(scope="session")
 def slurm(tmp_path_factory):
     """A one-node Slurm cluster (munge, slurmctld, slurmd) on this machine, stopped after."""
-    ensure_debian_packages("munge", "slurmctld", "slurmd", "slurm-client")
+    require_debian_packages(*system_packages.SLURM)
     directory = tmp_path_factory.mktemp("slurm")
     for sub in ("state", "spool"):
         (directory / sub).mkdir()

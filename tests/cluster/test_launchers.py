@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import REPO, ensure_debian_packages, rank_env, read_summary, run
+import system_packages
+from conftest import REPO, rank_env, read_summary, require_debian_packages, run
 from hvdtrain.install.horovod_build import default_cache_dir
 
 pytestmark = pytest.mark.distributed
@@ -92,7 +93,7 @@ def _debian_mirror() -> str:
 
 @pytest.mark.slow
 def test_cpu_image_builds_with_podman_and_trains_two_ranks(tmp_path):
-    ensure_debian_packages("podman", "runc", "debootstrap", "uidmap")
+    require_debian_packages(*system_packages.PODMAN)
     conf = tmp_path / "containers.conf"
     conf.write_text(PODMAN_CONF)
     if _podman(conf, "image", "exists", BASE_IMAGE, timeout=60).returncode != 0:

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
 import signal
 import subprocess
 import time
@@ -23,6 +22,7 @@ import pytest
 import yaml
 
 import netcluster
+import system_packages
 from conftest import (BACKENDS, BIN, EXACT, REPO, SLOW_CYCLE_MS, assert_same_weights, final_weights,
                       processes_mentioning, rank_env, read_metrics, read_summary, train)
 from hvdtrain.errors import STALLED_EXIT_CODE
@@ -39,8 +39,11 @@ JOB_TIMEOUT = 420
 
 @pytest.fixture(scope="session")
 def cluster(tmp_path_factory):
-    if os.geteuid() != 0 or shutil.which("apt-get") is None or shutil.which("ip") is None:
-        pytest.skip("a cluster of network namespaces needs root, apt-get and iproute2")
+    if os.geteuid() != 0:
+        pytest.skip("a cluster of network namespaces needs root")
+    absent = netcluster.missing_packages(slurm=True)
+    if absent:
+        pytest.skip(system_packages.why_missing(absent))
     directory = tmp_path_factory.mktemp("cluster")
     made = netcluster.up(directory, nodes=2, slurm=True)
     try:

@@ -9,7 +9,7 @@ MPI. Only the names and the addresses this module creates are ever touched: the 
 ``hvdbr0`` with 10.77.0.1/24, one veth pair per node (``hvdv<i>`` outside, ``eth1`` inside,
 10.77.0.1<i>), the namespaces ``hvd-node<i>``.
 
-By hand (as root; installs openssh-server with apt when missing):
+By hand (as root, with the packages of ``launch/setup.sh --with-test-systems``):
 
     python tests/support/netcluster.py up [--nodes 2] [--bandwidth 1gbit] [--slurm] [--dir DIR]
                                   [--congestion-control cubic|bbr|...|system]
@@ -33,6 +33,8 @@ import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+
+import system_packages
 
 SUBNET = "10.77.0"
 BRIDGE = "hvdbr0"
@@ -185,15 +187,16 @@ class Cluster:
 
 # --- bringing it up ------------------------------------------------------------------------
 
-def ensure_packages(*packages: str) -> None:
-    missing = [p for p in packages
-               if sh(["dpkg-query", "-W", "-f=${Status}", p], check=False).stdout
-               != "install ok installed"]
-    if missing:
-        env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
-        if sh(["apt-get", "install", "-y", "-q", *missing], 900, False, env=env).returncode:
-            sh(["bash", "-c", "apt-get update -q && apt-get install -y -q " + " ".join(missing)],
-               900, env=env)
+def missing_packages(slurm: bool) -> list[str]:
+    """The Debian packages ``up`` needs that are not installed (setup.sh installs them)."""
+    return system_packages.missing(*system_packages.NETWORK_CLUSTER,
+                                   *(system_packages.SLURM if slurm else ()))
+
+
+def require_packages(slurm: bool) -> None:
+    absent = missing_packages(slurm)
+    if absent:
+        raise RuntimeError(system_packages.why_missing(absent))
 
 
 def burst_for(bandwidth: str) -> str:
@@ -292,8 +295,7 @@ def up(directory: Path = DEFAULT_DIR, nodes: int = 2, bandwidth: str | None = No
         if congestion_control not in available:
             raise ValueError(f"congestion control {congestion_control!r} is not among this "
                              f"kernel's: {' '.join(available)}")
-    ensure_packages("openssh-server", "iproute2", *(
-        ("munge", "slurmctld", "slurmd", "slurm-client") if slurm else ()))
+    require_packages(slurm)
     if bandwidth:
         burst_for(bandwidth)
     directory.mkdir(parents=True, exist_ok=True, mode=0o700)
