@@ -4,6 +4,7 @@ that moves must not leave a dangling link behind (single process, no TensorFlow)
 
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 
@@ -45,10 +46,37 @@ def relative_links(markdown: str) -> list[str]:
     return [target for target in targets if not re.match(r"[a-z][a-z0-9+.-]*:", target)]
 
 
-def test_the_docs_are_found():
+# What tools write into the checkout: never the project's own documentation.
+NOT_DOCS = {"build", "dist", "runs", "node_modules", "__pycache__"}
+# A repository path in the docs' text (links, code spans, commands); PLACEHOLDER: a name a
+# reader fills in (tests/unit/FILE.py).
+REPO_PATH = re.compile(r"(?<![\w./-])((?:tests|launch|hvdtrain|docker)/[\w./-]*[\w/])")
+PLACEHOLDER = re.compile(r"(^|/)(?!README)[A-Z]{3,}(\.\w+)?(/|$)")
+
+
+def test_every_markdown_file_is_checked():
+    """The link checks read every markdown file of the repository (one added outside the globs
+    above, such as in tests/ or a docs/ folder, must be added to DOCS, not left unchecked)."""
+    found = set()
+    for directory, subdirectories, files in os.walk(REPO):
+        subdirectories[:] = [d for d in subdirectories if not d.startswith(".")
+                             and d not in NOT_DOCS and not d.endswith(".egg-info")]
+        found |= {Path(directory, name) for name in files if name.endswith(".md")}
     names = {doc.relative_to(REPO).as_posix() for doc in DOCS}
     assert {"README.md", "launch/README.md", "hvdtrain/README.md",
             "hvdtrain/keras/README.md", "hvdtrain/bench/README.md"} <= names
+    assert sorted(found) == DOCS
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=lambda doc: doc.relative_to(REPO).as_posix())
+def test_every_repository_path_the_docs_name_exists(doc: Path):
+    """Paths named outside links too (in code spans and commands: ``tests/unit/...``,
+    ``python tests/support/netcluster.py up``) name files and folders that exist, so a moved
+    file cannot leave its old path in the text."""
+    stale = [path for path in REPO_PATH.findall(doc.read_text())
+             if not PLACEHOLDER.search(path) and not set(path) & set("*{}<>")
+             and not (REPO / path).exists()]
+    assert stale == [], f"{doc.relative_to(REPO)} names paths that do not exist"
 
 
 @pytest.mark.parametrize("doc", DOCS, ids=lambda doc: doc.relative_to(REPO).as_posix())

@@ -3,10 +3,17 @@ in one process: a Keras upgrade that moves one fails here, by name, instead of d
 
 from __future__ import annotations
 
+import re
+
 import keras
 import numpy as np
+import pytest
 import tensorflow as tf
+from packaging.requirements import Requirement
+from packaging.specifiers import SpecifierSet
+from packaging.version import Version
 
+from conftest import REPO
 from hvdtrain.training import keras_internals as internals
 from hvdtrain.training.objective import leaf_metrics
 
@@ -18,9 +25,39 @@ def _compiled() -> keras.Model:
     return model
 
 
-def test_keras_is_in_the_tested_range():
-    low, high = internals.TESTED_KERAS
-    assert low <= internals.keras_version() < high, keras.__version__
+def test_the_keras_pin_is_the_tested_range():
+    """pyproject.toml lets pip install exactly the Keras versions this file was run on (a wider
+    pin must come with a run of these tests), and ``keras_version`` reads the installed one."""
+    [pin] = [Requirement(line) for line in re.findall(r'^\s*"(keras\b[^"]*)"',
+                                                      (REPO / "pyproject.toml").read_text(), re.M)]
+    (low_major, low_minor), (high_major, high_minor) = internals.TESTED_KERAS
+    assert pin.specifier == SpecifierSet(f">={low_major}.{low_minor},<{high_major}.{high_minor}")
+    assert internals.keras_version() == Version(keras.__version__).release[:2]
+
+
+def test_backup_and_restore_sets_the_epoch_fit_starts_at(tmp_path):
+    """Keras' ``BackupAndRestore`` tells ``fit`` where to start in the attribute
+    ``initial_epoch_of`` reads: a run stopped after its second epoch starts again at 2."""
+    x, y = np.zeros((4, 4)), np.zeros(4)
+    seen = []
+
+    class Interrupt(keras.callbacks.Callback):
+        def on_train_begin(self, logs=None):
+            seen.append(internals.initial_epoch_of(self.model))
+
+        def on_epoch_end(self, epoch, logs=None):
+            if epoch == 1:
+                raise RuntimeError("interrupted")
+
+    def fit(model: keras.Model) -> keras.callbacks.History:
+        backup = keras.callbacks.BackupAndRestore(str(tmp_path / "backup"))
+        return model.fit(x, y, epochs=4, verbose=0, callbacks=[backup, Interrupt()])
+
+    with pytest.raises(RuntimeError, match="interrupted"):
+        fit(_compiled())
+    resumed = _compiled()
+    assert fit(resumed).epoch == [2, 3]
+    assert seen == [0, 2] and internals.initial_epoch_of(resumed) == 2
 
 
 def test_compile_arguments_and_compiled_metrics():
