@@ -1,6 +1,7 @@
 # The two commands a new user needs; each runs the (idempotent) setup first.
 #   make train   set up, then train the embedded default on 2 ranks
-#   make test    set up, then run the whole test suite
+#   make test    set up (with --with-test-systems: the Debian packages of the Slurm, podman
+#                and multi-node tests), then run the whole test suite
 #   (make test-fast: the single-process tests only, while you work)
 # Without Horovod or a compiler: make setup SETUP_ARGS=--no-horovod (or export SETUP_ARGS, so
 # every target sets up that way; launch/setup.sh --help lists the options). train and doctor
@@ -10,20 +11,27 @@ BIN := $(VENV)/bin
 NP ?= 2
 SETUP_ARGS ?=
 
-.PHONY: setup train test test-fast lint doctor
+.PHONY: setup setup-tests train test test-fast lint doctor
 
 setup:
 	bash launch/setup.sh $(SETUP_ARGS)
 
+setup-tests:
+	bash launch/setup.sh $(SETUP_ARGS) --with-test-systems
+
 train: setup
 	PATH="$(CURDIR)/$(BIN):$$PATH" horovodrun -np $(NP) python -m hvdtrain $(ARGS)
 
-test: setup
+test: setup-tests
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
-# The single-process layer: no ranks, daemons, containers or cluster.
+# The single-process layer, tests/unit: no ranks, daemons, containers or cluster. The marker
+# filter keeps out the few tests in tests/unit that start ranks (marked distributed, beside the
+# single-process tests of their subject); every test outside tests/unit is marked distributed,
+# multinode or slow, so the filter alone would select the same set.
 test-fast: setup
-	$(BIN)/python -m pytest -m "not distributed and not multinode and not slow" $(PYTEST_ARGS)
+	$(BIN)/python -m pytest tests/unit -m "not distributed and not multinode and not slow" \
+		$(PYTEST_ARGS)
 
 lint: setup
 	$(BIN)/python -m flake8 hvdtrain tests

@@ -3,7 +3,7 @@
 hvdtrain reproduces parts of Keras' own ``fit`` (its loss and metric bookkeeping, its rank
 rules for targets) and needs a few facts Keras keeps in private attributes. Each such use is a
 function here, so a Keras upgrade that moves one breaks this module alone, and
-``tests/test_keras_internals.py`` fails loudly naming it. ``pyproject.toml`` pins Keras to the
+``tests/unit/test_keras_internals.py`` fails loudly naming it. ``pyproject.toml`` pins Keras to the
 tested range.
 """
 

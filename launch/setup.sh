@@ -8,6 +8,11 @@
 #   launch/setup.sh --no-horovod [--gpu]
 #                            no Horovod, no compiler: pip alone plus Open MPI's runtime, for the
 #                            TensorFlow-collectives backend (about a minute)
+#   launch/setup.sh --with-test-systems
+#                            also the Debian packages of the Slurm, podman and multi-node tests
+#                            (munge slurmctld slurmd slurm-client, podman runc debootstrap uidmap,
+#                            openssh-server iproute2; as root, else those tests skip); make test
+#                            passes it
 #
 # Environment: PYTHON (interpreter for the venv, default python3), HVDTRAIN_VENV (default
 # <repo>/.venv), HVDTRAIN_CACHE_DIR (where built Horovod wheels are cached, default
@@ -19,11 +24,13 @@ venv="${HVDTRAIN_VENV:-$repo/.venv}"
 python="${PYTHON:-python3}"
 gpu="${HVDTRAIN_GPU:-0}"
 horovod=1
+test_systems=0
 for arg in "$@"; do
   case "$arg" in
     --gpu) gpu=1 ;;
     --no-horovod) horovod=0 ;;
-    -h|--help) sed -n '2,14p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    --with-test-systems) test_systems=1 ;;
+    -h|--help) sed -n '2,19p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) echo "setup.sh: unknown argument '$arg' (try --help)" >&2; exit 2 ;;
   esac
 done
@@ -77,6 +84,35 @@ elif [ "$horovod" = 1 ]; then
 else
   die "missing system packages: ${missing[*]}. As root run: apt-get install -y ${missing[*]}" \
       "(or load your cluster's $modules), then re-run this script"
+fi
+
+# --- 1b (--with-test-systems). What the Slurm, podman and multi-node tests run on -----------
+# The same lists as tests/support/system_packages.py (a unit test compares them). pytest
+# installs nothing: a test that finds one missing skips, naming this option.
+test_system_packages=(munge slurmctld slurmd slurm-client podman runc debootstrap uidmap
+                      openssh-server iproute2)
+missing_test_packages() {
+  local package
+  for package in "${test_system_packages[@]}"; do
+    [ "$(dpkg-query -W -f='${Status}' "$package" 2>/dev/null)" = "install ok installed" ] \
+      || echo "$package"
+  done
+}
+if [ "$test_systems" = 1 ]; then
+  mapfile -t missing < <(missing_test_packages)
+  if [ "${#missing[@]}" -eq 0 ]; then
+    say "test system packages present: ${test_system_packages[*]}"
+  elif [ "$(id -u)" -eq 0 ] && command -v apt-get >/dev/null 2>&1; then
+    say "installing test system packages: ${missing[*]}"
+    export DEBIAN_FRONTEND=noninteractive
+    # The package lists are refreshed only when the install fails without it.
+    apt-get install -y -q "${missing[@]}" || { apt-get update -q \
+      && apt-get install -y -q "${missing[@]}"; } \
+      || die "apt-get could not install the test system packages: ${missing[*]}"
+  else
+    say "warning: test system packages missing: ${missing[*]} (root with apt-get installs" \
+        "them); the Slurm, podman and multi-node tests that need them will skip"
+  fi
 fi
 
 # --- 2. Virtual environment with TensorFlow, mpi4py, hvdtrain (editable) and test tools -------

@@ -17,10 +17,19 @@ import numpy as np
 import pytest
 
 from hvdtrain.cli import main
+import system_packages
 from netcluster import SLURM_BASICS
 from nohorovod_env import venv_without_horovod  # noqa: F401  (a fixture, for every test file)
 
 REPO = Path(__file__).resolve().parents[1]
+# The layers: unit/ (single process), distributed/ and cluster/ (real ranks, by subject),
+# ranks/ (the scripts those tests launch as rank processes), support/ (helper modules every
+# layer imports; setup.cfg puts support/ and ranks/ on pytest's sys.path).
+TESTS = REPO / "tests"
+SUPPORT = TESTS / "support"
+RANKS = TESTS / "ranks"
+# PYTHONPATH for launched processes that import a rank script or a support module by name.
+RANK_PYTHONPATH = os.pathsep.join([str(RANKS), str(SUPPORT)])
 BIN = Path(sys.executable).parent
 # Generous for 2 cores (two TensorFlow imports at once) yet far below CI's budget: a hang fails.
 RUN_TIMEOUT = 240
@@ -162,7 +171,7 @@ def probe_shards(tmp: Path, kind: str, what: str, batch: int) -> list[dict]:
     """Every rank's example ids, step counts and weight sums over two epochs (shard_probe)."""
     out = tmp / f"shards-{kind}.json"
     result = launch(LAUNCHER, 2, [kind, what, str(batch), str(out)], module="shard_probe",
-                    PYTHONPATH=str(REPO / "tests"))
+                    PYTHONPATH=RANK_PYTHONPATH)
     assert result.returncode == 0, result.stdout + result.stderr
     return json.loads(out.read_text())
 
@@ -244,32 +253,29 @@ def resnet_run(session_tmp):
                  "--synthetic-examples", "320", "--epochs", "3", "--batch-size", "32")
 
 
+@pytest.fixture
+def no_horovod(tmp_path) -> str:
+    """A PYTHONPATH entry on which ``import horovod`` fails, as where it is not installed."""
+    shim = tmp_path / "no-horovod"
+    (shim / "horovod").mkdir(parents=True)
+    (shim / "horovod" / "__init__.py").write_text(
+        'raise ImportError("No module named \'horovod\' (tests: Horovod hidden)")\n')
+    return str(shim)
+
+
 # --- a real single-node Slurm cluster ----------------------------------------------------------
-
-IS_ROOT_WITH_APT = os.geteuid() == 0 and shutil.which("apt-get") is not None
-
 
 def run(command: list[str], timeout: int, **kwargs) -> subprocess.CompletedProcess:
     return subprocess.run(command, text=True, capture_output=True, timeout=timeout,
                           stdin=subprocess.DEVNULL, **kwargs)
 
 
-def ensure_debian_packages(*packages: str) -> None:
-    """Install what is missing with apt-get, or skip the test saying why it cannot."""
-    missing = [p for p in packages
-               if run(["dpkg-query", "-W", "-f=${Status}", p], 30).stdout
-               != "install ok installed"]
-    if not missing:
-        return
-    if not IS_ROOT_WITH_APT:
-        pytest.skip(f"needs Debian packages {' '.join(missing)} and root to install them")
-    env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
-    result = run(["apt-get", "install", "-y", "-q", *missing], 900, env=env)
-    if result.returncode != 0:
-        result = run(["bash", "-c", "apt-get update -q && apt-get install -y -q "
-                      + " ".join(missing)], 900, env=env)
-    if result.returncode != 0:
-        pytest.skip(f"apt-get could not install {' '.join(missing)}: {result.stderr[-300:]}")
+def require_debian_packages(*packages: str) -> None:
+    """Skip the test, naming the setup command that installs them, unless every one of
+    ``packages`` is installed (pytest installs nothing)."""
+    absent = system_packages.missing(*packages)
+    if absent:
+        pytest.skip(system_packages.why_missing(absent))
 
 
 SLURM_CONF = """\
@@ -339,7 +345,7 @@ class SlurmCluster:
 @pytest.fixture(scope="session")
 def slurm(tmp_path_factory):
     """A one-node Slurm cluster (munge, slurmctld, slurmd) on this machine, stopped after."""
-    ensure_debian_packages("munge", "slurmctld", "slurmd", "slurm-client")
+    require_debian_packages(*system_packages.SLURM)
     directory = tmp_path_factory.mktemp("slurm")
     for sub in ("state", "spool"):
         (directory / sub).mkdir()

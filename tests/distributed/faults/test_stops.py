@@ -1,0 +1,374 @@
+"""Stopping a job cleanly and continuing it, for real: a stop signal to the launcher
+(horovodrun.sh, mpirun.sh, srun) mid-epoch stops every rank at one step with a checkpoint, one
+line and exit 75; a launcher lost mid-run; ``hvdtrain.fit`` stopped under mpirun.sh; a Slurm
+time limit that requeues the job; a locked run directory; a second stop request, and one stuck
+behind an ended rank (one process). Every resumed run ends with an uninterrupted run's weights
+and metrics rows, also for models with dropout without ``--deterministic`` (checkpoints carry
+every rank's random-generator state) and for a GAN with its own ``train_step`` through the
+command line (both optimizers and every rank's noise generator)."""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import functools
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from conftest import (BACKENDS, RANKS, RANK_PYTHONPATH, REPO, SLOW_CYCLE_MS, assert_same_weights,
+                      final_weights, launch, processes_mentioning, rank_env, rank_pid, read_metrics,
+                      read_summary, run, train, wait_for)
+from hvdtrain.checkpoint import Checkpoint, CheckpointStore
+from jobs import assert_nothing_left, flip_a_byte
+
+# Short deterministic epochs (45 steps of 2 x 16 digits): long enough to stop mid-run, a step
+# checkpoint every 5 steps.
+ARGS = ["--epochs", "8", "--deterministic", "--hidden-units", "64", "--seed", "5",
+        "--batch-size", "16", "--checkpoint-every-steps", "5", "--no-tensorboard"]
+STOPPED = 75
+WRAPPERS = {"horovodrun.sh": "fit", "mpirun.sh": "custom"}
+
+
+def start_wrapper(wrapper: str, run_dir: Path, *args: str, slow: bool = True,
+                  **env: str) -> subprocess.Popen:
+    """A 2-rank job through launch/<wrapper>, in its own session (so signals reach only it);
+    ``slow``: its steps slowed to ``SLOW_CYCLE_MS``, for a job the test interrupts."""
+    if slow:
+        env = {"HOROVOD_CYCLE_TIME": SLOW_CYCLE_MS, **env}
+    return subprocess.Popen([str(REPO / "launch" / wrapper), "-np", "2", "--", "--run-dir",
+                             str(run_dir), "--no-progress", *args],
+                            env=rank_env(**env), cwd=run_dir.parent, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, stdin=subprocess.DEVNULL,
+                            start_new_session=True)
+
+
+def newest_checkpoint(run_dir: Path) -> Checkpoint | None:
+    return CheckpointStore(run_dir, 1).latest()
+
+
+def step_checkpoint_after(run_dir: Path, name: str = "") -> Checkpoint | None:
+    """The newest checkpoint if it is a mid-epoch one newer than ``name``."""
+    newest = newest_checkpoint(run_dir)
+    if newest is not None and "-step-" in newest.name and newest.name > name:
+        return newest
+    return None
+
+
+def lock_is_held(run_dir: Path) -> bool:
+    """True when some process holds ``run_dir``'s lock (probed without waiting)."""
+    fd = os.open(run_dir / ".lock", os.O_RDWR)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)
+    return False
+
+
+@contextlib.contextmanager
+def holding_the_lock(run_dir: Path):
+    fd = os.open(run_dir / ".lock", os.O_RDWR)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        os.ftruncate(fd, 0)
+        os.write(fd, f"pid {os.getpid()} on test-host\n".encode())
+        yield
+    finally:
+        os.close(fd)
+
+
+def finish(job: subprocess.Popen, timeout: float) -> tuple[int, str]:
+    try:
+        output, _ = job.communicate(timeout=timeout)
+    finally:
+        if job.poll() is None:
+            os.killpg(job.pid, signal.SIGKILL)
+    return job.returncode, output
+
+
+def stop_after_a_step_checkpoint(run_dir: Path, *args: str, **env: str) -> tuple[int, str]:
+    """Start a 2-rank mpirun.sh job, SIGTERM it once it has written a mid-epoch checkpoint;
+    its (exit code, output)."""
+    job = start_wrapper("mpirun.sh", run_dir, *args, **env)
+    try:
+        wait_for(lambda: step_checkpoint_after(run_dir) or job.poll() is not None, 240)
+        os.kill(job.pid, signal.SIGTERM)
+    finally:
+        code, output = finish(job, 120)
+    return code, output
+
+
+def assert_same_run(straight: Path, resumed: Path) -> None:
+    """Equal final weights, and the same per-epoch rows (throughput aside)."""
+    assert_same_weights(final_weights(straight), final_weights(resumed), atol=1e-6)
+    theirs, ours = read_metrics(straight), read_metrics(resumed)
+    assert [row["epoch"] for row in ours] == [row["epoch"] for row in theirs]
+    for a, b in zip(theirs, ours):
+        for name in ("loss", "accuracy", "val_loss", "val_accuracy", "lr"):
+            assert b[name] == pytest.approx(a[name], rel=1e-6, abs=1e-9), (a["epoch"], name)
+
+
+@pytest.fixture(scope="module")
+def straight_runs(tmp_path_factory):
+    """The uninterrupted runs, one per training loop."""
+    tmp = tmp_path_factory.mktemp("straight")
+    return {loop: train(tmp, f"straight-{loop}", *ARGS, "--loop", loop)
+            for loop in WRAPPERS.values()}
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("wrapper", list(WRAPPERS))
+def test_sigterm_to_the_launcher_stops_at_a_step_and_resume_auto_matches(
+        tmp_path, straight_runs, wrapper):
+    """SIGTERM to the wrapper mid-run: every rank stops at the same step with exit 75 and one
+    line, a mid-epoch checkpoint exists, nothing of the job remains; the job held the run
+    directory's lock. horovodrun.sh: a run on a directory another process holds is refused.
+    mpirun.sh: the newest checkpoint is damaged before the resume, which takes the one before.
+    The resumed run loses a process after a later step checkpoint (horovodrun.sh: SIGKILL to
+    rank 1; mpirun.sh: SIGKILL to mpirun, whose ranks must notice and end) and nothing of it
+    remains; resumed again, both end equal to an uninterrupted run."""
+    loop = WRAPPERS[wrapper]
+    run_dir = tmp_path / "run"
+    args = [*ARGS, "--loop", loop, "--resume", "auto"]
+    job = start_wrapper(wrapper, run_dir, *args)
+    try:
+        wait_for(lambda: step_checkpoint_after(run_dir) or job.poll() is not None, 240)
+        assert lock_is_held(run_dir), "the running job does not hold the run directory's lock"
+        os.kill(job.pid, signal.SIGTERM)
+    finally:
+        code, output = finish(job, 120)
+    assert code == STOPPED, output[-3000:]
+    stops = re.findall(r"hvdtrain: error: (stopped by SIGUSR1 on rank [01].*?--resume auto)",
+                       output)
+    assert len(stops) == 2 and stops[0] == stops[1], output[-3000:]   # every rank, alike
+    assert "Traceback" not in output
+    assert_nothing_left(run_dir)
+    stopped_at = re.search(r"checkpoint (\S+) written", stops[0]).group(1)
+    assert (run_dir / "checkpoints" / stopped_at).is_dir()
+    assert list((run_dir / "checkpoints").glob("epoch-*-step-*")), "no mid-epoch checkpoint"
+
+    if wrapper == "horovodrun.sh":
+        with holding_the_lock(run_dir):   # as another run would
+            second = launch("none", 1, ["--run-dir", str(run_dir), *args])
+        assert second.returncode == 2, second.stdout + second.stderr
+        assert re.search(r"hvdtrain: error: run directory \S+ is in use by another run "
+                         r"\(pid \d+ on \S+\); wait for it", second.stderr), second.stderr
+        victim = functools.partial(rank_pid, str(run_dir), 1)
+    else:
+        flip_a_byte(run_dir / "checkpoints" / stopped_at / "optimizer.npz")
+        victim = functools.partial(launcher_pid, run_dir)
+    job = start_wrapper(wrapper, run_dir, *args)
+    try:
+        wait_for(lambda: step_checkpoint_after(run_dir, stopped_at) or job.poll() is not None,
+                 240)
+        os.kill(wait_for(victim, 30), signal.SIGKILL)
+    finally:
+        code, output = finish(job, 120)
+    assert code != 0, output[-3000:]
+    assert_nothing_left(run_dir)   # mpirun.sh: the ranks saw their launcher die and stopped
+    if wrapper == "mpirun.sh":
+        assert f"checkpoint {run_dir}/checkpoints/{stopped_at} is damaged (optimizer.npz does " \
+               "not match its SHA-256); set aside as .damaged-" in output, output[-3000:]
+    job = start_wrapper(wrapper, run_dir, *args, slow=False)
+    code, output = finish(job, 240)
+    assert code == 0, output[-3000:]
+    assert_same_run(straight_runs[loop], run_dir)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_hvdtrain_fit_under_mpirun_stops_cleanly_on_sigterm(tmp_path, backend):
+    """The Python API gets the CLI's stop: SIGTERM to launch/mpirun.sh mid-run stops both
+    ranks at one step with a checkpoint, ``fit`` raises StoppedBySignal (the script exits 75),
+    and the run leaves the process's signal handlers as it found them; on either backend."""
+    run_dir = tmp_path / "run"
+    job = subprocess.Popen(
+        [str(REPO / "launch" / "mpirun.sh"), "-np", "2", "--command",
+         f"{sys.executable} {RANKS / 'fit_stop_script.py'} {run_dir}"],
+        env=rank_env(HOROVOD_CYCLE_TIME=SLOW_CYCLE_MS, PYTHONPATH=RANK_PYTHONPATH,
+                     HVDTRAIN_BACKEND=backend),
+        cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        stdin=subprocess.DEVNULL, start_new_session=True)
+    try:
+        wait_for(lambda: step_checkpoint_after(run_dir) or job.poll() is not None, 240)
+        os.kill(job.pid, signal.SIGTERM)
+    finally:
+        code, output = finish(job, 120)
+    assert code == STOPPED, output[-3000:]
+    stops = re.findall(r"fit stopped: (stopped by SIGUSR1 on rank [01].*?--resume auto)", output)
+    assert len(stops) == 2 and stops[0] == stops[1], output[-3000:]
+    assert output.count("handlers restored: True") == 2, output[-3000:]
+    assert "Traceback" not in output
+    stopped_at = re.search(r"checkpoint (\S+) written", stops[0]).group(1)
+    assert (run_dir / "checkpoints" / stopped_at).is_dir()
+    assert_nothing_left(run_dir)
+
+
+@pytest.mark.distributed
+def test_ranks_whose_mpirun_is_killed_stop_with_their_exit_code_and_log_the_line(tmp_path):
+    """mpirun SIGKILLed mid-run (under launch/mpirun.sh): its ranks, whose output now leads
+    nowhere, stop at one step with a checkpoint and exit 75 (they exited 120, Python's failed
+    flush of the dead pipe, or 195, Open MPI ending a rank whose daemon is gone), and the stop
+    line is in rank 0's run log. A subreaper collects the orphaned ranks' exit codes."""
+    run_dir = tmp_path / "run"
+    result = subprocess.run(
+        [sys.executable, str(RANKS / "orphan_reaper.py"), "--when",
+         str(run_dir / "checkpoints" / "epoch-*-step-*"), "--kill", "mpirun", "--",
+         str(REPO / "launch" / "mpirun.sh"), "-np", "2", "--", "--run-dir", str(run_dir),
+         "--no-progress", *ARGS], env=rank_env(HOROVOD_CYCLE_TIME=SLOW_CYCLE_MS), cwd=tmp_path,
+        text=True, capture_output=True, timeout=240, stdin=subprocess.DEVNULL)
+    report = json.loads(result.stdout.splitlines()[-1])
+    assert report["command"] != 0 and list(report["orphans"].values()) == [STOPPED] * 2, report
+    lines = re.findall(r"hvdtrain: error: .*", (run_dir / "hvdtrain.log").read_text())
+    assert len(lines) == 1 and re.fullmatch(
+        r"hvdtrain: error: stopped by its launcher ending on rank \d.* checkpoint (\S+) written; "
+        r"continue with the same command and --resume auto", lines[0]), lines
+    written = re.search(r"checkpoint (\S+) written", lines[0]).group(1)
+    assert Checkpoint(run_dir / "checkpoints" / written).damage() is None
+    assert_nothing_left(run_dir)
+
+
+def launcher_pid(run_dir: Path) -> int | None:
+    """The job's mpirun."""
+    return next((pid for pid in processes_mentioning(str(run_dir))
+                 if Path(f"/proc/{pid}/comm").read_text().strip() == "mpirun"), None)
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_slurm_stop_and_time_limit_requeue_finish_like_an_uninterrupted_run(slurm, straight_runs):
+    """SIGTERM to the job step mid-epoch: the job ends with exit 75 and a mid-epoch checkpoint,
+    nothing remains. Resubmitted with a two-minute time limit shorter than its training (each
+    step of the first allocation slowed by 0.35 s in a user's callback, which changes timing,
+    not the math; the allocation after the requeue trains at full speed), the shipped script's
+    SIGUSR1 trap stops the ranks before the limit and requeues the job until training ends; the
+    weights and metrics rows equal an uninterrupted run's."""
+    run_dir = slurm.directory / "preempted"
+    args = [*ARGS, "--loop", "fit", "--no-progress", "--run-dir", str(run_dir)]
+    slow = {"HOROVOD_CYCLE_TIME": "250"}
+    job = slurm.submit(*args, **slow)
+    wait_for(lambda: step_checkpoint_after(run_dir) or slurm.finished(job), 240)
+    # SIGTERM to the job's step (its ranks), not to srun: srun turns a SIGTERM of its own into
+    # SIGKILL for every task (see README).
+    assert run(["scancel", "--signal=TERM", job], 30, env=slurm.env).returncode == 0
+    record = wait_for(lambda: slurm.finished(job), 120, every=0.5)
+    output = slurm.output(job)
+    # 75, or 143 when srun's --kill-on-bad-exit ended a rank still exiting after another
+    # left with 75; either way every rank stopped at the agreed step first.
+    assert record["ExitCode"] in (f"{STOPPED}:0", "143:0"), output[-3000:]
+    stops = re.findall(r"hvdtrain: error: (stopped by SIGTERM on rank 0, SIGTERM on rank 1 .*)",
+                       output)
+    assert len(stops) == 2 and stops[0] == stops[1], output[-3000:]
+    assert list((run_dir / "checkpoints").glob("epoch-*-step-*")), "no mid-epoch checkpoint"
+    assert_nothing_left(run_dir)
+
+    # Slurm warns up to a minute early: the signal came 50-95 s into the allocation, whose
+    # slowed training (8 epochs of 45 steps, over 126 s) outlasts the limit on any machine.
+    job = slurm.submit(*args, "--callbacks", "workloads:slow_first_slurm_allocation",
+                       sbatch=("--time=2", "--signal=B:USR1@10"), PYTHONPATH=RANK_PYTHONPATH)
+    deadline = time.time() + 900
+    while (record := slurm.finished(job)) is None:
+        assert time.time() < deadline, slurm.output(job)[-3000:]
+        release_a_requeued_job(slurm, job)
+        time.sleep(1)
+    output = slurm.output(job)
+    assert record["JobState"] == "COMPLETED" and record["ExitCode"] == "0:0", output[-3000:]
+    assert int(record["Restarts"]) >= 1, output[-3000:]
+    assert "requeueing it to continue from the checkpoint" in output
+    assert_same_run(straight_runs["fit"], run_dir)
+
+
+def release_a_requeued_job(slurm, job: str) -> None:
+    """Slurm holds a requeued job back for about two minutes (its begin time), long enough for
+    the last allocation to finish; release it once that allocation's step daemons (its batch
+    shell's and its ranks') have ended, as a cluster with free nodes would soon. (Released
+    while the ranks' daemon still ran, the next allocation's srun found its PMIx socket taken
+    and no rank started.)"""
+    shown = run(["scontrol", "show", "job", job], 30, env=slurm.env).stdout
+    record = dict(re.findall(r"(\w+)=(\S+)", shown))
+    if (record.get("JobState") == "PENDING" and record.get("Reason") == "BeginTime"
+            and not step_daemons(job)):
+        run(["scontrol", "update", f"JobId={job}", "StartTime=now"], 30, env=slurm.env)
+
+
+def step_daemons(job: str) -> list[int]:
+    """The pids of the job's slurmstepd processes (titled ``slurmstepd: [JOB.STEP]``)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            title = (entry / "cmdline").read_bytes() if entry.name.isdigit() else b""
+        except OSError:
+            continue
+        if title.startswith(f"slurmstepd: [{job}.".encode()):
+            found.append(int(entry.name))
+    return found
+
+
+DROPOUT_ARGS = ["--epochs", "2", "--batch-size", "16", "--checkpoint-every-steps", "7",
+                "--no-tensorboard", "--seed", "9"]
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("model,backend", [("cnn", "horovod"),
+                                           ("user_programs:dropout_mlp", "horovod"),
+                                           ("user_programs:dropout_mlp", "tensorflow")])
+def test_stop_and_resume_with_dropout_equals_an_uninterrupted_run(tmp_path, model, backend):
+    """SIGTERM through launch/mpirun.sh after a step checkpoint, then --resume auto: the same
+    weights and rows as an uninterrupted run (dropout masks included), on either backend. The
+    TensorFlow backend's interrupted run slows its steps with a callback of the user's kind
+    (HOROVOD_CYCLE_TIME does not reach it)."""
+    args = [*DROPOUT_ARGS, "--model", model, "--backend", backend]
+    paths = {"PYTHONPATH": RANK_PYTHONPATH}
+    straight = train(tmp_path, "straight", *args, **paths)
+    run_dir = tmp_path / "stopped"
+    slow = ["--callbacks", "workloads:slow_steps"] if backend == "tensorflow" else []
+    code, output = stop_after_a_step_checkpoint(run_dir, *args, *slow, "--resume", "auto",
+                                                **paths)
+    assert code == 75, output[-3000:]
+    resumed = train(tmp_path, "stopped", *args, "--resume", "auto", **paths)
+    assert "resuming after epoch" in resumed.with_suffix(".log").read_text()
+    assert_same_run(straight, resumed)
+
+
+GAN_ARGS = ["--model", "user_programs:gan_model", "--dataset", "user_programs:digit_images",
+            "--epochs", "2", "--batch-size", "16", "--checkpoint-every-steps", "5",
+            "--deterministic", "--no-tensorboard"]
+
+
+def final_state(run_dir) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """(weights, optimizer variables) of the run's last checkpoint (the GAN is saved as
+    weights only: Keras cannot serialise a subclass without get_config)."""
+    last = run_dir / "checkpoints" / "epoch-0002"
+    with np.load(last / "weights.npz") as weights, np.load(last / "optimizer.npz") as slots:
+        return ([weights[k] for k in sorted(weights.files)],
+                [slots[k] for k in sorted(slots.files)])
+
+
+@pytest.mark.distributed
+def test_gan_through_the_cli_stops_and_resumes_to_the_uninterrupted_result(tmp_path):
+    straight = train(tmp_path, "straight", *GAN_ARGS, PYTHONPATH=RANK_PYTHONPATH)
+    log = straight.with_suffix(".log").read_text()
+    assert "step: the model's own train_step (it defines train_step)" in log
+    assert read_summary(straight)["weights_identical"]
+    assert (straight / "model.weights.h5").exists()
+
+    run_dir = tmp_path / "stopped"
+    code, output = stop_after_a_step_checkpoint(run_dir, *GAN_ARGS, "--resume", "auto",
+                                                PYTHONPATH=RANK_PYTHONPATH)
+    assert code == 75, output[-3000:]
+    assert re.search(r"stopped by SIG\w+ on rank [01].* at epoch \d, step \d+", output)
+    resumed = train(tmp_path, "stopped", *GAN_ARGS, "--resume", "auto", PYTHONPATH=RANK_PYTHONPATH)
+    assert "resuming after epoch" in resumed.with_suffix(".log").read_text()
+    (ours_w, ours_o), (theirs_w, theirs_o) = final_state(resumed), final_state(straight)
+    for left, right in zip(ours_w + ours_o, theirs_w + theirs_o):
+        np.testing.assert_allclose(left, right, rtol=1e-6, atol=1e-7)
