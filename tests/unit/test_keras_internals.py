@@ -37,9 +37,15 @@ def test_the_keras_pin_is_the_tested_range():
 
 def test_backup_and_restore_sets_the_epoch_fit_starts_at(tmp_path):
     """Keras' ``BackupAndRestore`` tells ``fit`` where to start in the attribute
-    ``initial_epoch_of`` reads: a run stopped after its second epoch starts again at 2."""
+    ``initial_epoch_of`` reads: a run stopped after its second epoch starts again at 2. (Eager
+    steps: tracing ``fit``'s function twice cost 10 s of this test.)"""
     x, y = np.zeros((4, 4)), np.zeros(4)
     seen = []
+
+    def compiled() -> keras.Model:
+        model = _compiled()
+        model.run_eagerly = True
+        return model
 
     class Interrupt(keras.callbacks.Callback):
         def on_train_begin(self, logs=None):
@@ -54,8 +60,8 @@ def test_backup_and_restore_sets_the_epoch_fit_starts_at(tmp_path):
         return model.fit(x, y, epochs=4, verbose=0, callbacks=[backup, Interrupt()])
 
     with pytest.raises(RuntimeError, match="interrupted"):
-        fit(_compiled())
-    resumed = _compiled()
+        fit(compiled())
+    resumed = compiled()
     assert fit(resumed).epoch == [2, 3]
     assert seen == [0, 2] and internals.initial_epoch_of(resumed) == 2
 
