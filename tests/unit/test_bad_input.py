@@ -3,19 +3,19 @@
 
 Each row of the "Mistakes and their messages" table (hvdtrain/README.md) has a test here, or
 beside its subject: a bad option value or YAML file in test_config.py, a bad npz file in
-test_data_sources.py."""
+test_data_sources.py; those only ranks find (a TFRecord file corrupt mid-run on one rank,
+more ranks than examples) in tests/distributed/training/test_data_on_two_ranks.py."""
 
 from __future__ import annotations
 
 import json
-import re
 import textwrap
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from conftest import LAUNCHER, fails_with, launch, train
+from conftest import fails_with, train
 from hvdtrain.cli import main
 from hvdtrain.install.doctor import problems_in
 
@@ -143,34 +143,6 @@ def test_a_tfrecord_file_cut_at_a_record_boundary_is_found_by_its_metadata(capsy
                      "after conversion; regenerate it")
 
 
-@pytest.mark.distributed
-def test_corrupt_tfrecord_found_mid_run_on_one_rank(tmp_path):
-    """A damaged payload keeps the file's size and framing: TensorFlow's payload checksum finds
-    it while a rank reads it. That rank names the file and the record; the other, left waiting
-    in a collective, leaves without a line of its own."""
-    from hvdtrain.data.convert import convert
-
-    rng = np.random.default_rng(0)
-    np.savez(tmp_path / "d.npz", x=rng.standard_normal((400, 4)).astype(np.float32),
-             y=rng.integers(0, 2, 400), x_val=np.zeros((8, 4), np.float32),
-             y_val=np.zeros(8, int))
-    convert(tmp_path / "d.npz", tmp_path / "rec", shards=2)
-    shard = sorted((tmp_path / "rec").glob("train-*"))[1]
-    data = bytearray(shard.read_bytes())
-    data[65 * 150 + 20] ^= 0xFF     # records of 4 floats are 65 bytes: in record 151's payload
-    shard.write_bytes(bytes(data))
-    result = launch(LAUNCHER, 2, ["--dataset", "tfrecord", "--data-path",
-                                  str(tmp_path / "rec" / "train-*"), "--val-data-path",
-                                  str(tmp_path / "rec" / "validation-*"), "--run-dir",
-                                  str(tmp_path / "r"), "--no-progress"], cwd=tmp_path)
-    output = result.stdout + result.stderr
-    assert result.returncode == 2, output[-3000:]
-    assert re.findall(r"hvdtrain: error: .*", output) == [
-        f"hvdtrain: error: {shard}: record 151 is corrupt (its checksum does not match); "
-        "regenerate the file with 'hvdtrain convert'"], output[-3000:]
-    assert "Traceback" not in output
-
-
 def test_a_csv_cell_that_is_not_a_number_is_named_by_file_line_and_column(capsys, tmp_path):
     def write(bad_row: int, bad: str) -> None:
         for name in ("train", "val"):
@@ -213,19 +185,6 @@ def test_labels_outside_the_class_range(capsys, tmp_path):
                         "--val-data-path", str(tmp_path / "val.csv"), "--num-classes", "2",
                         "--run-dir", str(tmp_path / "b"), "--no-progress"],
                "a label lies outside [0, 1] for 2 classes")
-
-
-@pytest.mark.distributed
-def test_more_ranks_than_examples(tmp_path):
-    np.savez(tmp_path / "one.npz", x=np.zeros((1, 2)), y=np.zeros(1, int),
-             x_val=np.zeros((1, 2)), y_val=np.zeros(1, int))
-    result = launch(LAUNCHER, 2, ["--dataset", "npz", "--data-path",
-                                  str(tmp_path / "one.npz"), "--run-dir",
-                                  str(tmp_path / "r")])
-    assert result.returncode != 0
-    assert "2 ranks but only 1 training examples: every rank needs at least one; launch " \
-           "fewer ranks" in result.stderr
-    assert "Traceback" not in result.stderr
 
 
 def test_resume_with_another_model_or_an_unreadable_checkpoint(capsys, finished_run):

@@ -1,80 +1,16 @@
 """``python -m hvdtrain.bench.conformance``: its import rewrite, its counting, its refusals,
-and one real 2-rank run on a tiny Horovod-shaped tree (not Horovod's suite: that takes many
-minutes; the README gives its result).
-
-The tree has what the runner copies from a Horovod checkout, with Horovod's import lines, and
-four tests: one passing, one failing, one skipped, and one run in graph and eager mode the way
-Horovod's test_tensorflow.py runs its tests (failing in graph mode only).
+on the tiny Horovod-shaped tree of tests/support/horovod_tree.py, in one process. Its real
+2-rank run: tests/distributed/horovod/test_conformance_ranks.py.
 """
 
 from __future__ import annotations
 
-import json
 import logging
-from pathlib import Path
 
 import pytest
 
-from conftest import RUN_TIMEOUT
+from horovod_tree import TESTS, horovod_shaped_tree
 from hvdtrain.bench import conformance
-
-BASE = '''import tensorflow as tf
-from horovod.tensorflow.util import _executing_eagerly
-
-
-class BaseTensorFlowTests(tf.test.TestCase):
-    def evaluate(self, tensors):
-        return self.evaluate_eagerly(tensors) if _executing_eagerly() else super().evaluate(tensors)
-
-    def evaluate_eagerly(self, tensors):
-        return tensors.numpy()
-'''
-
-TESTS = '''import os
-import sys
-
-import tensorflow as tf
-from horovod.tensorflow.util import _executing_eagerly
-
-sys.path.append(os.path.join(os.path.dirname(__file__), os.pardir, 'utils'))
-
-from common import two  # noqa
-
-import horovod.tensorflow as hvd
-
-from base_test_tensorflow import *  # noqa
-
-
-class TensorFlowTests(BaseTensorFlowTests):
-    def test_size(self):
-        hvd.init()
-        self.assertEqual(hvd.size(), two())
-
-    def test_rank_is_negative(self):
-        hvd.init()
-        self.assertEqual(hvd.rank(), -1, "deliberately false")
-
-    def test_gpu(self):
-        self.skipTest("No GPUs available")
-
-    def test_eager_only(self):
-        hvd.init()
-        self.assertTrue(_executing_eagerly(), "graph mode")
-
-
-from tensorflow.python.framework.test_util import run_all_in_graph_and_eager_modes  # noqa
-run_all_in_graph_and_eager_modes(TensorFlowTests)
-'''
-
-
-def horovod_shaped_tree(root: Path) -> Path:
-    """The files the runner copies, at Horovod's paths."""
-    (root / "test" / "parallel").mkdir(parents=True)
-    (root / "test" / "utils").mkdir()
-    (root / "test" / "utils" / "common.py").write_text("def two():\n    return 2\n")
-    (root / "test" / "parallel" / "base_test_tensorflow.py").write_text(BASE)
-    (root / "test" / "parallel" / "test_tensorflow.py").write_text(TESTS)
-    return root
 
 
 def test_only_import_lines_change_and_a_missing_one_is_named():
@@ -162,26 +98,3 @@ def test_without_horovod_the_upstream_run_is_skipped_in_one_line(tmp_path, caplo
     assert warnings == ["upstream run skipped: import horovod.tensorflow fails here: "
                         "ModuleNotFoundError: No module named 'horovod'"]
     assert "| upstream | test_tensorflow.py | skipped: " in capsys.readouterr().out
-
-
-@pytest.mark.distributed
-def test_a_horovod_shaped_suite_on_two_ranks_on_tensorflows_collectives(tmp_path, capsys):
-    checkout = horovod_shaped_tree(tmp_path / "horovod")
-    deps = tmp_path / "deps"
-    # The tiny suite imports neither mock nor parameterized: no pip, no network, in CI.
-    deps.mkdir()
-    (deps / ".installed").write_text(" ".join(conformance.TEST_DEPENDENCIES))
-    out = tmp_path / "out"
-    assert conformance.main([str(checkout), "--runs", "tensorflow", "--files",
-                             "test_tensorflow.py", "--out", str(out), "--deps-dir", str(deps),
-                             "--timeout", str(RUN_TIMEOUT)]) == 0
-    printed = capsys.readouterr().out
-    copied = (out / "suite" / "dropin" / "parallel" / "test_tensorflow.py").read_text()
-    assert "import hvdtrain.tensorflow as hvd\n" in copied and "import horovod" not in copied
-    # Methods: size passes; rank_is_negative and eager_only (graph mode) fail; gpu skipped.
-    # Each of the four runs in both modes.
-    assert "| tensorflow | test_tensorflow.py | 1/2/1 (exit 1) | 1/2/1 | 2/1/1 |" in printed
-    assert ("TensorFlowTests::test_eager_only: [graph] AssertionError: False is not true : "
-            "graph mode") in printed
-    results = json.loads((out / "conformance.json").read_text())
-    assert results[0]["methods"]["TensorFlowTests::test_gpu"]["outcome"] == "skipped"

@@ -1,11 +1,11 @@
 """The data sources: the built-in loaders (digits, npz, CSV, TFRecord, the Keras datasets from
 their standard files) and the files they refuse with a message naming the problem, float and
-shaped targets from every file format, the image-folder converter, and TFRecord and CSV data
-sharded by file or by element and trained on 2 ranks."""
+shaped targets from every file format, and the image-folder converter. TFRecord and CSV data
+sharded by file or by element and trained on 2 ranks:
+tests/distributed/training/test_data_on_two_ranks.py."""
 
 from __future__ import annotations
 
-import csv
 import gzip
 import pickle
 
@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from conftest import assert_partition, launch, probe_shards, read_metrics, read_summary, train
+from conftest import launch
 from hvdtrain.collectives import World
 from hvdtrain.config import DataConfig, ModelConfig
 from hvdtrain.data.contract import DataError
@@ -102,25 +102,6 @@ def test_files_and_npz_carry_float_and_shaped_targets(tmp_path):
     assert sorted(targets.numpy()[:, 0].tolist()) == [0.0, 0.5, 1.0, 1.5]
 
 
-def _id_dataset(tmp_path, n: int, shards: int):
-    """TFRecords whose labels are the example ids, so a probe can check the partition."""
-    rng = np.random.default_rng(1)
-    x = (rng.random((n, 4, 4, 1)) * 255).astype(np.uint8)
-    np.savez(tmp_path / "ids.npz", x=x, y=np.arange(n))
-    convert(tmp_path / "ids.npz", tmp_path / f"ids-{shards}", shards)
-    return str(tmp_path / f"ids-{shards}")      # its train-* files
-
-
-@pytest.mark.distributed
-@pytest.mark.parametrize("shards, mode, steps", [(5, "file", 11), (1, "element", 9)])
-def test_tfrecord_sharding_is_a_partition_in_both_modes(tmp_path, shards, mode, steps):
-    # 203 records, 2 ranks x 12. File mode: shards of 41, 41, 41, 41, 39; the largest share a
-    # rank can draw is 3 files = 123 records -> 11 steps. Element mode: 102 -> 9 steps.
-    records = probe_shards(tmp_path, "tfrecord", _id_dataset(tmp_path, 203, shards), 12)
-    assert {r["mode"] for r in records} == {mode}
-    assert_partition(records, 203, steps=steps)
-
-
 def test_converter_writes_images_and_metadata_that_parse_back(tmp_path):
     folder = tmp_path / "images"
     originals = {}
@@ -140,36 +121,6 @@ def test_converter_writes_images_and_metadata_that_parse_back(tmp_path):
     expected = sorted((label, (40 * i + label) / 255) for label, i in originals)
     assert [label for label, _ in pixels] == [label for label, _ in expected]
     assert [v for _, v in pixels] == pytest.approx([v for _, v in expected])
-
-
-@pytest.mark.distributed
-def test_tfrecord_and_csv_train_on_two_ranks(tmp_path):
-    rng = np.random.default_rng(2)
-    teacher = rng.standard_normal((5, 3))
-    x = rng.standard_normal((400, 5)).astype(np.float32)
-    y = np.argmax(x @ teacher, axis=1)
-    np.savez(tmp_path / "t.npz", x=x[:300], y=y[:300], x_val=x[300:], y_val=y[300:])
-    convert(tmp_path / "t.npz", tmp_path / "rec", shards=1)    # 1 file < 2 ranks: by element
-    run = train(tmp_path, "tfrecord", "--dataset", "tfrecord", "--data-path",
-                str(tmp_path / "rec" / "train-*"), "--val-data-path",
-                str(tmp_path / "rec" / "validation-*"), "--epochs", "8", "--cache",
-                "--lr-schedule", "step", "--lr-decay-epochs", "3", "--lr-decay-factor", "0.5",
-                "--warmup-epochs", "0")
-    assert "sharding 1 file(s) across 2 rank(s) by element" in run.with_suffix(".log").read_text()
-    assert read_summary(run)["metrics"]["val_accuracy"] > 0.8
-    # 150 records per rank / 32 = 5 steps an epoch; x0.5 every 15 steps, after linear scaling.
-    assert [row["lr"] for row in read_metrics(run)] == pytest.approx(
-        [0.1, 0.1, 0.1, 0.05, 0.05, 0.05, 0.025, 0.025])
-    for name, rows in (("train", range(300)), ("val", range(300, 400))):
-        with open(tmp_path / f"{name}.csv", "w", newline="") as handle:
-            writer = csv.writer(handle)
-            writer.writerow(["a", "b", "label", "c", "d", "e"])
-            for i in rows:
-                writer.writerow([*x[i, :2], y[i], *x[i, 2:]])
-    run = train(tmp_path, "csv", "--dataset", "csv", "--data-path", str(tmp_path / "train.csv"),
-                "--val-data-path", str(tmp_path / "val.csv"), "--epochs", "8")
-    assert read_summary(run)["metrics"]["val_accuracy"] > 0.8
-    assert read_summary(run)["weights_identical"]
 
 
 def _write_standard_files(directory, rng):

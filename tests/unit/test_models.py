@@ -1,17 +1,10 @@
-"""The built-in models: the CNN keeps the classic Keras MNIST layout (one process), and the
-ResNet trained on 2 ranks ends with batch-norm moving statistics that agree across the ranks
-(conftest's ``resnet_run``)."""
+"""The built-in models: the CNN keeps the classic Keras MNIST layout (one process). The ResNet
+on 2 ranks: tests/distributed/training/test_models_on_ranks.py."""
 
 from __future__ import annotations
 
-import keras
-import numpy as np
-import pytest
-
-from conftest import read_summary
 from hvdtrain.config import ModelConfig
 from hvdtrain.models import build_model
-from hvdtrain.training.run import weight_fingerprint
 
 
 def test_cnn_matches_the_classic_layout():
@@ -20,24 +13,3 @@ def test_cnn_matches_the_classic_layout():
     assert kinds == ["Conv2D", "Conv2D", "MaxPooling2D", "Dropout", "Flatten", "Dense"]
     assert [model.layers[0].filters, model.layers[1].filters] == [64, 128]
     assert model.layers[3].rate == 0.5 and model.output_shape == (None, 10)
-
-
-@pytest.mark.distributed
-def test_resnet_batch_norm_statistics_agree_across_ranks(resnet_run):
-    summary = read_summary(resnet_run)
-    assert summary["weights_identical"], summary["fingerprints"]
-    model = keras.saving.load_model(resnet_run / "model.keras", safe_mode=True)
-    # What the ranks agreed on is the saved model, moving statistics included.
-    assert weight_fingerprint(model) == summary["fingerprints"][0]
-    norms = [layer for layer in model.layers
-             if isinstance(layer, keras.layers.BatchNormalization)]
-    built = build_model(ModelConfig(model="resnet", resnet_blocks=1), (16, 16, 3),
-                        model.output_shape[-1])
-    assert len(norms) == len([layer for layer in built.layers
-                              if isinstance(layer, keras.layers.BatchNormalization)]) >= 7
-    # Training updated every layer's statistics: none is left at its start (mean 0, variance 1;
-    # the first layer's means stay near 0 on the synthetic images, but not at 0).
-    for layer in norms:
-        assert np.count_nonzero(layer.moving_mean.numpy()) > 0, layer.name
-        assert np.count_nonzero(layer.moving_variance.numpy() - 1.0) > 0, layer.name
-    assert any(np.abs(layer.moving_mean.numpy()).max() > 1e-3 for layer in norms)
