@@ -26,9 +26,9 @@ test: setup-tests
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 # The single-process layer, tests/unit: no ranks, daemons, containers or cluster. The marker
-# filter keeps out the few tests in tests/unit that start ranks (marked distributed, beside the
-# single-process tests of their subject); every test outside tests/unit is marked distributed,
-# multinode or slow, so the filter alone would select the same set.
+# filter keeps out the one check of the installed environment there (marked slow); every test
+# outside tests/unit is marked distributed, multinode or slow, so the filter alone would select
+# the same set.
 test-fast: setup
 	$(BIN)/python -m pytest tests/unit -m "not distributed and not multinode and not slow" \
 		$(PYTEST_ARGS)
