@@ -25,7 +25,7 @@ from hvdtrain.collectives import Collectives, World
 from hvdtrain.data.equal_steps import RAN_OUT, Passes
 from hvdtrain.errors import TrainingDiverged
 from hvdtrain.startup import process_age_seconds
-from hvdtrain.training.checkpointing import AgreedStop, CheckpointPlan
+from hvdtrain.training.checkpointing import CheckpointPlan
 from hvdtrain.training.liveness import Liveness
 from hvdtrain.training.run_columns import RunColumnsLog, Throughput, epoch_row, ordered
 from hvdtrain.training.schedule import PlateauDecay, RateControl
@@ -307,7 +307,6 @@ class RunHooks:
     user_callbacks: Sequence[keras.callbacks.Callback] = ()
     run_columns: RunColumnsLog = field(default_factory=RunColumnsLog)
     world_size_column: bool = False
-    agreed_stop: AgreedStop = field(default_factory=lambda: AgreedStop())
 
 
 # Keras callbacks that write files or print: on rank 0 only, as one process would write them.

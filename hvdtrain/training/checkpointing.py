@@ -44,14 +44,6 @@ class CheckpointPlan:
     resume: ResumePoint = ResumePoint()
 
 
-@dataclass
-class AgreedStop:
-    """A stop the ranks agreed on at an epoch's end, carried out at the next epoch's begin.
-    One per job: an elastic job's next world (new callbacks) must not lose it."""
-
-    message: str = ""
-
-
 class Checkpointing(keras.callbacks.Callback):
     """Every rank: checkpoint (rank 0 writes) at each epoch end, every ``every_steps`` steps,
     and at the step where the ranks agreed to stop; then stop every rank if they agreed.
@@ -68,7 +60,7 @@ class Checkpointing(keras.callbacks.Callback):
     """
 
     def __init__(self, step: TrainingStep, collectives: Collectives, plan: CheckpointPlan,
-                 live_state: Callable[[], dict[str, Any]], agreed: AgreedStop,
+                 live_state: Callable[[], dict[str, Any]],
                  columns: RunColumnsLog, liveness: Liveness | None = None,
                  passes: Passes | None = None) -> None:
         """``live_state``: the rate factors and plateau state a checkpoint saves; ``passes``:
@@ -81,13 +73,9 @@ class Checkpointing(keras.callbacks.Callback):
         self.columns = columns
         self.live_state = live_state
         self.passes = passes
-        self.agreed = agreed
+        self.stop_message = ""
         self.epoch = 0
         self.epoch_steps = 0
-
-    @property
-    def stop_message(self) -> str:
-        return self.agreed.message
 
     def _stop_reason(self) -> str | None:
         return None if self.liveness is None else self.liveness.stop_reason
@@ -142,9 +130,9 @@ class Checkpointing(keras.callbacks.Callback):
             "epoch": epoch + 1, "metrics": epoch_row(epoch, logs, self.columns)})
         self.model.stop_training = stop_training
         if reasons:
-            self.agreed.message = (f"stopped by {reasons} after epoch {epoch + 1}; checkpoint "
-                                   f"{name} written; continue with the same command and "
-                                   "--resume auto")
+            self.stop_message = (f"stopped by {reasons} after epoch {epoch + 1}; checkpoint "
+                                 f"{name} written; continue with the same command and "
+                                 "--resume auto")
 
     def _save(self, position: dict[str, Any]) -> tuple[str, str, bool]:
         """Rank 0 writes; every rank gets the checkpoint's name (or rank 0's write error,

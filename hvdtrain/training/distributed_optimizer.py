@@ -35,6 +35,8 @@ class _ReducingOptimizer:
     _hvdtrain_average_passes: bool
     _hvdtrain_reduce: Reducer
     _hvdtrain_accumulation: Accumulation | None = None
+    _hvdtrain_accumulated: list[tf.Variable]
+    _hvdtrain_calls: tf.Variable
 
     def apply(self, grads: Sequence[Any], trainable_variables: Sequence[Any] | None = None) -> None:
         grads = list(grads)
@@ -52,6 +54,10 @@ class _ReducingOptimizer:
             self._hvdtrain_accumulation = Accumulation([v.shape for v in variables],
                                                        [v.dtype for v in variables],
                                                        self._hvdtrain_passes)
+            # Held by the optimizer too, so tf.train.Checkpoint saves the partial sums and the
+            # pass counter with it, under the names the drop-in has always saved them.
+            self._hvdtrain_accumulated = self._hvdtrain_accumulation.totals
+            self._hvdtrain_calls = self._hvdtrain_accumulation.calls
         accumulation = self._hvdtrain_accumulation
         accumulation.add(grads)
 

@@ -11,7 +11,7 @@ nothing before the elastic loop may talk to other ranks. Rank 0 records every ep
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
@@ -26,7 +26,7 @@ from hvdtrain.data.contract import DataBundle
 from hvdtrain.data.pipeline import ShardSpec
 from hvdtrain.log import logger
 from hvdtrain.training.callbacks import Reporting, RunHooks
-from hvdtrain.training.checkpointing import AgreedStop, CheckpointPlan
+from hvdtrain.training.checkpointing import CheckpointPlan
 from hvdtrain.training.epoch_end import RunCallbacks, standard_callbacks
 from hvdtrain.training.run_columns import RunColumnsLog
 from hvdtrain.training.schedule import RateControl, WarmupScaledRate, world_scale
@@ -66,16 +66,15 @@ def _log_segment(run_dir: Path, epoch: int, offset: int, world_size: int, lr: fl
 @dataclass
 class Continuity:
     """What one world hands the next: whether training has begun (the user's callbacks see one
-    train begin), a stop the ranks agreed on at an epoch's end, and the last world's step,
-    whose stop votes not yet delivered carry over (a world change must not lose a stop)."""
+    train begin), and the last world's step, whose callback stop vote not yet delivered
+    carries over (a world change must not lose a stop; signals are not stop requests in an
+    elastic job, launch/README.md)."""
 
     began: bool = False
-    agreed_stop: AgreedStop = field(default_factory=AgreedStop)
     step: StepMath | None = None
 
     def next_world(self, step: StepMath) -> None:
         if self.step is not None:
-            step.stop_vote.assign(self.step.stop_vote)
             step.callback_stop_vote.assign(self.step.callback_stop_vote)
         self.step = step
 
@@ -110,8 +109,7 @@ def elastic_loop(run: ElasticRun) -> None:
             reporting=Reporting(run.run_dir, world.size * config.train.batch_size,
                                 config.train.progress, tensorboard=config.train.tensorboard),
             evaluate=lambda: run.evaluate(val_spec), user_callbacks=run.user_callbacks,
-            run_columns=run.run_columns, world_size_column=True,
-            agreed_stop=continuity.agreed_stop)), run.model, epochs, None)
+            run_columns=run.run_columns, world_size_column=True)), run.model, epochs, None)
         run.model.stop_training = False
         hooks.begin_training(again=continuity.began)
         continuity.began = True

@@ -143,7 +143,7 @@ def standard_callbacks(hooks: RunHooks) -> CallbackGroups:
                 **({"plateau": plateau.state()} if plateau is not None else {})}
 
     checkpointing = Checkpointing(hooks.step, hooks.collectives, hooks.checkpoints, live_state,
-                                  hooks.agreed_stop, hooks.run_columns, hooks.liveness,
+                                  hooks.run_columns, hooks.liveness,
                                   hooks.passes)
     after: list[keras.callbacks.Callback] = [checkpointing]
     if world.is_chief:

@@ -62,13 +62,6 @@ def automatic_limit(slowest_step_s: float) -> float:
     return max(FLOOR_S, STEP_FACTOR * slowest_step_s)
 
 
-def ignore_stop_signals() -> None:
-    """Ignore the stop signals from now on (an ignored signal is inherited by every process
-    started later: only for a process that is about to exit)."""
-    for number in STOP_SIGNALS:
-        signal.signal(number, signal.SIG_IGN)
-
-
 def liveness_for(config: Config, process_exits: bool = False) -> Liveness:
     """The monitor a run of ``config`` gets: stalls limited by ``--stall-timeout``, the stop
     signals, the launcher when one started this process; ``process_exits``: the process ends

@@ -109,7 +109,7 @@ def _checkpointing(collectives: ScriptedCollectives, step: StepMath, run_dir: Pa
                                                 CheckpointState(model="dense"), resume=resume),
                      reporting=Reporting(run_dir, 8, show_progress=False), liveness=liveness)
     callback = Checkpointing(hooks.step, hooks.collectives, hooks.checkpoints,
-                             lambda: {"rates": {}}, hooks.agreed_stop, hooks.run_columns,
+                             lambda: {"rates": {}}, hooks.run_columns,
                              hooks.liveness, hooks.passes)
     callback.set_model(step.model)
     callback.set_params({"epochs": 2, "steps": 4, "verbose": 0})

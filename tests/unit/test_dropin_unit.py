@@ -154,3 +154,28 @@ def test_keras_2_checkpoint_names_become_keras_3_names():
     assert keras3_checkpoint_path("model.keras", False) == "model.keras"
     assert keras3_checkpoint_path("w.h5", True) == "w.weights.h5"
     assert keras3_checkpoint_path("w.weights.h5", True) == "w.weights.h5"
+
+
+def test_a_distributed_optimizers_partial_sums_are_saved_with_it(tmp_path):
+    """``backward_passes_per_step`` > 1: ``tf.train.Checkpoint`` of the optimizer holds the
+    gradients summed so far and the pass counter (a resumed script continues in phase)."""
+    import keras
+    import tensorflow as tf
+
+    from hvdtrain.keras_internals import set_class
+    from hvdtrain.training.distributed_optimizer import reducing_class
+
+    optimizer = keras.optimizers.SGD(0.1)
+    set_class(optimizer, reducing_class(type(optimizer), GradientReduction("average"), 2, True,
+                                        LocalCollectives().reduce_gradients))
+    variable = keras.Variable([1.0, 2.0])
+    optimizer.apply([tf.constant([0.5, 0.25])], [variable])      # the first of two passes
+    saved = dict(tf.train.list_variables(
+        tf.train.Checkpoint(optimizer=optimizer).write(str(tmp_path / "ckpt"))))
+    sums = [name for name in saved if "_hvdtrain_accumulated" in name]
+    counters = [name for name in saved if "_hvdtrain_calls" in name]
+    assert len(sums) == 1 and len(counters) == 1
+    reader = tf.train.load_checkpoint(str(tmp_path / "ckpt"))
+    assert reader.get_tensor(sums[0]).tolist() == [0.5, 0.25]
+    assert reader.get_tensor(counters[0]) == 1
+    assert variable.numpy().tolist() == [1.0, 2.0]                # not applied yet
