@@ -46,7 +46,7 @@ from hvdtrain.training.process_state import run_environment, seed_alike, seed_pe
 from hvdtrain.training.restore import open_run_dir, starting_point, weight_fingerprint
 from hvdtrain.training.run_columns import RunColumns, RunColumnsLog
 from hvdtrain.training.schedule import PlateauDecay
-from hvdtrain.training.step import StepMath, StepOptions, TrainingStep
+from hvdtrain.training.step import StepMath, StepOptions, TrainingStep, xla_line
 from hvdtrain.training.trainable import Trainable, own_step_reason, prepare, probe_trainable
 
 
@@ -218,6 +218,8 @@ class Run:
                                 if own_step is None else
                                 f"the model's own train_step ({own_step})"))
         logger.info(trainable.description)
+        xla = xla_line(bool(model.jit_compile), own_step is not None)
+        (logger.warning if xla.startswith("note") else logger.info)(xla)
         step = self._step(trainable, data, collectives)
         if world.size > 1 and optim.reduction != "adasum":
             logger.info(GradientReduction(bucket_bytes=optim.bucket_bytes).describe(
@@ -265,7 +267,7 @@ class Run:
         return StepMath(trainable.model, trainable.optimizer, collectives, trainable.objective,
                         StepOptions(optim.accumulation_steps, optim.reduction == "adasum",
                                     optim.compression == "fp16", data.train.normalised,
-                                    optim.bucket_bytes))
+                                    optim.bucket_bytes, bool(trainable.model.jit_compile)))
 
     # --- autotune (instead of restore, train and finish) ---------------------------------------
 
