@@ -218,12 +218,15 @@ class Run:
                                 if own_step is None else
                                 f"the model's own train_step ({own_step})"))
         logger.info(trainable.description)
-        xla = xla_line(bool(model.jit_compile), own_step is not None)
-        (logger.warning if xla.startswith("note") else logger.info)(xla)
+        asks_xla = bool(model.jit_compile)
+        (logger.warning if asks_xla and own_step else logger.info)(
+            xla_line(asks_xla, own_step is not None))
         step = self._step(trainable, data, collectives)
         if world.size > 1 and optim.reduction != "adasum":
+            all_at_once = ("accumulated over micro-steps" if optim.accumulation_steps > 1 else
+                           "computed by one XLA cluster" if asks_xla and not own_step else "")
             logger.info(GradientReduction(bucket_bytes=optim.bucket_bytes).describe(
-                trainable.model.trainable_variables, optim.accumulation_steps > 1))
+                trainable.model.trainable_variables, all_at_once))
         evaluate_dataset, metric_states = step.validation()
         with data_errors_named(data):
             first = next(iter(data.train.dataset(plan.spec, 0, 1)))
