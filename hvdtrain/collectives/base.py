@@ -65,14 +65,15 @@ class GradientReduction:
             found.append(current)
         return found
 
-    def describe(self, variables: Sequence[Any], accumulated: bool = False) -> str:
-        """One line for the run's log: how the gradients of ``variables`` will travel
-        (``accumulated``: summed over micro-steps in variables first, so all at once)."""
+    def describe(self, variables: Sequence[Any], all_at_once: str = "") -> str:
+        """One line for the run's log: how the gradients of ``variables`` will travel;
+        ``all_at_once``: why every gradient exists before the first bucket leaves (summed over
+        micro-steps first, or one XLA computation), so none overlaps the backward pass."""
         total = sum(_static_bytes(v) for v in variables) / 2**20
         count = len(self.buckets(variables))
         if self.bucket_bytes == 0:
             return f"gradients: {total:.2f} MiB in one allreduce after the backward pass"
-        when = ("all at the last micro-step (accumulated: no overlap)" if accumulated else
+        when = (f"all at once ({all_at_once}: no overlap)" if all_at_once else
                 "each sent once the backward pass has computed it")
         return (f"gradients: {total:.2f} MiB in {count} bucket(s) of about "
                 f"{self.bucket_bytes / 2**20:g} MiB, {when}")

@@ -2,9 +2,11 @@
 custom loop.
 
 ``fit`` is the model's own, with the run's step as its ``train_step`` for the run, so every
-callback sees the user's model and optimizer as under a plain ``model.fit``. XLA stays off:
-Horovod's collective ops have no XLA kernels. Both paths read the same stream of batches and
-fire the same callbacks at the same points, so one config gives the same result on both.
+callback sees the user's model and optimizer as under a plain ``model.fit``. Keras' own
+function is not compiled with XLA (collective ops have no XLA kernels): the step compiles its
+forward and backward pass when the model's ``jit_compile`` asks (``StepOptions.xla``). Both
+paths read the same stream of batches and fire the same callbacks at the same points, so one
+config gives the same result on both.
 Epochs of different lengths (a resumed partial epoch, ``steps_per_epoch`` not dividing a pass)
 are several ``fit`` calls (``fit_segments``) on one iterator, so the data never restarts.
 """
@@ -62,8 +64,8 @@ class ContinuedHooks(RunCallbacks):
 
 @contextlib.contextmanager
 def step_installed(step: TrainingStep) -> Iterator[None]:
-    """The run's step as the model's ``train_step``, XLA off, fresh traced functions; all as
-    they were afterwards."""
+    """The run's step as the model's ``train_step``, Keras' XLA off (the step's own forward and
+    backward pass may use it), fresh traced functions; all as they were afterwards."""
     with train_step_installed(step.model, step.keras_step):
         yield
 

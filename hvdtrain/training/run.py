@@ -46,7 +46,7 @@ from hvdtrain.training.process_state import run_environment, seed_alike, seed_pe
 from hvdtrain.training.restore import open_run_dir, starting_point, weight_fingerprint
 from hvdtrain.training.run_columns import RunColumns, RunColumnsLog
 from hvdtrain.training.schedule import PlateauDecay
-from hvdtrain.training.step import StepMath, StepOptions, TrainingStep
+from hvdtrain.training.step import StepMath, StepOptions, TrainingStep, xla_line
 from hvdtrain.training.trainable import Trainable, own_step_reason, prepare, probe_trainable
 
 
@@ -218,10 +218,15 @@ class Run:
                                 if own_step is None else
                                 f"the model's own train_step ({own_step})"))
         logger.info(trainable.description)
+        asks_xla = bool(model.jit_compile)
+        (logger.warning if asks_xla and own_step else logger.info)(
+            xla_line(asks_xla, own_step is not None))
         step = self._step(trainable, data, collectives)
         if world.size > 1 and optim.reduction != "adasum":
+            all_at_once = ("accumulated over micro-steps" if optim.accumulation_steps > 1 else
+                           "computed by one XLA cluster" if asks_xla and not own_step else "")
             logger.info(GradientReduction(bucket_bytes=optim.bucket_bytes).describe(
-                trainable.model.trainable_variables, optim.accumulation_steps > 1))
+                trainable.model.trainable_variables, all_at_once))
         evaluate_dataset, metric_states = step.validation()
         with data_errors_named(data):
             first = next(iter(data.train.dataset(plan.spec, 0, 1)))
@@ -265,7 +270,7 @@ class Run:
         return StepMath(trainable.model, trainable.optimizer, collectives, trainable.objective,
                         StepOptions(optim.accumulation_steps, optim.reduction == "adasum",
                                     optim.compression == "fp16", data.train.normalised,
-                                    optim.bucket_bytes))
+                                    optim.bucket_bytes, bool(trainable.model.jit_compile)))
 
     # --- autotune (instead of restore, train and finish) ---------------------------------------
 

@@ -75,14 +75,16 @@ def vote_variables() -> tuple[tf.Variable, ...]:
 
 @dataclass(frozen=True)
 class StepOptions:
-    """How gradients travel (accumulation steps, Adasum or mean, fp16 on the wire, bucket size)
-    and whether the data's weights already divide by the global batch."""
+    """How gradients travel (accumulation steps, Adasum or mean, fp16 on the wire, bucket size),
+    whether the data's weights already divide by the global batch, and whether the forward and
+    backward pass are compiled with XLA (the model's ``jit_compile``)."""
 
     accumulation_steps: int = 1
     adasum: bool = False
     fp16_compression: bool = False
     normalised: bool = True
     bucket_bytes: int = 0
+    xla: bool = False
 
     def reduction(self, world_size: int) -> GradientReduction:
         """Gradients weighted by the global batch are summed; Adasum combines each rank's own
@@ -112,6 +114,8 @@ class StepMath:
         self.skips_non_finite_updates = True
         (self.global_loss, self.stop_vote, self.stop_votes, self.callback_stop_vote,
          self.callback_stop_votes) = vote_variables()
+        self._forward_backward = (tf.function(self.forward_backward, jit_compile=True)
+                                  if options.xla else self.forward_backward)
         self.accumulation: Accumulation | None = None
         if options.accumulation_steps > 1:    # the gradients' sums, then the loss's
             self.accumulation = Accumulation(
@@ -189,10 +193,10 @@ class StepMath:
         count = self.collectives.allreduce_sum([tf.reduce_sum(weights)])[0]
         return weights / tf.maximum(count, 1.0)
 
-    def train_step(self, x, y, sample_weight: tf.Tensor,
-                   weights: tf.Tensor) -> dict[str, tf.Tensor]:
-        variables = self.model.trainable_variables
-        weights = self._global_weights(weights)
+    def forward_backward(self, x, y, sample_weight: tf.Tensor, weights: tf.Tensor) -> tuple:
+        """This rank's part of the step that no collective touches: the forward pass, the
+        global-batch-weighted loss and its gradients (compiled with XLA when the options say
+        so: collectives have no XLA kernels, so they stay outside)."""
         with tf.GradientTape() as tape:
             predictions = self.model(x, training=True)
             total, parts = self.objective.per_example_losses(y, predictions)
@@ -202,7 +206,15 @@ class StepMath:
                 shares = self.collectives.world.size * self.options.accumulation_steps
                 loss += own_losses / shares
             scaled = self.optimizer.scale_loss(loss) if self.loss_scaling else loss
-        gradients = tape.gradient(scaled, variables)
+        gradients = tape.gradient(scaled, self.model.trainable_variables)
+        return gradients, loss, predictions, total, parts, own_losses
+
+    def train_step(self, x, y, sample_weight: tf.Tensor,
+                   weights: tf.Tensor) -> dict[str, tf.Tensor]:
+        variables = self.model.trainable_variables
+        weights = self._global_weights(weights)
+        gradients, loss, predictions, total, parts, own_losses = self._forward_backward(
+            x, y, sample_weight, weights)
         if self.accumulation is not None:
             self._accumulate(self.accumulation,
                              [tf.zeros_like(v) if g is None else tf.convert_to_tensor(g)
@@ -214,6 +226,19 @@ class StepMath:
         self.train_metrics.update(y, predictions, total, parts, sample_weight, weights > 0,
                                   own_losses, shares)
         return self.train_metrics.local_results()
+
+
+def xla_line(jit_compile: bool, own_step: bool) -> str:
+    """The run log's line on XLA: the model's ``jit_compile`` (Keras' "auto" already resolved:
+    on with a GPU where the model supports it, off on CPUs) taken as the user set it."""
+    if jit_compile and own_step:
+        return ("note: the model's own train_step runs without XLA although its jit_compile is "
+                "True: its optimizers reduce gradients with collectives, which XLA cannot "
+                "compile; compile the model with jit_compile=False to silence this")
+    if jit_compile:
+        return ("XLA: on for the forward and backward pass (the model's jit_compile); the "
+                "collectives and the update run outside it")
+    return "XLA: off (the model's jit_compile is False; Keras' 'auto' chooses off without a GPU)"
 
 
 def model_losses(model: keras.Model) -> tf.Tensor:

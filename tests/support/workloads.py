@@ -36,6 +36,13 @@ def regression_model(input_shape, num_classes) -> keras.Model:
     return model
 
 
+def regression_model_xla(input_shape, num_classes) -> keras.Model:
+    """``regression_model`` compiled with ``jit_compile=True`` (XLA, also on a CPU)."""
+    model = regression_model(input_shape, num_classes)
+    model.compile(optimizer="adam", loss="mse", metrics=["mae"], jit_compile=True)
+    return model
+
+
 # --- the common Keras idiom: logits out, from_logits=True ----------------------------------------
 
 def logits_model(input_shape, num_classes) -> keras.Model:

@@ -197,3 +197,33 @@ def test_an_uncompiled_model_gets_the_default_objective():
     y, predictions = np.array([0, 1]), model(np.zeros((2, 3), np.float32))
     metrics.build(y, predictions)
     assert set(metrics.local_results()) == {"loss", "accuracy"}
+
+
+def test_the_models_jit_compile_compiles_the_forward_and_backward_pass_alone():
+    """``jit_compile=True``: the loss and gradients are one XLA cluster (TensorFlow must compile
+    it), the collectives and the update stay outside, and three steps end where the same steps
+    without XLA end (to float32 rounding)."""
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((32, 8)).astype(np.float32)
+    batch = (x, rng.integers(0, 3, 32), tf.ones(32), tf.fill([32], 1 / 32))
+    weights = {}
+    for xla in (False, True):
+        keras.utils.set_random_seed(3)
+        model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, activation="relu"),
+                                  keras.layers.Dense(3, activation="softmax")])
+        model.compile(optimizer=keras.optimizers.Adam(0.01), jit_compile=True,
+                      loss="sparse_categorical_crossentropy")
+        model.optimizer.build(model.trainable_variables)
+        step = StepMath(model, model.optimizer, LocalCollectives(), Objective.for_model(model),
+                        StepOptions(xla=xla))
+        train = tf.function(step.keras_step, jit_compile=False)
+        for _ in range(3):
+            train(batch)
+        weights[xla] = model.get_weights()
+        if xla:
+            compiled = step._forward_backward.get_concrete_function(*batch).function_def
+            assert compiled.attr["_XlaMustCompile"].b
+            assert not any("Horovod" in node.op or "Collective" in node.op
+                           for node in compiled.node_def)
+    for plain, compiled in zip(weights[False], weights[True]):
+        np.testing.assert_allclose(compiled, plain, rtol=1e-5, atol=1e-6)

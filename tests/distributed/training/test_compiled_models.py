@@ -32,6 +32,21 @@ def regression_one_process(session_tmp):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+def test_jit_compile_true_on_two_ranks_equals_one_process_with_twice_the_batch(
+        session_tmp, regression_one_process, backend):
+    """The model's ``jit_compile=True`` is honoured (XLA for the forward and backward pass; the
+    run log says so) and changes no number beyond float32 rounding. Op determinism would make
+    Keras turn XLA off, so this run goes without ``--deterministic``."""
+    options = [option for option in EXACT_REGRESSION if option != "--deterministic"]
+    options[options.index("workloads:regression_model")] = "workloads:regression_model_xla"
+    two = train(session_tmp, f"reg-xla-{backend}", *options, "--batch-size", "16",
+                "--learning-rate", "0.05", "--backend", backend, PYTHONPATH=RANK_PYTHONPATH)
+    assert "XLA: on for the forward and backward pass" in (two / "hvdtrain.log").read_text()
+    for a, b in zip(final_weights(two), final_weights(regression_one_process)):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_compiled_regression_two_ranks_equal_one_process_with_twice_the_batch(
         session_tmp, regression_one_process, backend):
     two = train(session_tmp, f"reg-2-{backend}", *EXACT_REGRESSION, "--batch-size", "16",
