@@ -1,28 +1,12 @@
 """Rank-0 checkpoints that a crash cannot destroy, and weights-only restore.
 
-A checkpoint is a directory ``checkpoints/epoch-NNNN`` (after NNNN whole epochs) or
-``checkpoints/epoch-NNNN-step-SSSSSS`` (SSSSSS steps into the next one) holding the model
-weights (``weights.npz``: ``w*`` in ``model.weights`` order; checkpoints of earlier versions
-hold ``model.weights.h5``, still read) and every rank's random-generator state (``weights.npz``:
-``rng<rank>_*``, the seed generators of dropout and other seeded layers, which ``get_weights``
-leaves out; each rank keeps its own, so every rank draws the masks an uninterrupted run would),
-the variables of every optimizer the model owns (``optimizer.npz``: ``v*`` for
-``model.optimizer``, ``<attribute>.v*`` for others such as a GAN's ``d_optimizer``, including
-step counters and rates, so the learning-rate schedule resumes where it was) and
-``state.json`` (a ``CheckpointState``, ``checkpoint_state.py``: epoch, step, model identity,
-config, the epoch's running metric state, which model variables each optimizer was built for,
-and the SHA-256 of the other two files).
-It is written under a temporary name, flushed to disk, and renamed into place in one atomic
-step, so at any instant the newest complete checkpoint is on disk whole. A write that
-fails (disk full, quota, permission) removes its partial directory and stops the run with one
-line; the previous checkpoint is untouched. A checkpoint whose files no longer match their
-checksums is set aside on resume, for the one before. Restore reads weights and arrays only:
-nothing in a checkpoint is executed. (Weights are written with NumPy, not HDF5: an HDF5 file
-whose write failed stays open inside the library and fails again, or crashes the process, when
-Python exits.)
-
-The run directory is locked (``fcntl.flock`` on ``.lock``) by rank 0 for the whole run, so a
-second run on the same directory is refused instead of interleaving its checkpoints.
+A checkpoint (its files: ``Checkpoint``) is written under a temporary name, flushed to disk and
+renamed into place in one atomic step, so the newest complete checkpoint is always on disk
+whole; a write that fails (disk full, quota, permission) removes its partial directory and
+stops the run with one line, the previous checkpoint untouched. A checkpoint whose files no
+longer match their checksums is set aside on resume, for the one before. Restore reads weights
+and arrays only: nothing in a checkpoint is executed. The run directory is locked
+(``fcntl.flock`` on ``.lock``) by rank 0 for the whole run, so a second run on it is refused.
 """
 
 from __future__ import annotations
@@ -213,7 +197,17 @@ def _write_files(directory: Path, model: keras.Model,
 @dataclass(frozen=True)
 class Checkpoint:
     """One checkpoint directory: its state, whether its files are intact, and restoring it.
-    It prints as its path (messages name the directory)."""
+    It prints as its path (messages name the directory).
+
+    ``checkpoints/epoch-NNNN`` (after NNNN whole epochs) or ``epoch-NNNN-step-SSSSSS`` (SSSSSS
+    steps into the next) holds ``weights.npz`` (``w*`` in ``model.weights`` order, and each
+    rank's random-generator state ``rng<rank>_*``, which ``get_weights`` leaves out, so every
+    rank draws the masks an uninterrupted run would; earlier versions' ``model.weights.h5`` is
+    still read), ``optimizer.npz`` (``v*`` for ``model.optimizer``, ``<attribute>.v*`` for
+    others such as a GAN's ``d_optimizer``, step counters and rates included) and
+    ``state.json`` (a ``CheckpointState``, with the SHA-256 of the other two). NumPy, not HDF5:
+    an HDF5 file whose write failed stays open in the library and fails again, or crashes the
+    process, when Python exits."""
 
     path: Path
 

@@ -1,38 +1,12 @@
 """hvdtrain's own lines: the ``hvdtrain`` logger of Python's ``logging``, aware of ranks.
 
-Every line hvdtrain's library code says (the run's setup, resume, elastic and final report;
-its notes and warnings) goes through ``logger`` (``logging.getLogger("hvdtrain")``), so a
-program raises or lowers hvdtrain's verbosity and routes its lines as with any library:
-``logging.getLogger("hvdtrain").setLevel(...)``, its own handlers, or ``--log-level`` /
-``hvdtrain.fit(..., log_level=...)``. What is not a log line: the progress bar (Keras'), and
-the command-line tools' results and their one-line errors (``hvdtrain: error: ...``, printed
-by ``hvdtrain.cli``, whatever the level: the one-line error contract never depends on logging).
-
-During a run (``for_run``):
-
-- rank rule: a rank other than 0 emits only WARNING and above (its own failure still reaches
-  the user; rank 0 tells the run's story once), unless the level is DEBUG (every rank's lines);
-- level: ``--log-level`` sets the ``hvdtrain`` logger's level, unless the program set one on it
-  itself (the program's configuration wins);
-- handler: only where neither the ``hvdtrain`` logger nor the root logger has a handler (a
-  program that configured ``logging`` gets hvdtrain's lines through its own handlers, once),
-  hvdtrain adds its own, formatted ``hvdtrain: message`` on rank 0 and ``hvdtrain rank 3:
-  message`` elsewhere (the prefix of the CLI's one-line errors, so one grep finds them all);
-- everything is put back when the run ends: the handler removed, the filter removed, the
-  level restored. The root logger is never touched and ``logging.basicConfig`` never called.
-
-Streams of hvdtrain's own handler, chosen deliberately: lines below WARNING go to stdout,
-where they went before hvdtrain used ``logging``: in order with Keras' epoch lines and progress
-bar (stdout and stderr are separate pipes under a launcher, so lines split across them lose
-their order), and into the redirect (``> train.log``) a user already keeps of a run's story.
-WARNING and above go to stderr, beside the one-line errors and the liveness monitor's lines,
-so that ``2>`` or a launcher's stderr holds every problem. Both streams are looked up when a
-line is written, so a rank's guarded streams (``hvdtrain.output``, which also copies rank 0's
-lines into ``RUN_DIR/hvdtrain.log``) and a test's capture receive them.
-
-Records passing the ``hvdtrain`` logger during a run carry ``record.rank`` (``%(rank)s`` in a
-program's own format). Rank facts are handed in by the caller (a ``World``'s rank, or a function
-returning it for an elastic job whose ranks change); this module imports no Horovod.
+Library code logs on ``logger``, so a program raises, lowers or routes hvdtrain's lines as with
+any library (or ``--log-level``/``log_level=``). Not log lines: the progress bar (Keras') and
+the command-line tools' results and one-line errors (``hvdtrain.cli``, whatever the level).
+``for_run`` sets the rules for one run and puts everything back after it: ranks other than 0
+say only warnings (all at DEBUG), a level the program set wins, and hvdtrain's own handler is
+added only where the program configured none (the root logger is never touched). Rank facts
+are handed in by the caller; this module imports no Horovod.
 """
 
 from __future__ import annotations
@@ -80,8 +54,12 @@ class RankFormatter(logging.Formatter):
 
 
 class StreamsHandler(logging.StreamHandler):
-    """Records below WARNING to ``sys.stdout``, WARNING and above to ``sys.stderr``, each looked
-    up when the record is written (see the module doc for why)."""
+    """Records below WARNING to ``sys.stdout`` (in order with Keras' epoch lines, which a
+    launcher's separate pipes would otherwise split, and in the ``> train.log`` a user keeps),
+    WARNING and above to ``sys.stderr`` (beside the one-line errors and the liveness lines).
+    Each stream is looked up when the record is written, so a rank's guarded streams
+    (``hvdtrain.output``, which copies rank 0's lines into ``RUN_DIR/hvdtrain.log``) and a
+    test's capture receive them. Records carry ``record.rank`` (``%(rank)s`` in a format)."""
 
     def __init__(self) -> None:
         super().__init__(sys.stdout)

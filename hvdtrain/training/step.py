@@ -12,8 +12,8 @@ A model with its own ``train_step`` is trained by ``own_step`` instead; both are
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 import contextlib
+from dataclasses import dataclass
 from typing import Any, Callable, ContextManager, Protocol
 
 import keras
