@@ -90,7 +90,7 @@ def evaluate(args: argparse.Namespace) -> int:
     if check is not None:
         check("validation", collectives.allgather_object)
     evaluation = Evaluation(model, collectives, Objective.for_model(model),
-                            equal_steps=spec.equal_steps)
+                            equal_steps=spec.equal_steps, xla=bool(model.jit_compile))
     probe(model, evaluation.objective, next(iter(split.dataset(spec))), [evaluation.metrics],
           str(args.run_dir))
     metrics = evaluation.run(split.dataset(spec), prefix="")

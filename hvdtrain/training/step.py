@@ -173,7 +173,8 @@ class StepMath:
         return [self.train_metrics]
 
     def validation(self) -> tuple[Callable[[Any], dict[str, float]], list[Any]]:
-        evaluation = Evaluation(self.model, self.collectives, self.objective)
+        evaluation = Evaluation(self.model, self.collectives, self.objective,
+                                xla=self.options.xla)
         return evaluation.run, [evaluation.metrics]
 
     def training(self) -> ContextManager[None]:
@@ -253,27 +254,35 @@ class Evaluation:
     """Exact distributed evaluation: local metric state over this rank's shard, reduced once."""
 
     def __init__(self, model: keras.Model, collectives: Collectives,
-                 objective: Objective, equal_steps: bool = True) -> None:
+                 objective: Objective, equal_steps: bool = True, xla: bool = False) -> None:
         """``equal_steps``: every rank runs as many steps (filled at weight zero), so a step
         may sum across ranks (the per-output loss columns' global batch sizes); false for a
-        share read unpadded, whose per-output columns are means over examples."""
+        share read unpadded, whose per-output columns are means over examples. ``xla``: the
+        forward pass and the losses compiled with XLA (the model's ``jit_compile``), the
+        collectives and the metric sums outside."""
         self.model = model
         self.collectives = collectives
         self.objective = objective
         self.batch_means = equal_steps and bool(objective.output_loss_names)
         self.metrics = objective.new_metrics()
         self._step = tf.function(self._eval_step, jit_compile=False)
+        self._forward = tf.function(self.forward, jit_compile=True) if xla else self.forward
 
-    def _eval_step(self, x, y, sample_weight: tf.Tensor, weights: tf.Tensor) -> None:
+    def forward(self, x, y) -> tuple:
+        """The predictions, each example's losses and the model's own losses (no collective)."""
         predictions = self.model(x, training=False)
         total, parts = self.objective.per_example_losses(y, predictions)
+        return predictions, total, parts, model_losses(self.model)
+
+    def _eval_step(self, x, y, sample_weight: tf.Tensor, weights: tf.Tensor) -> None:
+        predictions, total, parts, own_losses = self._forward(x, y)
         shares = None
         if self.batch_means:   # only the per-output columns need the global batch's size
             real = tf.cast(weights > 0, tf.float32)
             count = self.collectives.allreduce_sum([tf.reduce_sum(real)])[0]
             shares = BatchShares(real / tf.maximum(count, 1.0), 1.0 / self.collectives.world.size)
         self.metrics.update(y, predictions, total, parts, sample_weight, weights > 0,
-                            model_losses(self.model), shares)
+                            own_losses, shares)
 
     def run(self, dataset: tf.data.Dataset, prefix: str = "val_") -> dict[str, float]:
         self.metrics.reset()

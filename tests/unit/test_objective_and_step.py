@@ -202,11 +202,12 @@ def test_an_uncompiled_model_gets_the_default_objective():
 def test_the_models_jit_compile_compiles_the_forward_and_backward_pass_alone():
     """``jit_compile=True``: the loss and gradients are one XLA cluster (TensorFlow must compile
     it), the collectives and the update stay outside, and three steps end where the same steps
-    without XLA end (to float32 rounding)."""
+    without XLA end (to float32 rounding); validation's forward pass is compiled too and
+    measures the same."""
     rng = np.random.default_rng(0)
     x = rng.standard_normal((32, 8)).astype(np.float32)
     batch = (x, rng.integers(0, 3, 32), tf.ones(32), tf.fill([32], 1 / 32))
-    weights = {}
+    weights, validated = {}, {}
     for xla in (False, True):
         keras.utils.set_random_seed(3)
         model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, activation="relu"),
@@ -220,10 +221,16 @@ def test_the_models_jit_compile_compiles_the_forward_and_backward_pass_alone():
         for _ in range(3):
             train(batch)
         weights[xla] = model.get_weights()
+        validate, _ = step.validation()
+        validated[xla] = validate(tf.data.Dataset.from_tensors(batch))
         if xla:
             compiled = step._forward_backward.get_concrete_function(*batch).function_def
             assert compiled.attr["_XlaMustCompile"].b
             assert not any("Horovod" in node.op or "Collective" in node.op
                            for node in compiled.node_def)
+            evaluation = validate.__self__
+            assert evaluation._forward.get_concrete_function(*batch[:2]).function_def.attr[
+                "_XlaMustCompile"].b
     for plain, compiled in zip(weights[False], weights[True]):
         np.testing.assert_allclose(compiled, plain, rtol=1e-5, atol=1e-6)
+    assert validated[True] == pytest.approx(validated[False], rel=1e-5)
