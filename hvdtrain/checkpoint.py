@@ -174,19 +174,22 @@ def _built_for(optimizer: keras.optimizers.Optimizer) -> list[str]:
 
 def _write_files(directory: Path, model: keras.Model,
                  optimizers: dict[str, keras.optimizers.Optimizer], state: CheckpointState,
-                 rank_states: list[list[np.ndarray]]) -> None:
+                 rank_states: list[list[np.ndarray]],
+                 whole: dict[str, list[np.ndarray]] | None) -> None:
     """A checkpoint's files in ``directory``, flushed to disk: the weights and random-generator
-    states, every built optimizer's variables, and ``state`` with what each optimizer was
-    built for and the files' checksums."""
+    states, every built optimizer's variables (``whole``: a sharded optimizer's, gathered),
+    and ``state`` with what each optimizer was built for and the files' checksums."""
     arrays = {f"w{i:04d}": weight for i, weight in enumerate(model.get_weights())}
     arrays.update({f"rng{rank:04d}_{i:04d}": value
                    for rank, values in enumerate(rank_states)
                    for i, value in enumerate(values)})
     np.savez(directory / WEIGHTS_FILE, **arrays)
     built = {name: optimizer for name, optimizer in optimizers.items() if optimizer.built}
+    whole = whole or {}
     np.savez(directory / OPTIMIZER_FILE, **{
-        f"{_optimizer_prefix(name)}{i:04d}": v.numpy()
-        for name, optimizer in built.items() for i, v in enumerate(optimizer.variables)})
+        f"{_optimizer_prefix(name)}{i:04d}": value
+        for name, optimizer in built.items()
+        for i, value in enumerate(whole.get(name) or [v.numpy() for v in optimizer.variables])})
     files = {name: sha256_of(directory / name) for name in (WEIGHTS_FILE, OPTIMIZER_FILE)}
     optimizer_state = {name: _built_for(optimizer) for name, optimizer in built.items()}
     with open(directory / STATE_FILE, "w") as handle:
@@ -309,11 +312,13 @@ class CheckpointStore:
         return found[-1] if found else None
 
     def save(self, model: keras.Model, optimizers: Optimizers, state: CheckpointState,
-             rank_states: list[list[np.ndarray]] | None = None) -> Checkpoint:
+             rank_states: list[list[np.ndarray]] | None = None,
+             whole: dict[str, list[np.ndarray]] | None = None) -> Checkpoint:
         """Write checkpoint ``checkpoint_name(state.epoch, state.step)`` atomically and prune
         old ones; a failed write raises CheckpointWriteFailed and leaves the checkpoints on
         disk as they were. ``rank_states``: every rank's ``rank_local_variables`` values, in
-        rank order (default: this process's)."""
+        rank order (default: this process's); ``whole``: the state of sharded optimizers,
+        gathered (ZeRO), by attribute."""
         final = self.directory / checkpoint_name(state.epoch, state.step)
         partial = self.directory / f".partial-{final.name}-{os.getpid()}"
         try:
@@ -322,7 +327,7 @@ class CheckpointStore:
             partial.mkdir()
             if rank_states is None:
                 rank_states = [[v.numpy() for v in rank_local_variables(model)]]
-            _write_files(partial, model, _by_name(optimizers), state, rank_states)
+            _write_files(partial, model, _by_name(optimizers), state, rank_states, whole)
         except OSError as error:
             shutil.rmtree(partial, ignore_errors=True)
             previous = self.latest()

@@ -61,14 +61,16 @@ class CheckpointState:
     optimizers: dict[str, list[str] | None] = field(
         default_factory=_built_for_the_model_optimizer)
     files: dict[str, str] = field(default_factory=dict)
+    # A ZeRO run's {"zero_stage", "ranks"}: its optimizer state was held in pieces, gathered
+    # whole into optimizer.npz, so any number of ranks resumes it (None: not sharded).
+    sharded: dict[str, int] | None = None
 
     def to_json(self) -> str:
         """The text of ``state.json``. Left out, as they always were: what is not recorded,
         the plateau state of a run without plateau decay, the step and metric sums at an
         epoch's end and the metrics within an epoch."""
         left_out = {"metrics"} if self.step else {"step", "epoch_state"}
-        if self.plateau is None:
-            left_out.add("plateau")
+        left_out.update(name for name in ("plateau", "sharded") if getattr(self, name) is None)
         return json.dumps({f.name: getattr(self, f.name) for f in dataclasses.fields(self)
                            if f.name not in left_out
                            and getattr(self, f.name) is not NOT_RECORDED}, indent=2) + "\n"

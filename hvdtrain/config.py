@@ -157,6 +157,11 @@ class OptimConfig:
                                            "after the whole backward pass)", minimum=0.0)
     accumulation_steps: int = option(1, "local steps whose gradients are accumulated before one "
                                         "allreduce and update", minimum=1)
+    zero_stage: int = option(0, "ZeRO: 1 keeps on each rank the optimizer state for 1/ranks of "
+                                "every variable (gradients reduce-scattered, updated pieces "
+                                "all-gathered); 2 also keeps only 1/ranks of the gradients "
+                                "summed across --accumulation-steps; 0: every rank holds all",
+                             minimum=0, maximum=2)
 
     @property
     def bucket_bytes(self) -> int:
@@ -355,9 +360,21 @@ def validate(config: Config) -> Config:
                           f"{accumulation}: an epoch would end between updates")
     if config.train.elastic:
         _check_elastic(config)
+    if config.optim.zero_stage:
+        _check_zero(config)
     if config.train.backend == "tensorflow":
         _check_tensorflow_backend(config)
     return config
+
+
+def _check_zero(config: Config) -> None:
+    """What sharded optimizer state cannot do exactly (yet)."""
+    if config.optim.reduction == "adasum":
+        raise ConfigError("--zero-stage cannot shard Adasum (it combines whole gradients "
+                          "pairwise, not pieces); use --reduction mean or --zero-stage 0")
+    if config.train.elastic:
+        raise ConfigError("--zero-stage with --elastic is not supported yet (a world change "
+                          "would have to re-cut the optimizer state); use --zero-stage 0")
 
 
 def _check_tensorflow_backend(config: Config) -> None:

@@ -264,6 +264,20 @@ def set_class(instance: Any, cls: type) -> None:
     instance.__class__ = cls
 
 
+def resize_variable(variable: Any, value: Any) -> None:
+    """Give a Keras variable a value of another shape, in place: the same object (so every
+    list that holds it, an optimizer's slot lists included, sees the change) over a new
+    TensorFlow variable on the same device. How ZeRO cuts an optimizer's state into this
+    rank's pieces and puts it back whole."""
+    import tensorflow as tf
+
+    with tf.init_scope(), tf.device(variable.value.device):
+        value = tf.convert_to_tensor(value, variable.dtype)
+        variable._shape = tuple(value.shape)
+        variable._ndim = len(variable._shape)
+        variable._initialize(value)
+
+
 def copy_as(instance: Any, cls: type) -> Any:
     """A new object of ``cls`` (a subclass of ``instance``'s class) with ``instance``'s
     attributes: a ``tf.GradientTape`` that keeps what the user's tape recorded."""

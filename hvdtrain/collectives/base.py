@@ -103,6 +103,14 @@ class Collectives(Protocol):
         """Combine gradients across ranks as ``reduction`` says, dense ones in one grouped
         allreduce; a None gradient stays None (graph-safe)."""
 
+    def reduce_scatter_sum(self, tensors: Sequence[Any]) -> list[Any]:
+        """Sum each 1-D tensor (its length a multiple of the world size) across ranks and keep
+        this rank's part of the sum: the ``rank``-th of ``size`` equal pieces (graph-safe)."""
+
+    def allgather(self, tensors: Sequence[Any]) -> list[Any]:
+        """Each 1-D tensor (of one length on every rank) concatenated over the ranks, in rank
+        order (graph-safe)."""
+
     def broadcast_variables(self, variables: Sequence[Any], root_rank: int = 0) -> Any:
         """Overwrite every rank's variables (TensorFlow or Keras 3) with the root rank's. In a
         TensorFlow 1 graph that is an op to run, which is returned (None: nothing to run)."""
@@ -138,6 +146,12 @@ class LocalCollectives:
         return [t if t is None or scale == 1.0 else
                 scaled_rows(t, scale) if isinstance(t, tf.IndexedSlices) else t * scale
                 for t in tensors]
+
+    def reduce_scatter_sum(self, tensors: Sequence[Any]) -> list[Any]:
+        return list(tensors)
+
+    def allgather(self, tensors: Sequence[Any]) -> list[Any]:
+        return list(tensors)
 
     def broadcast_variables(self, variables: Sequence[Any], root_rank: int = 0) -> None:
         return None

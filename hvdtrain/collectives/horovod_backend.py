@@ -101,6 +101,16 @@ class HorovodCollectives:
                                          reduction.prescale * reduction.postscale)
         return reduced
 
+    def reduce_scatter_sum(self, tensors: Sequence[Any]) -> list[Any]:
+        if not tensors:
+            return []
+        return list(self._hvd.grouped_reducescatter(list(tensors), op=self._hvd.Sum))
+
+    def allgather(self, tensors: Sequence[Any]) -> list[Any]:
+        if not tensors:
+            return []
+        return list(self._hvd.grouped_allgather(list(tensors)))
+
     def broadcast_variables(self, variables: Sequence[Any], root_rank: int = 0) -> Any:
         """Horovod's, without TensorFlow's retracing warning: Horovod traces its one cached
         ``tf.function`` again for every new list of variables (each ``fit`` has one), so the

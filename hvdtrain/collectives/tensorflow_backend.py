@@ -248,6 +248,30 @@ class TensorFlowCollectives:
                 reduced[index] = tf.reshape(part, tf.shape(tensors[index]))
         return reduced
 
+    def reduce_scatter_sum(self, tensors: Sequence[Any]) -> list[Any]:
+        """TensorFlow's reduce-scatter has an implementation for NCCL alone, so this is the
+        all-reduce of the tensors (one per dtype) with each rank keeping its piece: twice a
+        reduce-scatter's bytes on the wire."""
+        tf, size, rank = self._tf, self.world.size, self.world.rank
+        totals = self.allreduce_sum(tensors)
+        return [tf.reshape(total, [size, -1])[rank] for total in totals]
+
+    def allgather(self, tensors: Sequence[Any]) -> list[Any]:
+        """One all-gather of the tensors concatenated (one per dtype, as all-reduce)."""
+        tf = self._tf
+        tensors = [tf.convert_to_tensor(t) for t in tensors]
+        gathered: list[Any] = [None] * len(tensors)
+        by_dtype: dict[Any, list[int]] = {}
+        for index, tensor in enumerate(tensors):
+            by_dtype.setdefault(tensor.dtype, []).append(index)
+        for indices in by_dtype.values():
+            lengths = [tf.size(tensors[i]) for i in indices]
+            rows = tf.reshape(self.all_gather(tf.concat([tensors[i] for i in indices], 0)),
+                              [self.world.size, -1])
+            for index, part in zip(indices, tf.split(rows, lengths, axis=1)):
+                gathered[index] = tf.reshape(part, [-1])
+        return gathered
+
     def reduce_gradients(self, tensors: Sequence[Any],
                          reduction: GradientReduction = GradientReduction()) -> list[Any]:
         """Dense gradients summed in one all-reduce per dtype and bucket (fp16 on the wire:

@@ -20,6 +20,7 @@ from hvdtrain.errors import CheckpointWriteFailed, StoppedBySignal
 from hvdtrain.training.liveness import Liveness
 from hvdtrain.training.run_columns import RunColumnsLog, epoch_row
 from hvdtrain.training.step import TrainingStep
+from hvdtrain.training.zero import consolidated_state
 
 
 @dataclass(frozen=True)
@@ -141,11 +142,13 @@ class Checkpointing(keras.callbacks.Callback):
         model = self.step.model
         local = [v.numpy() for v in rank_local_variables(model)]
         rank_states = self.collectives.allgather_object(local) if local else None
+        whole = consolidated_state(self.step.optimizers)
         outcome = ""
         if self.collectives.world.is_chief:
             try:
                 outcome = self.plan.store.save(model, self.step.optimizers, replace(
-                    self.plan.state, **self.live_state(), **position), rank_states).name
+                    self.plan.state, **self.live_state(), **position,
+                    sharded=whole and whole.record), rank_states, whole and whole.arrays).name
             except CheckpointWriteFailed as error:
                 outcome = f"error: {error}"
         wants_stop = bool(model.stop_training or self.step.callback_stop_vote.numpy())

@@ -22,6 +22,7 @@ from hvdtrain.collectives import Collectives, GradientReduction, assign_across_r
 from hvdtrain.training.distributed_optimizer import distributed_for_the_run
 from hvdtrain.training.objective import check_additive
 from hvdtrain.training.step import vote_variables
+from hvdtrain.training.zero import Sharding, sharded_for_the_run
 
 # The Trainer methods whose override makes a step the model's own.
 OWN_STEP_METHODS = ("train_step", "test_step", "compute_loss", "compute_metrics")
@@ -54,25 +55,35 @@ class OwnStep:
     skips_non_finite_updates = False
 
     def __init__(self, model: keras.Model, collectives: Collectives, keras_element: Any,
-                 reduction: GradientReduction = GradientReduction("average")) -> None:
+                 reduction: GradientReduction = GradientReduction("average"),
+                 zero_stage: int = 0) -> None:
         """``keras_element(x, y, sample_weight)``: the batch as Keras ``fit`` would hand it to
         ``train_step`` for this data (``x``, ``(x, y)`` or ``(x, y, sample_weight)``);
         ``reduction``: how the optimizers combine gradients (average, or Adasum of the ranks'
-        mean gradients; fp16 on the wire)."""
+        mean gradients; fp16 on the wire); ``zero_stage`` > 0: the optimizers' state sharded
+        (``training.zero``)."""
         self.model = model
         self.collectives = collectives
         self.optimizers = owned_optimizers(model)
         self.optimizer = next(iter(self.optimizers.values()), None)
         self.keras_element = keras_element
         self.reduction = reduction
+        self.zero_stage = zero_stage
         self._model_step = type(model).train_step.__get__(model)
         (self.global_loss, self.stop_vote, self.stop_votes, self.callback_stop_vote,
          self.callback_stop_votes) = vote_variables()
 
     @contextlib.contextmanager
     def training(self) -> Iterator[None]:
-        """While the block runs, the model's optimizers average gradients across ranks."""
-        with distributed_for_the_run(list(self.optimizers.values()), self.reduction,
+        """While the block runs, the model's optimizers average gradients across ranks (and
+        hold pieces of their state, sharded)."""
+        optimizers = list(self.optimizers.values())
+        if self.zero_stage:
+            sharding = Sharding(self.collectives, self.zero_stage, self.reduction)
+            with sharded_for_the_run(optimizers, sharding):
+                yield
+            return
+        with distributed_for_the_run(optimizers, self.reduction,
                                      self.collectives.reduce_gradients):
             yield
 

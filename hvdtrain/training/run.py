@@ -48,6 +48,8 @@ from hvdtrain.training.run_columns import RunColumns, RunColumnsLog
 from hvdtrain.training.schedule import PlateauDecay
 from hvdtrain.training.step import StepMath, StepOptions, TrainingStep, xla_line
 from hvdtrain.training.trainable import Trainable, own_step_reason, prepare, probe_trainable
+from hvdtrain.training.zero import check_shardable
+from hvdtrain.training.zero import describe as describe_sharding
 
 
 ModelFactory = Callable[[Any, "int | None"], keras.Model]
@@ -227,6 +229,11 @@ class Run:
                            "computed by one XLA cluster" if asks_xla and not own_step else "")
             logger.info(GradientReduction(bucket_bytes=optim.bucket_bytes).describe(
                 trainable.model.trainable_variables, all_at_once))
+        if optim.zero_stage:
+            for optimizer in step.optimizers.values():
+                check_shardable(optimizer)
+            logger.info(describe_sharding(optim.zero_stage, world.size, step.optimizer,
+                                          trainable.model.trainable_variables))
         evaluate_dataset, metric_states = step.validation()
         with data_errors_named(data):
             first = next(iter(data.train.dataset(plan.spec, 0, 1)))
@@ -266,11 +273,13 @@ class Run:
             op = "adasum" if optim.reduction == "adasum" else "average"
             return OwnStep(trainable.model, collectives, data.keras_element,
                            GradientReduction(op, optim.compression == "fp16",
-                                             bucket_bytes=optim.bucket_bytes))
+                                             bucket_bytes=optim.bucket_bytes),
+                           optim.zero_stage)
         return StepMath(trainable.model, trainable.optimizer, collectives, trainable.objective,
                         StepOptions(optim.accumulation_steps, optim.reduction == "adasum",
                                     optim.compression == "fp16", data.train.normalised,
-                                    optim.bucket_bytes, bool(trainable.model.jit_compile)))
+                                    optim.bucket_bytes, bool(trainable.model.jit_compile),
+                                    optim.zero_stage))
 
     # --- autotune (instead of restore, train and finish) ---------------------------------------
 

@@ -22,6 +22,7 @@ import tensorflow as tf
 from hvdtrain.collectives import Collectives, GradientReduction
 from hvdtrain.training.accumulation import Accumulation
 from hvdtrain.training.objective import BatchShares, MetricState, Objective
+from hvdtrain.training.zero import Sharding, sharded_for_the_run
 
 
 class TrainingStep(Protocol):
@@ -77,7 +78,8 @@ def vote_variables() -> tuple[tf.Variable, ...]:
 class StepOptions:
     """How gradients travel (accumulation steps, Adasum or mean, fp16 on the wire, bucket size),
     whether the data's weights already divide by the global batch, and whether the forward and
-    backward pass are compiled with XLA (the model's ``jit_compile``)."""
+    backward pass are compiled with XLA (the model's ``jit_compile``), and the ZeRO stage
+    (``training.zero``: 0, every rank holds the whole optimizer state)."""
 
     accumulation_steps: int = 1
     adasum: bool = False
@@ -85,6 +87,7 @@ class StepOptions:
     normalised: bool = True
     bucket_bytes: int = 0
     xla: bool = False
+    zero_stage: int = 0
 
     def reduction(self, world_size: int) -> GradientReduction:
         """Gradients weighted by the global batch are summed; Adasum combines each rank's own
@@ -116,11 +119,18 @@ class StepMath:
          self.callback_stop_votes) = vote_variables()
         self._forward_backward = (tf.function(self.forward_backward, jit_compile=True)
                                   if options.xla else self.forward_backward)
+        self.sharding: Sharding | None = None
+        shapes = [v.shape for v in model.trainable_variables]
+        if options.zero_stage:
+            self.sharding = Sharding(collectives, options.zero_stage,
+                                     options.reduction(collectives.world.size))
+            self.sharding.register(model.trainable_variables)
+            if options.zero_stage == 2:    # only this rank's pieces are summed
+                shapes = self.sharding.piece_shapes(model.trainable_variables)
         self.accumulation: Accumulation | None = None
         if options.accumulation_steps > 1:    # the gradients' sums, then the loss's
-            self.accumulation = Accumulation(
-                [v.shape for v in model.trainable_variables] + [()],
-                [tf.float32] * (len(model.trainable_variables) + 1), options.accumulation_steps)
+            self.accumulation = Accumulation(shapes + [()], [tf.float32] * (len(shapes) + 1),
+                                             options.accumulation_steps)
 
     def reduce(self, gradients: list[Any], scalars: list[tf.Tensor]) -> tuple[list, list]:
         """The step's exchange: (the gradients combined as the options say, the float32
@@ -135,26 +145,44 @@ class StepMath:
         reduced = self.collectives.reduce_gradients([*gradients, *scalars], reduction)
         return reduced[:len(gradients)], reduced[len(gradients):]
 
-    def _apply(self, gradients: list[tf.Tensor], loss: tf.Tensor) -> None:
+    def _apply(self, gradients: list[tf.Tensor], loss: tf.Tensor, pieces: bool = False) -> None:
         """Reduce across ranks and update, unless the global loss is not finite: then the
-        update is skipped on every rank and ``global_loss`` tells the caller to stop."""
-        gradients, (global_loss, votes, callback_votes) = self.reduce(
-            list(gradients), [tf.cast(loss, tf.float32), tf.identity(self.stop_vote),
-                              tf.identity(self.callback_stop_vote)])
+        update is skipped on every rank and ``global_loss`` tells the caller to stop. Sharded
+        (ZeRO), the gradients are reduce-scattered (``pieces``: they already were) and the
+        scalars travel in an allreduce of their own."""
+        variables = self.model.trainable_variables
+        scalars = [tf.cast(loss, tf.float32), tf.identity(self.stop_vote),
+                   tf.identity(self.callback_stop_vote)]
+        if self.sharding is None:
+            gradients, (global_loss, votes, callback_votes) = self.reduce(list(gradients),
+                                                                          scalars)
+        else:
+            global_loss, votes, callback_votes = self.collectives.allreduce_sum(scalars)
+            if not pieces:
+                gradients = self.sharding.scatter(list(gradients), variables)
         self.global_loss.assign(global_loss)
         self.stop_votes.assign(votes)
         self.callback_stop_votes.assign(callback_votes)
 
         def update() -> tf.Tensor:
-            self.optimizer.apply(gradients, self.model.trainable_variables)
+            if self.sharding is None:
+                self.optimizer.apply(gradients, variables)
+            else:
+                self.sharding.update(self.optimizer, gradients, variables)
             return tf.constant(True)
 
         tf.cond(tf.math.is_finite(self.global_loss), update, lambda: tf.constant(False))
 
     def _accumulate(self, accumulation: Accumulation, gradients: list[tf.Tensor],
                     loss: tf.Tensor) -> None:
+        """Sum micro-steps' gradients (ZeRO stage 2: this rank's pieces of their sum over
+        ranks, reduce-scattered every micro-step) and apply at the last."""
+        pieces = self.sharding is not None and self.sharding.stage == 2
+        if pieces:
+            gradients = self.sharding.scatter(gradients, self.model.trainable_variables)
         accumulation.add([*gradients, loss])
-        accumulation.at_the_last_pass(lambda totals: self._apply(totals[:-1], totals[-1]))
+        accumulation.at_the_last_pass(
+            lambda totals: self._apply(totals[:-1], totals[-1], pieces=pieces))
 
     @property
     def epoch_state_variables(self) -> list:
@@ -178,8 +206,10 @@ class StepMath:
         return evaluation.run, [evaluation.metrics]
 
     def training(self) -> ContextManager[None]:
-        """Nothing: hvdtrain's step reduces gradients itself."""
-        return contextlib.nullcontext()
+        """hvdtrain's step reduces gradients itself; sharded, the optimizer holds pieces."""
+        if self.sharding is None:
+            return contextlib.nullcontext()
+        return sharded_for_the_run([self.optimizer], self.sharding)
 
     def epoch_results(self, logs: dict[str, Any]) -> dict[str, float]:
         return self.train_metrics.global_results(self.collectives)

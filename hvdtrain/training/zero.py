@@ -1,0 +1,384 @@
+"""ZeRO stages 1 and 2: each rank keeps its optimizer's state for 1/N of every trainable
+variable's elements instead of all of them.
+
+Every variable is flattened, padded to a multiple of the world size and cut into N equal
+pieces; rank r owns piece r of each (balanced, as torch-xla's and DeepSpeed's are). A bucket's
+gradients are reduce-scattered (the same bytes as the reduce half of a ring-allreduce), the
+user's optimizer updates this rank's pieces (``shard`` variables loaded from the weights), and
+the pieces are all-gathered back into every rank's weights. The optimizer stays the user's
+object: while the run lasts its class gains ``_ShardedOptimizer``, which makes its state
+variables ("slots") piece-sized and maps each piece to its variable, so rates, schedules,
+weight-decay exclusions and loss scaling work as written. Stage 2 differs from stage 1 under
+gradient accumulation: it keeps only the summed pieces between micro-steps. Exact for
+elementwise optimizers (``check_shardable`` refuses the others in one line).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import functools
+from dataclasses import dataclass
+from typing import Any, Iterator, Sequence
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from hvdtrain.collectives import Collectives, GradientReduction
+from hvdtrain.errors import UserError
+from hvdtrain.keras_internals import resize_variable, set_class
+
+ZERO_STAGES = (0, 1, 2)
+
+
+@dataclass(frozen=True)
+class Piece:
+    """How one variable is cut: ``size`` elements, ``length`` per rank (the size padded to a
+    multiple of the world size, divided by it)."""
+
+    size: int
+    length: int
+
+    @classmethod
+    def of(cls, variable: Any, world_size: int) -> "Piece":
+        size = int(np.prod(variable.shape, dtype=np.int64))
+        return cls(size, -(-size // world_size))
+
+    def rows(self, value: Any, world_size: int) -> tf.Tensor:
+        """The value flattened and padded, as ``world_size`` rows of ``length``."""
+        flat = tf.reshape(value, [-1])
+        return tf.reshape(tf.pad(flat, [[0, self.length * world_size - self.size]]),
+                          [world_size, self.length])
+
+    def whole(self, rows: Any, shape: Sequence[int]) -> Any:
+        """The variable's value from its ``world_size`` pieces (rows or concatenated)."""
+        return tf.reshape(tf.reshape(rows, [-1])[:self.size], shape)
+
+
+class Sharding:
+    """The pieces of one run: each trained variable's ``Piece`` and shard variable, which slot
+    belongs to which variable, and the step's exchange (reduce-scatter, update, all-gather)."""
+
+    def __init__(self, collectives: Collectives, stage: int,
+                 reduction: GradientReduction) -> None:
+        self.collectives = collectives
+        self.world = collectives.world
+        self.stage = stage
+        self.reduction = reduction
+        self.pieces: dict[int, Piece] = {}          # id(model variable) -> its cut
+        self.shards: dict[int, keras.Variable] = {}  # id(model variable) -> this rank's piece
+        self.owners: dict[int, Any] = {}            # id(shard or slot) -> model variable
+        # An optimizer's key of a shard (Keras' TensorFlow optimizers key a variable by its
+        # TensorFlow variable's unique id) -> the key of its model variable.
+        self.keys: dict[Any, Any] = {}
+
+    def register(self, variables: Sequence[Any]) -> None:
+        """Cut each variable not cut yet and make its shard variable (outside any graph)."""
+        with tf.init_scope():
+            for variable in variables:
+                if id(variable) in self.pieces or id(variable) in self.owners:
+                    continue
+                piece = Piece.of(variable, self.world.size)
+                shard = keras.Variable(self._own_piece(piece, variable), trainable=False,
+                                       dtype=variable.dtype, name=variable.name)
+                self.pieces[id(variable)] = piece
+                self.shards[id(variable)] = shard
+                self.owners[id(shard)] = variable
+                self.keys[_key(shard)] = _key(variable)
+
+    def _own_piece(self, piece: Piece, value: Any) -> tf.Tensor:
+        return piece.rows(tf.convert_to_tensor(value), self.world.size)[self.world.rank]
+
+    def piece_shapes(self, variables: Sequence[Any]) -> list[tuple[int]]:
+        return [(self.pieces[id(v)].length,) for v in variables]
+
+    # --- the step ----------------------------------------------------------------------------
+
+    def scatter(self, gradients: Sequence[Any], variables: Sequence[Any]) -> list[Any]:
+        """Each gradient summed (or averaged, as the reduction says) over ranks, this rank's
+        piece of the result kept: one reduce-scatter per bucket (issued as the backward pass
+        produces it). None stays None."""
+        size = self.world.size
+        reduction = self.reduction
+        scale = reduction.prescale * reduction.postscale / (
+            size if reduction.op == "average" else 1)
+        pieces: list[Any] = [None] * len(gradients)
+        present = [i for i, g in enumerate(gradients) if g is not None]
+        for index in present:
+            if isinstance(gradients[index], tf.IndexedSlices):
+                raise UserError(
+                    f"--zero-stage cannot shard the sparse gradient of "
+                    f"'{variables[index].path}' (an embedding's) exactly: Keras' optimizers "
+                    "apply its rows one by one; use --zero-stage 0 for this model")
+        for bucket in self.reduction.buckets([gradients[i] for i in present]):
+            members = [present[i] for i in bucket]
+            cuts = [self.pieces[id(variables[i])] for i in members]
+            wire = tf.concat([cut.rows(tf.cast(gradients[i], tf.float32), size)
+                              for i, cut in zip(members, cuts)], axis=1)
+            wire = tf.reshape(wire, [-1])
+            if self.reduction.fp16:
+                wire = tf.cast(wire, tf.float16)
+            total = tf.cast(self.collectives.reduce_scatter_sum([wire])[0], tf.float32)
+            if scale != 1.0:
+                total = total * scale
+            for index, part in zip(members, tf.split(total, [cut.length for cut in cuts])):
+                pieces[index] = tf.cast(part, gradients[index].dtype)
+        return pieces
+
+    def update(self, optimizer: keras.optimizers.Optimizer, pieces: Sequence[Any],
+               variables: Sequence[Any]) -> None:
+        """The optimizer's update of this rank's pieces (loaded from the weights), then every
+        rank's pieces gathered into the weights and the variables' constraints applied, as
+        Keras applies them after an update."""
+        shards = [self.shards[id(v)] for v in variables]
+        for variable, shard in zip(variables, shards):
+            shard.assign(self._own_piece(self.pieces[id(variable)], variable))
+        if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
+            pieces = self._agreed_finiteness(pieces)
+        optimizer.apply(list(pieces), shards)
+        self.gather(variables)
+
+    def _agreed_finiteness(self, pieces: Sequence[Any]) -> list[Any]:
+        """A loss-scale optimizer skips a step whose gradients are not finite; each rank sees
+        its pieces alone, so a non-finite piece anywhere makes every rank's pieces NaN."""
+        bad = tf.add_n([tf.reduce_sum(tf.cast(~tf.math.is_finite(p), tf.float32))
+                        for p in pieces if p is not None] or [tf.constant(0.0)])
+        poison = tf.where(self.collectives.allreduce_sum([bad])[0] > 0, np.nan, 0.0)
+        return [p if p is None else p + tf.cast(poison, p.dtype) for p in pieces]
+
+    def gather(self, variables: Sequence[Any]) -> None:
+        """Every rank's pieces into each variable: one all-gather per bucket."""
+        for bucket in self.reduction.buckets(list(variables)):
+            members = [variables[i] for i in bucket]
+            sent = tf.concat([tf.cast(self.shards[id(v)], tf.float32) for v in members], 0)
+            rows = tf.reshape(self.collectives.allgather([sent])[0], [self.world.size, -1])
+            cuts = [self.pieces[id(v)] for v in members]
+            for variable, cut, part in zip(members, cuts,
+                                           tf.split(rows, [c.length for c in cuts], axis=1)):
+                variable.assign(tf.cast(cut.whole(part, variable.shape), variable.dtype))
+                if variable.constraint is not None:
+                    variable.assign(variable.constraint(variable))
+
+    # --- the optimizer's state ---------------------------------------------------------------
+
+    def full_state(self, optimizer: keras.optimizers.Optimizer) -> list[np.ndarray]:
+        """Every optimizer variable's value as an unsharded optimizer holds it, in
+        ``optimizer.variables`` order (a collective: one all-gather per slot)."""
+        values = []
+        for slot in optimizer.variables:
+            owner = self.owners.get(id(slot))
+            if owner is None:
+                values.append(slot.numpy())
+                continue
+            rows = self.collectives.allgather([tf.convert_to_tensor(slot)])[0]
+            values.append(self.pieces[id(owner)].whole(rows, owner.shape).numpy())
+        return values
+
+    def shard_slots(self, optimizer: keras.optimizers.Optimizer) -> None:
+        """An optimizer built before the run (restored, or by the user): each slot of a
+        trained variable's shape becomes this rank's piece of it (Keras names a slot after
+        its variable's path)."""
+        for inner in holders(optimizer):
+            if not inner.built:
+                continue
+            trained = list(inner._trainable_variables)
+            self.register(trained)
+            by_prefix = sorted(((v.path.replace("/", "_") + "_", v) for v in trained),
+                               key=lambda item: -len(item[0]))
+            for slot in inner.variables:
+                if id(slot) in self.owners:
+                    continue
+                owner = next((v for prefix, v in by_prefix if slot.name.startswith(prefix)
+                              and tuple(slot.shape) == tuple(v.shape)), None)
+                if owner is None:
+                    if len(slot.shape) > 0:
+                        raise UserError(f"optimizer '{inner.name}' holds state "
+                                        f"'{slot.name}' that belongs to no trained "
+                                        "variable by Keras' naming; use --zero-stage 0")
+                    continue
+                resize_variable(slot, self._own_piece(self.pieces[id(owner)], slot))
+                self.owners[id(slot)] = owner
+
+    def unshard_slots(self, optimizer: keras.optimizers.Optimizer) -> None:
+        """Each slot back to its variable's whole shape (a collective), so the optimizer leaves
+        the run as Keras would leave it and saves as an ordinary model's."""
+        for slot, value in zip(optimizer.variables, self.full_state(optimizer)):
+            if id(slot) in self.owners:
+                resize_variable(slot, value)
+                del self.owners[id(slot)]
+
+
+def _key(variable: Any) -> Any:
+    """The key Keras' TensorFlow optimizers give a variable (Keras' or TensorFlow's)."""
+    return (variable.value if isinstance(variable, keras.Variable) else variable)._unique_id
+
+
+def holders(optimizer: keras.optimizers.Optimizer) -> list[keras.optimizers.Optimizer]:
+    """The optimizer and, for a loss-scale optimizer, the optimizer inside that holds the
+    state."""
+    inner = getattr(optimizer, "inner_optimizer", None)
+    return [optimizer] if inner is None else [optimizer, inner]
+
+
+class _ShardedOptimizer:
+    """Mixed in before the user's optimizer class while a sharded run lasts."""
+
+    _hvdtrain_sharding: Sharding
+
+    def _var_key(self, variable: Any) -> Any:
+        key = super()._var_key(variable)
+        return self._hvdtrain_sharding.keys.get(key, key)
+
+    def add_variable_from_reference(self, reference_variable: Any, name: str | None = None,
+                                    initializer: Any = "zeros") -> Any:
+        sharding = self._hvdtrain_sharding
+        owner = sharding.owners.get(id(reference_variable), reference_variable)
+        piece = sharding.pieces.get(id(owner))
+        if piece is None:
+            return super().add_variable_from_reference(reference_variable, name, initializer)
+        slot = self.add_variable(shape=(piece.length,), initializer=initializer,
+                                 dtype=owner.dtype,
+                                 name=f"{owner.path.replace('/', '_')}_{name or 'var'}")
+        sharding.owners[id(slot)] = owner
+        return slot
+
+    def build(self, variables: Sequence[Any]) -> None:
+        self._hvdtrain_sharding.register(variables)
+        super().build(variables)
+
+    def apply(self, grads: Sequence[Any], trainable_variables: Sequence[Any] | None = None) -> Any:
+        """Given the model's variables (a model's own ``train_step``): reduce-scatter, update
+        the pieces, all-gather. Given the pieces (the run's step, or a loss-scale optimizer
+        calling the optimizer inside): Keras' own update of them."""
+        sharding = self._hvdtrain_sharding
+        if trainable_variables is None and not self.built:
+            return super().apply(grads, trainable_variables)   # Keras says what is missing
+        variables = list(self._trainable_variables if trainable_variables is None
+                         else trainable_variables)
+        if not variables or id(variables[0]) in sharding.owners:
+            return super().apply(grads, variables)
+        if not self.built:      # Keras builds lazily; variables may not be created in a tf.cond
+            self.build(variables)
+        sharding.update(self, sharding.scatter(list(grads), variables), variables)
+        return None
+
+
+@functools.cache
+def sharded_class(optimizer_class: type) -> type:
+    """The subclass of ``optimizer_class`` whose state is this rank's pieces."""
+    return type(optimizer_class.__name__, (_ShardedOptimizer, optimizer_class), {
+        "__module__": optimizer_class.__module__,
+        "__qualname__": optimizer_class.__qualname__,
+    })
+
+
+@contextlib.contextmanager
+def sharded_for_the_run(optimizers: Sequence[keras.optimizers.Optimizer],
+                        sharding: Sharding) -> Iterator[None]:
+    """Each optimizer (and the one inside a loss-scale optimizer) sharded while the block
+    runs; when it ends normally, its state is gathered back whole and its class restored."""
+    found = [inner for optimizer in optimizers for inner in holders(optimizer)]
+    originals = [type(inner) for inner in found]
+    for inner, cls in zip(found, originals):
+        set_class(inner, sharded_class(cls))
+        object.__setattr__(inner, "_hvdtrain_sharding", sharding)
+    finished = False
+    try:
+        for optimizer in optimizers:
+            sharding.shard_slots(optimizer)
+        yield
+        finished = True
+    finally:
+        if finished:
+            for optimizer in optimizers:
+                sharding.unshard_slots(optimizer)
+        for inner, cls in zip(found, originals):
+            set_class(inner, cls)
+            object.__delattr__(inner, "_hvdtrain_sharding")
+
+
+@dataclass(frozen=True)
+class WholeState:
+    """Sharded optimizers' state gathered whole for a checkpoint: the arrays by attribute, and
+    how it was held (``CheckpointState.sharded``)."""
+
+    arrays: dict[str, list[np.ndarray]]
+    record: dict[str, int]
+
+
+def consolidated_state(optimizers: dict[str, keras.optimizers.Optimizer]) -> WholeState | None:
+    """Every sharded optimizer's whole state (a collective every rank calls before rank 0
+    writes a checkpoint), or None when no optimizer is sharded."""
+    sharded = {name: optimizer for name, optimizer in optimizers.items()
+               if isinstance(optimizer, _ShardedOptimizer) and optimizer.built}
+    if not sharded:
+        return None
+    sharding = next(iter(sharded.values()))._hvdtrain_sharding
+    return WholeState({name: optimizer._hvdtrain_sharding.full_state(optimizer)
+                       for name, optimizer in sharded.items()},
+                      {"zero_stage": sharding.stage, "ranks": sharding.world.size})
+
+
+def check_shardable(optimizer: keras.optimizers.Optimizer) -> None:
+    """Refuse, in one line, an optimizer whose update of an element depends on other elements
+    (norms, factored moments, trust ratios): sharded it would compute something else. Found by
+    updating a (4, 3) variable whole and as two flat pieces from a copy of the optimizer."""
+    inner = holders(optimizer)[-1]
+    name = type(inner).__name__
+    for setting in ("clipnorm", "global_clipnorm"):
+        if getattr(inner, setting, None):
+            raise UserError(f"--zero-stage cannot shard optimizer {name} with {setting} "
+                            "exactly yet (the norm spans every rank's pieces); use clipvalue "
+                            "or --zero-stage 0")
+    if getattr(inner, "use_ema", False):
+        raise UserError(f"--zero-stage cannot shard optimizer {name} with use_ema (its "
+                        "averages replace the weights at the end); use --zero-stage 0")
+    if not _updates_elementwise(inner):
+        raise UserError(f"--zero-stage cannot shard optimizer {name}: its update of an "
+                        "element depends on other elements of the variable (measured on a "
+                        "probe variable), so sharded it would train differently; use "
+                        "--zero-stage 0")
+
+
+def _fresh_copy(optimizer: keras.optimizers.Optimizer) -> keras.optimizers.Optimizer:
+    try:
+        return type(optimizer).from_config(optimizer.get_config())
+    except (TypeError, ValueError, NotImplementedError, KeyError):
+        return copy.deepcopy(optimizer)
+
+
+def _updates_elementwise(optimizer: keras.optimizers.Optimizer) -> bool:
+    generator = np.random.default_rng(0)
+    start = generator.normal(size=(4, 3)).astype(np.float32)
+    grads = [generator.normal(size=(4, 3)).astype(np.float32) for _ in range(3)]
+    whole_optimizer, split_optimizer = _fresh_copy(optimizer), _fresh_copy(optimizer)
+    whole = keras.Variable(start, name="probe")
+    parts = [keras.Variable(start.ravel()[:5], name="probe"),
+             keras.Variable(start.ravel()[5:], name="probe")]
+    for grad in grads:
+        whole_optimizer.apply([tf.constant(grad)], [whole])
+        split_optimizer.apply([tf.constant(grad.ravel()[:5]), tf.constant(grad.ravel()[5:])],
+                              parts)
+    joined = np.concatenate([part.numpy() for part in parts])
+    return bool(np.allclose(whole.numpy().ravel(), joined, rtol=1e-6, atol=1e-7))
+
+
+def describe(stage: int, world_size: int, optimizer: keras.optimizers.Optimizer,
+             variables: Sequence[Any]) -> str:
+    """The run log's line on sharding: what the optimizer's state costs each rank."""
+    full = sum(Piece.of(v, 1).size * tf.as_dtype(v.dtype).size for v in variables)
+    mine = sum(Piece.of(v, world_size).length * tf.as_dtype(v.dtype).size for v in variables)
+    kinds = _slot_kinds(optimizer)
+    return (f"ZeRO stage {stage}: each rank keeps the optimizer state for 1/{world_size} of "
+            f"every variable: {kinds} x {mine / 2**20:.2f} MiB instead of {kinds} x "
+            f"{full / 2**20:.2f} MiB ({type(holders(optimizer)[-1]).__name__} keeps {kinds} "
+            "value(s) per weight)")
+
+
+def _slot_kinds(optimizer: keras.optimizers.Optimizer) -> int:
+    """How many values per weight an optimizer of this class keeps (built on a probe)."""
+    probe = _fresh_copy(holders(optimizer)[-1])
+    variable = keras.Variable(np.zeros((2,), np.float32), name="probe")
+    probe.build([variable])
+    return sum(1 for slot in probe.variables if tuple(slot.shape) == (2,))
