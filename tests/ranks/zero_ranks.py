@@ -1,0 +1,249 @@
+"""ZeRO (``zero_stage=``) on every rank of one job, each case against what one process computes
+(``mpirun -np 2 python -m zero_ranks OUT_DIR BACKEND CASES``, or ``python -m zero_ranks OUT_DIR
+none CASES`` for one process):
+
+- ``optimizers``: SGD, momentum, Nesterov, Adam, AdamW (biases excluded from weight decay),
+  RMSprop, Adagrad, Lion and a user's own elementwise optimizer, each at stage 2 on a model
+  with a kernel constraint, against Keras ``fit`` in one process with the global batch;
+- ``variants``: Adam at stage 1 and 2 with two accumulated micro-steps (against Keras with the
+  four-times batch), in the custom loop, under mixed precision (a loss-scale optimizer), and a
+  model's own ``train_step`` with two optimizers (a GAN's shape);
+- ``resume-from FROM`` / ``checkpoint-to TO``: continue at stage 2 the run in FROM (one epoch
+  done, written by another world size), and write a one-epoch run at stage 2 into TO.
+
+Every rank writes what it saw to ``OUT_DIR/zero-<rank>.json``: per case the largest relative
+difference from the reference, the optimizer state's shapes during training and after.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+import hvdtrain
+
+RANK = int(os.environ.get("OMPI_COMM_WORLD_RANK", "0"))
+SIZE = int(os.environ.get("OMPI_COMM_WORLD_SIZE", "1"))
+BATCH = 16            # per rank at two ranks: a global batch of 32
+EXAMPLES = 128
+
+
+def data() -> tuple[np.ndarray, np.ndarray]:
+    generator = np.random.default_rng(0)
+    x = generator.normal(size=(EXAMPLES, 8)).astype(np.float32)
+    return x, (x @ generator.normal(size=(8, 1))).astype(np.float32)
+
+
+class SignMomentum(keras.optimizers.Optimizer):
+    """A user's own elementwise optimizer: a momentum of the gradients' signs."""
+
+    def build(self, variables):
+        if self.built:
+            return
+        super().build(variables)
+        self.velocities = [self.add_variable_from_reference(v, "velocity") for v in variables]
+
+    def update_step(self, gradient, variable, learning_rate):
+        velocity = self.velocities[self._get_variable_index(variable)]
+        self.assign(velocity, 0.5 * velocity + tf.sign(gradient))
+        self.assign_sub(variable, tf.cast(learning_rate, variable.dtype) * velocity)
+
+
+def adamw() -> keras.optimizers.Optimizer:
+    optimizer = keras.optimizers.AdamW(0.01, weight_decay=0.1)
+    optimizer.exclude_from_weight_decay(var_names=["bias"])
+    return optimizer
+
+
+OPTIMIZERS = {
+    "sgd": lambda: keras.optimizers.SGD(0.05),
+    "momentum": lambda: keras.optimizers.SGD(0.05, momentum=0.9),
+    "nesterov": lambda: keras.optimizers.SGD(0.05, momentum=0.9, nesterov=True),
+    "adam": lambda: keras.optimizers.Adam(0.01),
+    "adamw": adamw,
+    "rmsprop": lambda: keras.optimizers.RMSprop(0.01),
+    "adagrad": lambda: keras.optimizers.Adagrad(0.1),
+    "lion": lambda: keras.optimizers.Lion(0.003),
+    "own": lambda: SignMomentum(0.01),
+}
+
+
+def model(optimizer: keras.optimizers.Optimizer) -> keras.Model:
+    keras.utils.set_random_seed(3)
+    built = keras.Sequential([
+        keras.Input((8,)),
+        keras.layers.Dense(12, activation="tanh",
+                           kernel_constraint=keras.constraints.MaxNorm(0.9)),
+        keras.layers.Dense(5, activation="tanh"), keras.layers.Dense(1)])
+    built.compile(optimizer=optimizer, loss="mse")
+    return built
+
+
+class TwoOptimizers(keras.Model):
+    """A model's own ``train_step`` with two optimizers, as a GAN has: the first layer's
+    weights by ``optimizer``, the rest by ``head_optimizer``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = keras.layers.Dense(12, activation="tanh")
+        self.head = keras.layers.Dense(1)
+        self.head_optimizer = keras.optimizers.RMSprop(0.01)
+
+    def call(self, x):
+        return self.head(self.body(x))
+
+    def train_step(self, data):
+        x, y = data
+        with tf.GradientTape(persistent=True) as tape:
+            loss = tf.reduce_mean(tf.square(self(x, training=True) - y))
+        self.optimizer.apply(tape.gradient(loss, self.body.trainable_weights),
+                             self.body.trainable_weights)
+        self.head_optimizer.apply(tape.gradient(loss, self.head.trainable_weights),
+                                  self.head.trainable_weights)
+        return {"loss": loss}
+
+
+def two_optimizers() -> keras.Model:
+    keras.utils.set_random_seed(3)
+    built = TwoOptimizers()
+    built.compile(optimizer=keras.optimizers.Adam(0.01))
+    built(np.zeros((1, 8), np.float32))
+    return built
+
+
+class StateShapes(keras.callbacks.Callback):
+    """The shapes of every optimizer variable at the last epoch's end (while sharded)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.shapes: list = []
+
+    def on_epoch_end(self, epoch, logs=None):
+        self.shapes = [list(v.shape) for optimizer in optimizers_of(self.model)
+                       for v in optimizer.variables]
+
+
+def optimizers_of(built: keras.Model) -> list[keras.optimizers.Optimizer]:
+    return [built.optimizer] + ([built.head_optimizer] if isinstance(built, TwoOptimizers)
+                                else [])
+
+
+def difference(ours: list[np.ndarray], theirs: list[np.ndarray]) -> float:
+    """The largest difference of two lists of arrays, relative to the reference's scale."""
+    return max(float(np.max(np.abs(a - b)) / (np.max(np.abs(b)) + 1e-12))
+               for a, b in zip(ours, theirs))
+
+
+def state(built: keras.Model) -> list[np.ndarray]:
+    return [np.asarray(v) for optimizer in optimizers_of(built)
+            for v in optimizer.variables]
+
+
+def sharded_run(out: Path, name: str, make, x, y, epochs: int, **options):
+    shapes = StateShapes()
+    trained = make()
+    hvdtrain.fit(trained, x, y, batch_size=BATCH, epochs=epochs, shuffle=False,
+                 callbacks=[shapes], run_dir=str(out / f"run-{name}"), progress=False,
+                 tensorboard=False, lr_scaling="none", warmup_epochs=0, deterministic=True,
+                 **options)
+    return trained, shapes.shapes
+
+
+def case(out: Path, name: str, make, x, y, reference_batch: int, epochs: int = 2,
+         against_stage_0: bool = False, **options) -> dict:
+    """One sharded run on the job's ranks against Keras ``fit`` in this process (every rank
+    computes it: no collective, the same numbers); ``against_stage_0``: also against the same
+    run unsharded on these ranks."""
+    trained, shapes = sharded_run(out, name, make, x, y, epochs, **options)
+    reference = make()
+    reference.fit(x, y, batch_size=reference_batch, epochs=epochs, shuffle=False, verbose=0)
+    seen = {"weights": difference(trained.get_weights(), reference.get_weights()),
+            "state": difference(state(trained), state(reference)),
+            "shapes_while_training": shapes,
+            "shapes_after": [list(v.shape) for v in state(trained)]}
+    if against_stage_0:
+        unsharded, _ = sharded_run(out, name + "-stage-0", make, x, y, epochs,
+                                   **{**options, "zero_stage": 0})
+        seen["weights_vs_stage_0"] = difference(trained.get_weights(), unsharded.get_weights())
+        seen["state_vs_stage_0"] = difference(state(trained), state(unsharded))
+    return seen
+
+
+def optimizer_cases(out: Path, x, y) -> dict:
+    return {name: case(out, name, lambda make=make: model(make()), x, y, BATCH * SIZE,
+                       against_stage_0=name == "rmsprop", zero_stage=2)
+            for name, make in OPTIMIZERS.items()}
+
+
+def mixed_precision_model() -> keras.Model:
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    try:
+        return model(keras.optimizers.Adam(0.01))
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+
+
+def variant_cases(out: Path, x, y) -> dict:
+    adam = lambda: model(keras.optimizers.Adam(0.01))  # noqa: E731
+    return {
+        "accumulated-stage-1": case(out, "acc1", adam, x, y, 2 * BATCH * SIZE, zero_stage=1,
+                                    accumulation_steps=2),
+        "accumulated-stage-2": case(out, "acc2", adam, x, y, 2 * BATCH * SIZE, zero_stage=2,
+                                    accumulation_steps=2),
+        "custom-loop": case(out, "custom", adam, x, y, BATCH * SIZE, zero_stage=2,
+                            loop="custom"),
+        "mixed-precision": case(out, "mixed", mixed_precision_model, x, y, BATCH * SIZE,
+                                against_stage_0=True, zero_stage=2),
+        "own-step-two-optimizers": case(out, "own-step", two_optimizers, x, y, BATCH * SIZE,
+                                        against_stage_0=True, zero_stage=2),
+    }
+
+
+def resume_case(out: Path, source: Path, x, y) -> dict:
+    """Continue at stage 2 a one-epoch run written by another world size, to epoch 2."""
+    trained = model(keras.optimizers.Adam(0.01))
+    hvdtrain.fit(trained, x, y, batch_size=32 // SIZE, epochs=2, shuffle=False,
+                 run_dir=str(source), resume="required", accept_changes=True, progress=False,
+                 tensorboard=False, lr_scaling="none", warmup_epochs=0, deterministic=True,
+                 zero_stage=2)
+    reference = model(keras.optimizers.Adam(0.01))
+    reference.fit(x, y, batch_size=32, epochs=2, shuffle=False, verbose=0)
+    return {"weights": difference(trained.get_weights(), reference.get_weights()),
+            "state": difference(state(trained), state(reference))}
+
+
+def checkpoint_to(target: Path, x, y) -> None:
+    """One epoch at stage 2 into ``target`` (a checkpoint another world size resumes)."""
+    hvdtrain.fit(model(keras.optimizers.Adam(0.01)), x, y, batch_size=32 // SIZE, epochs=1,
+                 shuffle=False, run_dir=str(target), progress=False, tensorboard=False,
+                 lr_scaling="none", warmup_epochs=0, deterministic=True, zero_stage=2)
+
+
+def main() -> None:
+    out, backend, cases = Path(sys.argv[1]), sys.argv[2], sys.argv[3:]
+    if backend != "none":
+        os.environ["HVDTRAIN_BACKEND"] = backend
+        hvdtrain.init()    # TensorFlow's collectives start before any tensor exists
+    x, y = data()
+    seen: dict = {}
+    while cases:
+        name = cases.pop(0)
+        if name == "optimizers":
+            seen["optimizers"] = optimizer_cases(out, x, y)
+        elif name == "variants":
+            seen["variants"] = variant_cases(out, x, y)
+        elif name == "resume-from":
+            seen["resumed"] = resume_case(out, Path(cases.pop(0)), x, y)
+        elif name == "checkpoint-to":
+            checkpoint_to(Path(cases.pop(0)), x, y)
+    (out / f"zero-{RANK}.json").write_text(json.dumps(seen, indent=1))
+
+
+if __name__ == "__main__":
+    main()
