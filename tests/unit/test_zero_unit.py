@@ -1,0 +1,76 @@
+"""ZeRO in one process: which optimizers and settings are refused (one line each), the cut of a
+variable into pieces, and an optimizer's state cut into a piece and put back whole in place."""
+
+from __future__ import annotations
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from hvdtrain.collectives import GradientReduction, LocalCollectives
+from hvdtrain.config import ConfigError, build_config
+from hvdtrain.errors import UserError
+from hvdtrain.keras_internals import resize_variable
+from hvdtrain.training.zero import Piece, Sharding, check_shardable
+
+
+@pytest.mark.parametrize("optimizer, says", [
+    (lambda: keras.optimizers.Lamb(), "its update of an element depends on other elements"),
+    (lambda: keras.optimizers.Adafactor(), "its update of an element depends on other"),
+    (lambda: keras.optimizers.Adam(clipnorm=1.0), "with clipnorm exactly yet"),
+    (lambda: keras.optimizers.SGD(global_clipnorm=1.0), "with global_clipnorm exactly yet"),
+    (lambda: keras.optimizers.Adam(use_ema=True), "with use_ema"),
+])
+def test_an_optimizer_sharding_would_change_is_refused_in_one_line(optimizer, says):
+    with pytest.raises(UserError, match=says) as refused:
+        check_shardable(optimizer())
+    assert "\n" not in str(refused.value) and "--zero-stage 0" in str(refused.value)
+
+
+@pytest.mark.parametrize("optimizer", [
+    lambda: keras.optimizers.Adam(clipvalue=0.5),
+    lambda: keras.optimizers.Nadam(),
+    lambda: keras.optimizers.Ftrl(),
+    lambda: keras.optimizers.LossScaleOptimizer(keras.optimizers.AdamW(weight_decay=0.1)),
+])
+def test_elementwise_optimizers_are_accepted(optimizer):
+    check_shardable(optimizer())
+
+
+@pytest.mark.parametrize("setting, says", [
+    ({"reduction": "adasum"}, "cannot shard Adasum"),
+    ({"elastic": True, "run_dir": "runs/elastic"}, "with --elastic is not supported"),
+])
+def test_settings_sharding_cannot_honour_are_refused_by_the_config(setting, says):
+    with pytest.raises(ConfigError, match=says):
+        build_config({"zero_stage": 2, **setting})
+
+
+def test_a_piece_pads_the_flattened_variable_to_a_multiple_of_the_world():
+    piece = Piece.of(np.zeros((5, 2)), 3)
+    assert (piece.size, piece.length) == (10, 4)
+    rows = piece.rows(tf.reshape(tf.range(10.0), (5, 2)), 3)
+    assert rows.numpy().tolist() == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 0, 0]]
+    assert piece.whole(rows, (5, 2)).numpy().ravel().tolist() == list(range(10))
+
+
+def test_a_sparse_gradient_is_refused_rather_than_summed_densely():
+    embedding = keras.Variable(np.zeros((4, 2), np.float32), name="embeddings")
+    sharding = Sharding(LocalCollectives(), 2, GradientReduction())
+    sharding.register([embedding])
+    sparse = tf.IndexedSlices(tf.ones((1, 2)), tf.constant([1]), tf.constant([4, 2]))
+    with pytest.raises(UserError, match="cannot shard the sparse gradient"):
+        sharding.scatter([sparse], [embedding])
+
+
+def test_a_resized_variable_stays_the_same_object_in_every_list_that_holds_it():
+    optimizer = keras.optimizers.Adam()
+    weight = keras.Variable(np.ones((3, 2), np.float32), name="kernel")
+    optimizer.build([weight])
+    slot = optimizer.variables[2]
+    resize_variable(slot, np.arange(3, dtype=np.float32))
+    assert optimizer.variables[2] is slot and optimizer._momentums[0] is slot
+    assert tuple(slot.shape) == (3,) and slot.numpy().tolist() == [0, 1, 2]
+    slot.assign(slot + 1)
+    assert slot.numpy().tolist() == [1, 2, 3]
