@@ -36,6 +36,8 @@ class RunSummary:
     ranks: list[dict[str, Any]]   # every rank's World: host, local and cross rank and size
     # The epoch (from 1) after which ``metrics`` were measured (None: after training).
     validation_epoch: int | None = None
+    # Every rank's ``HeldMemory`` as the loop ended (None for a rank of an elastic run).
+    memory: list[dict[str, Any] | None] = dataclasses.field(default_factory=list)
 
 
 def save_model(run_dir: Path, model: keras.Model) -> Path:

@@ -20,6 +20,7 @@ import tensorflow as tf
 
 from hvdtrain.collectives import Collectives, GradientReduction, assign_across_ranks
 from hvdtrain.training.distributed_optimizer import distributed_for_the_run
+from hvdtrain.training.memory import variable_bytes
 from hvdtrain.training.objective import check_additive
 from hvdtrain.training.step import vote_variables
 from hvdtrain.training.zero import Sharding, sharded_for_the_run
@@ -68,19 +69,25 @@ class OwnStep:
         self.optimizer = next(iter(self.optimizers.values()), None)
         self.keras_element = keras_element
         self.reduction = reduction
-        self.zero_stage = zero_stage
+        self._sharding = (Sharding(collectives, zero_stage, reduction) if zero_stage else None)
         self._model_step = type(model).train_step.__get__(model)
         (self.global_loss, self.stop_vote, self.stop_votes, self.callback_stop_vote,
          self.callback_stop_votes) = vote_variables()
+
+    def gradient_bytes(self) -> int:
+        """The reduced gradients of the weights the optimizers train (pieces, sharded)."""
+        variables = self.model.trainable_variables
+        if self._sharding is None:
+            return variable_bytes(variables)
+        return self._sharding.piece_bytes(variables)
 
     @contextlib.contextmanager
     def training(self) -> Iterator[None]:
         """While the block runs, the model's optimizers average gradients across ranks (and
         hold pieces of their state, sharded)."""
         optimizers = list(self.optimizers.values())
-        if self.zero_stage:
-            sharding = Sharding(self.collectives, self.zero_stage, self.reduction)
-            with sharded_for_the_run(optimizers, sharding):
+        if self._sharding is not None:
+            with sharded_for_the_run(optimizers, self._sharding):
                 yield
             return
         with distributed_for_the_run(optimizers, self.reduction,

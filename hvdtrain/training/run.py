@@ -41,6 +41,7 @@ from hvdtrain.training.epoch_end import standard_callbacks
 from hvdtrain.training.liveness import Liveness, liveness_for
 from hvdtrain.training.loops import LOOPS
 from hvdtrain.training.outputs import RunSummary, float32_copy, write_outputs
+from hvdtrain.training.memory import HeldMemory, held_memory
 from hvdtrain.training.own_step import OwnStep
 from hvdtrain.training.process_state import run_environment, seed_alike, seed_per_rank
 from hvdtrain.training.restore import open_run_dir, starting_point, weight_fingerprint
@@ -95,6 +96,8 @@ class Prepared:
     run_columns: RunColumnsLog = dataclasses.field(default_factory=RunColumnsLog)
     # The last validation during training: (epoch, the weights' fingerprint, exact metrics).
     validated: tuple[int, str, dict[str, float]] | None = None
+    # What this rank held for training, measured as the loop ended (None: elastic).
+    memory: HeldMemory | None = None
 
     @property
     def spec(self) -> ShardSpec:
@@ -355,7 +358,7 @@ class Run:
         with data_errors_named(run.data, world.rank), run.step.training():
             done = start.resume.step if start.resume.epoch == initial_epoch else 0
             try:
-                return LOOPS[config.train.loop](
+                history = LOOPS[config.train.loop](
                     run.step, run.plan.stream(run.data.train, initial_epoch, done, epochs),
                     epochs, initial_epoch, run.plan.passes, callbacks, done)
             except tf.errors.OpError as error:
@@ -364,6 +367,9 @@ class Run:
                                    f"{position.epoch + 1}, step {position.batch + 1}, on "
                                    f"{run.plan.describe_step(position.epoch, position.batch)}")
                 raise
+            run.memory = held_memory(config.optim.zero_stage, list(run.step.optimizers.values()),
+                                     run.step.gradient_bytes())
+            return history
 
     # --- finish ------------------------------------------------------------------------------
 
@@ -381,18 +387,20 @@ class Run:
         # or no validation yet: measured now, on every rank if on any (it holds collectives).
         fingerprint = weight_fingerprint(model)
         epoch, measured, metrics = run.validated or (None, None, {})
+        memory = None if run.memory is None else dataclasses.asdict(run.memory)
         gathered = collectives.allgather_object((fingerprint, dataclasses.asdict(world),
-                                                 measured != fingerprint))
-        if any(stale for _, _, stale in gathered):
+                                                 measured != fingerprint, memory))
+        if any(stale for _, _, stale, _ in gathered):
             epoch, metrics = None, run.validate()
-        fingerprints = [each for each, _, _ in gathered]
+        fingerprints = [each for each, _, _, _ in gathered]
         if world.is_chief:
             summary = RunSummary(metrics, world.size, len(set(fingerprints)) == 1, fingerprints,
                                  start.before_broadcast, trained, started - run.launched,
                                  run.first_step.seconds, run.first_step.unix_time,
                                  None if run.data.val is None else run.data.val.num_examples,
-                                 [facts for _, facts, _ in gathered],
-                                 None if epoch is None else epoch + 1)
+                                 [facts for _, facts, _, _ in gathered],
+                                 None if epoch is None else epoch + 1,
+                                 [held for _, _, _, held in gathered])
             final = float32_copy(model, self.config.train.precision,
                                  lambda: self.model_factory(run.data.input_shape,
                                                             run.data.num_classes))

@@ -21,6 +21,7 @@ import tensorflow as tf
 
 from hvdtrain.collectives import Collectives, GradientReduction
 from hvdtrain.training.accumulation import Accumulation
+from hvdtrain.training.memory import variable_bytes
 from hvdtrain.training.objective import BatchShares, MetricState, Objective
 from hvdtrain.training.zero import Sharding, sharded_for_the_run
 
@@ -67,6 +68,9 @@ class TrainingStep(Protocol):
 
     def training(self) -> ContextManager[None]:
         """What must be in place while this step trains (the run enters it around the loop)."""
+
+    def gradient_bytes(self) -> int:
+        """The gradient bytes this rank keeps after the exchange (``memory.HeldMemory``)."""
 
 
 def vote_variables() -> tuple[tf.Variable, ...]:
@@ -213,6 +217,13 @@ class StepMath:
 
     def epoch_results(self, logs: dict[str, Any]) -> dict[str, float]:
         return self.train_metrics.global_results(self.collectives)
+
+    def gradient_bytes(self) -> int:
+        variables = self.model.trainable_variables
+        kept = (variable_bytes(variables) if self.sharding is None else
+                self.sharding.piece_bytes(variables))
+        totals = self.accumulation.totals if self.accumulation is not None else []
+        return kept + variable_bytes(totals)
 
     def keras_step(self, data: Any) -> dict[str, tf.Tensor]:
         return self.train_step(*data)

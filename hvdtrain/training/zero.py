@@ -93,6 +93,11 @@ class Sharding:
     def piece_shapes(self, variables: Sequence[Any]) -> list[tuple[int]]:
         return [(self.pieces[id(v)].length,) for v in variables]
 
+    def piece_bytes(self, variables: Sequence[Any]) -> int:
+        """Bytes of this rank's pieces of ``variables`` (cut on the way, if not yet)."""
+        self.register(variables)
+        return sum(self.pieces[id(v)].length * tf.as_dtype(v.dtype).size for v in variables)
+
     # --- the step ----------------------------------------------------------------------------
 
     def scatter(self, gradients: Sequence[Any], variables: Sequence[Any]) -> list[Any]:
@@ -162,17 +167,21 @@ class Sharding:
 
     # --- the optimizer's state ---------------------------------------------------------------
 
-    def full_state(self, optimizer: keras.optimizers.Optimizer) -> list[np.ndarray]:
+    def full_state(self, optimizer: keras.optimizers.Optimizer,
+                   keep: bool = True) -> list[np.ndarray | None]:
         """Every optimizer variable's value as an unsharded optimizer holds it, in
-        ``optimizer.variables`` order (a collective: one all-gather per slot)."""
-        values = []
+        ``optimizer.variables`` order (a collective: one all-gather per slot, so no more than
+        one whole slot is on the device at once); ``keep`` false: this rank takes part in the
+        gathers but keeps nothing (None for each)."""
+        values: list[np.ndarray | None] = []
         for slot in optimizer.variables:
             owner = self.owners.get(id(slot))
             if owner is None:
-                values.append(slot.numpy())
+                values.append(slot.numpy() if keep else None)
                 continue
             rows = self.collectives.allgather([tf.convert_to_tensor(slot)])[0]
-            values.append(self.pieces[id(owner)].whole(rows, owner.shape).numpy())
+            values.append(self.pieces[id(owner)].whole(rows, owner.shape).numpy()
+                          if keep else None)
         return values
 
     def shard_slots(self, optimizer: keras.optimizers.Optimizer) -> None:
@@ -309,13 +318,15 @@ class WholeState:
 
 def consolidated_state(optimizers: dict[str, keras.optimizers.Optimizer]) -> WholeState | None:
     """Every sharded optimizer's whole state (a collective every rank calls before rank 0
-    writes a checkpoint), or None when no optimizer is sharded."""
+    writes a checkpoint; only rank 0 keeps the values), or None when no optimizer is
+    sharded."""
     sharded = {name: optimizer for name, optimizer in optimizers.items()
                if isinstance(optimizer, _ShardedOptimizer) and optimizer.built}
     if not sharded:
         return None
     sharding = next(iter(sharded.values()))._hvdtrain_sharding
-    return WholeState({name: optimizer._hvdtrain_sharding.full_state(optimizer)
+    chief = sharding.world.is_chief
+    return WholeState({name: optimizer._hvdtrain_sharding.full_state(optimizer, keep=chief)
                        for name, optimizer in sharded.items()},
                       {"zero_stage": sharding.stage, "ranks": sharding.world.size})
 
