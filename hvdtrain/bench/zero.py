@@ -48,8 +48,8 @@ def launch(args: argparse.Namespace, run_dir: Path, stage: int, ranks: int, hidd
     else:
         program = [python(), "-m", "hvdtrain"]
     program += train_arguments(args, run_dir, stage, ranks, hidden)
-    command = ([str(MPIRUN_WRAPPER), "-np", str(ranks), "--command", " ".join(program)]
-               if ranks > 1 else program)
+    command = ([str(MPIRUN_WRAPPER), "-np", str(ranks), "-H", f"localhost:{ranks}",
+                "--command", " ".join(program)] if ranks > 1 else program)
     result = subprocess.run(command, env=variant_env(max(1, (os.cpu_count() or 1) // ranks)),
                             text=True, capture_output=True, timeout=args.timeout,
                             stdin=subprocess.DEVNULL)

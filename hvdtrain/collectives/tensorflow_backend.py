@@ -265,6 +265,9 @@ class TensorFlowCollectives:
         for index, tensor in enumerate(tensors):
             by_dtype.setdefault(tensor.dtype, []).append(index)
         for indices in by_dtype.values():
+            if len(indices) == 1:    # as it is: no copy into a concatenation
+                gathered[indices[0]] = self.all_gather(tensors[indices[0]])
+                continue
             lengths = [tf.size(tensors[i]) for i in indices]
             rows = tf.reshape(self.all_gather(tf.concat([tensors[i] for i in indices], 0)),
                               [self.world.size, -1])

@@ -25,7 +25,10 @@ class HeldMemory:
 
 
 def variable_bytes(variables: Sequence[Any]) -> int:
-    return int(sum(np.prod(v.shape, dtype=np.int64) * np.dtype(v.dtype).itemsize
+    """Bytes of Keras or TensorFlow variables (or tensors) of known shapes."""
+    import tensorflow as tf
+
+    return int(sum(np.prod(v.shape, dtype=np.int64) * tf.as_dtype(v.dtype).size
                    for v in variables))
 
 

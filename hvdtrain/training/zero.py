@@ -34,26 +34,39 @@ ZERO_STAGES = (0, 1, 2)
 
 @dataclass(frozen=True)
 class Piece:
-    """How one variable is cut: ``size`` elements, ``length`` per rank (the size padded to a
-    multiple of the world size, divided by it)."""
+    """How one variable is cut: ``size`` elements, ``length`` per rank for ``ranks`` ranks (the
+    size padded to a multiple of the world size, divided by it)."""
 
     size: int
     length: int
+    ranks: int
 
     @classmethod
     def of(cls, variable: Any, world_size: int) -> "Piece":
         size = int(np.prod(variable.shape, dtype=np.int64))
-        return cls(size, -(-size // world_size))
+        return cls(size, -(-size // world_size), world_size)
 
-    def rows(self, value: Any, world_size: int) -> tf.Tensor:
-        """The value flattened and padded, as ``world_size`` rows of ``length``."""
+    def padded(self, value: Any) -> tf.Tensor:
+        """The value flattened (no copy) and padded with zeros to a piece per rank (a copy,
+        only where the size does not divide): what a reduce-scatter splits."""
         flat = tf.reshape(value, [-1])
-        return tf.reshape(tf.pad(flat, [[0, self.length * world_size - self.size]]),
-                          [world_size, self.length])
+        missing = self.length * self.ranks - self.size
+        return tf.pad(flat, [[0, missing]]) if missing else flat
 
-    def whole(self, rows: Any, shape: Sequence[int]) -> Any:
-        """The variable's value from its ``world_size`` pieces (rows or concatenated)."""
-        return tf.reshape(tf.reshape(rows, [-1])[:self.size], shape)
+    def own(self, value: Any, rank: int) -> tf.Tensor:
+        """Piece ``rank`` of the value: a slice of its flattened elements (padded if short)."""
+        start = min(rank * self.length, self.size)
+        end = min(start + self.length, self.size)
+        part = tf.reshape(value, [-1])[start:end]
+        missing = self.length - (end - start)
+        return tf.pad(part, [[0, missing]]) if missing else part
+
+    def whole(self, gathered: Any, shape: Sequence[int]) -> Any:
+        """The variable's value from every rank's piece, concatenated in rank order."""
+        flat = tf.reshape(gathered, [-1])
+        if self.length * self.ranks != self.size:
+            flat = flat[:self.size]
+        return tf.reshape(flat, shape)
 
 
 class Sharding:
@@ -88,7 +101,7 @@ class Sharding:
                 self.keys[_key(shard)] = _key(variable)
 
     def _own_piece(self, piece: Piece, value: Any) -> tf.Tensor:
-        return piece.rows(tf.convert_to_tensor(value), self.world.size)[self.world.rank]
+        return piece.own(tf.convert_to_tensor(value), self.world.rank)
 
     def piece_shapes(self, variables: Sequence[Any]) -> list[tuple[int]]:
         return [(self.pieces[id(v)].length,) for v in variables]
@@ -118,17 +131,12 @@ class Sharding:
                     "apply its rows one by one; use --zero-stage 0 for this model")
         for bucket in self.reduction.buckets([gradients[i] for i in present]):
             members = [present[i] for i in bucket]
-            cuts = [self.pieces[id(variables[i])] for i in members]
-            wire = tf.concat([cut.rows(tf.cast(gradients[i], tf.float32), size)
-                              for i, cut in zip(members, cuts)], axis=1)
-            wire = tf.reshape(wire, [-1])
-            if self.reduction.fp16:
-                wire = tf.cast(wire, tf.float16)
-            total = tf.cast(self.collectives.reduce_scatter_sum([wire])[0], tf.float32)
-            if scale != 1.0:
-                total = total * scale
-            for index, part in zip(members, tf.split(total, [cut.length for cut in cuts])):
-                pieces[index] = tf.cast(part, gradients[index].dtype)
+            wire = [self.pieces[id(variables[i])].padded(gradients[i]) for i in members]
+            if reduction.fp16:
+                wire = [tf.cast(t, tf.float16) if t.dtype == tf.float32 else t for t in wire]
+            for index, part in zip(members, self.collectives.reduce_scatter_sum(wire)):
+                part = tf.cast(part, gradients[index].dtype)
+                pieces[index] = part * scale if scale != 1.0 else part
         return pieces
 
     def update(self, optimizer: keras.optimizers.Optimizer, pieces: Sequence[Any],
@@ -153,15 +161,12 @@ class Sharding:
         return [p if p is None else p + tf.cast(poison, p.dtype) for p in pieces]
 
     def gather(self, variables: Sequence[Any]) -> None:
-        """Every rank's pieces into each variable: one all-gather per bucket."""
+        """Every rank's pieces into each variable: one grouped all-gather per bucket."""
         for bucket in self.reduction.buckets(list(variables)):
             members = [variables[i] for i in bucket]
-            sent = tf.concat([tf.cast(self.shards[id(v)], tf.float32) for v in members], 0)
-            rows = tf.reshape(self.collectives.allgather([sent])[0], [self.world.size, -1])
-            cuts = [self.pieces[id(v)] for v in members]
-            for variable, cut, part in zip(members, cuts,
-                                           tf.split(rows, [c.length for c in cuts], axis=1)):
-                variable.assign(tf.cast(cut.whole(part, variable.shape), variable.dtype))
+            gathered = self.collectives.allgather([self.shards[id(v)].value for v in members])
+            for variable, every in zip(members, gathered):
+                variable.assign(self.pieces[id(variable)].whole(every, variable.shape))
                 if variable.constraint is not None:
                     variable.assign(variable.constraint(variable))
 
@@ -179,8 +184,8 @@ class Sharding:
             if owner is None:
                 values.append(slot.numpy() if keep else None)
                 continue
-            rows = self.collectives.allgather([tf.convert_to_tensor(slot)])[0]
-            values.append(self.pieces[id(owner)].whole(rows, owner.shape).numpy()
+            every = self.collectives.allgather([tf.convert_to_tensor(slot)])[0]
+            values.append(self.pieces[id(owner)].whole(every, owner.shape).numpy()
                           if keep else None)
         return values
 

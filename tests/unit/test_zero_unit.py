@@ -47,12 +47,15 @@ def test_settings_sharding_cannot_honour_are_refused_by_the_config(setting, says
         build_config({"zero_stage": 2, **setting})
 
 
-def test_a_piece_pads_the_flattened_variable_to_a_multiple_of_the_world():
+def test_a_piece_is_a_slice_of_the_flattened_variable_padded_to_the_world():
     piece = Piece.of(np.zeros((5, 2)), 3)
-    assert (piece.size, piece.length) == (10, 4)
-    rows = piece.rows(tf.reshape(tf.range(10.0), (5, 2)), 3)
-    assert rows.numpy().tolist() == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 0, 0]]
-    assert piece.whole(rows, (5, 2)).numpy().ravel().tolist() == list(range(10))
+    assert (piece.size, piece.length, piece.ranks) == (10, 4, 3)
+    value = tf.reshape(tf.range(10.0), (5, 2))
+    assert piece.padded(value).numpy().tolist() == [*range(10), 0, 0]
+    pieces = [piece.own(value, rank).numpy().tolist() for rank in range(3)]
+    assert pieces == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 0, 0]]
+    assert piece.whole(tf.constant(sum(pieces, [])), (5, 2)).numpy().ravel().tolist() == \
+        list(range(10))
 
 
 def test_a_sparse_gradient_is_refused_rather_than_summed_densely():
