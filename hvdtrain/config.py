@@ -375,6 +375,9 @@ def _check_zero(config: Config) -> None:
     if config.train.elastic:
         raise ConfigError("--zero-stage with --elastic is not supported yet (a world change "
                           "would have to re-cut the optimizer state); use --zero-stage 0")
+    if config.train.autotune:
+        raise ConfigError("--autotune times the unsharded step; drop --zero-stage while tuning "
+                          "and pass the flags it finds with it")
 
 
 def _check_tensorflow_backend(config: Config) -> None:

@@ -32,7 +32,8 @@ def train_arguments(args: argparse.Namespace, run_dir: Path, stage: int, ranks: 
             "--synthetic-examples", str(examples), "--optimizer", "adam",
             "--learning-rate", "0.0001", "--warmup-epochs", "0", "--batch-size",
             str(args.batch_size), "--epochs", "2", "--zero-stage", str(stage), "--run-dir",
-            str(run_dir), "--no-progress", "--no-tensorboard", "--threads",
+            str(run_dir), "--backend", args.backend, "--no-progress", "--no-tensorboard",
+            "--threads",
             str(max(1, (os.cpu_count() or 1) // ranks))]
 
 
@@ -156,6 +157,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", type=Path, default=Path("runs/bench-zero"))
     parser.add_argument("--ranks", type=int, nargs="+", default=[1, 2, 4])
     parser.add_argument("--stages", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument("--backend", choices=("horovod", "tensorflow"), default="horovod")
     parser.add_argument("--hidden", type=int, default=5000)
     parser.add_argument("--layers", type=int, default=3)
     parser.add_argument("--input", type=int, default=1024)
@@ -174,7 +176,8 @@ def main(argv: list[str] | None = None) -> None:
         results = sweep(args)
         report["sweep"] = {f"np{r}-stage{s}": v for (r, s), v in results.items()}
         print(f"MLP {args.layers} x {args.hidden} ({report['parameters'] / 1e6:.1f}M "
-              f"parameters), Adam, batch {args.batch_size} per rank\n")
+              f"parameters), Adam, batch {args.batch_size} per rank, {args.backend} "
+              "backend\n")
         print(table(results, args.rounds))
     else:
         ranks = args.ranks[0]

@@ -149,6 +149,10 @@ def starting_point(config: Config, run: CheckpointState, collectives: Collective
     state. ``run``: what this run trains (saved in its checkpoints, compared with theirs).
     Returns where to start and each rank's weight fingerprint before the broadcast."""
     world, model, optimizers = collectives.world, trainable.model, step.optimizers
+    if resuming and trainable.own_step is None and not trainable.optimizer.built:
+        # Sharded (ZeRO), hvdtrain's optimizer is built in pieces when training starts; a
+        # checkpoint's whole state is loaded whole first, then cut.
+        trainable.optimizer.build(model.trainable_variables)
 
     def restore() -> Restored:
         return _restore(run, config.train.accept_changes, store, model, optimizers)

@@ -213,7 +213,8 @@ class StepMath:
         """hvdtrain's step reduces gradients itself; sharded, the optimizer holds pieces."""
         if self.sharding is None:
             return contextlib.nullcontext()
-        return sharded_for_the_run([self.optimizer], self.sharding)
+        return sharded_for_the_run([self.optimizer], self.sharding,
+                                   self.model.trainable_variables)
 
     def epoch_results(self, logs: dict[str, Any]) -> dict[str, float]:
         return self.train_metrics.global_results(self.collectives)

@@ -123,7 +123,8 @@ def prepare(config: Config, model: keras.Model, data: DataBundle, world: World,
         schedule = make_schedule(optim, world.size, updates_per_epoch, config.train.epochs,
                                  base)
         optimizer, what = _exact_optimizer(config, model, compiled, schedule)
-        optimizer.build(model.trainable_variables)
+        if not optim.zero_stage:   # sharded, it is built in pieces when training starts
+            optimizer.build(model.trainable_variables)
         bases = {"optimizer": (optimizer, base)} if settable_rate(optimizer) is not None else {}
         fixed = [] if bases else ["optimizer"]
         objective = Objective.for_model(model)

@@ -215,12 +215,13 @@ class Sharding:
                 self.owners[id(slot)] = owner
 
     def unshard_slots(self, optimizer: keras.optimizers.Optimizer) -> None:
-        """Each slot back to its variable's whole shape (a collective), so the optimizer leaves
-        the run as Keras would leave it and saves as an ordinary model's."""
-        for slot, value in zip(optimizer.variables, self.full_state(optimizer)):
-            if id(slot) in self.owners:
-                resize_variable(slot, value)
-                del self.owners[id(slot)]
+        """Each slot back to its variable's whole shape, one at a time (a collective), so the
+        optimizer leaves the run as Keras would leave it and saves as an ordinary model's."""
+        for slot in optimizer.variables:
+            owner = self.owners.pop(id(slot), None)
+            if owner is not None:
+                every = self.collectives.allgather([tf.convert_to_tensor(slot)])[0]
+                resize_variable(slot, self.pieces[id(owner)].whole(every, owner.shape))
 
 
 def _key(variable: Any) -> Any:
@@ -288,10 +289,12 @@ def sharded_class(optimizer_class: type) -> type:
 
 
 @contextlib.contextmanager
-def sharded_for_the_run(optimizers: Sequence[keras.optimizers.Optimizer],
-                        sharding: Sharding) -> Iterator[None]:
+def sharded_for_the_run(optimizers: Sequence[keras.optimizers.Optimizer], sharding: Sharding,
+                        variables: Sequence[Any] = ()) -> Iterator[None]:
     """Each optimizer (and the one inside a loss-scale optimizer) sharded while the block
-    runs; when it ends normally, its state is gathered back whole and its class restored."""
+    runs, built in pieces for ``variables`` if not built yet (an optimizer built whole before,
+    as a restored one is, is cut); when the block ends normally, its state is gathered back
+    whole and its class restored."""
     found = [inner for optimizer in optimizers for inner in holders(optimizer)]
     originals = [type(inner) for inner in found]
     for inner, cls in zip(found, originals):
@@ -301,6 +304,8 @@ def sharded_for_the_run(optimizers: Sequence[keras.optimizers.Optimizer],
     try:
         for optimizer in optimizers:
             sharding.shard_slots(optimizer)
+            if variables and not optimizer.built:
+                optimizer.build(list(variables))
         yield
         finished = True
     finally:
