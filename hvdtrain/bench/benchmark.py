@@ -48,6 +48,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--bucket-mib", type=float, default=BUCKET_MIB,
                         help="gradient bucket size, as in training (0: one allreduce after the "
                              f"backward pass; default: {BUCKET_MIB:g})")
+    parser.add_argument("--zero-stage", type=int, default=0, choices=(0, 1, 2),
+                        help="ZeRO stage, as in training (default: 0)")
 
 
 def synthetic_problem(args: argparse.Namespace, rank: int):
@@ -134,17 +136,19 @@ def run(args: argparse.Namespace) -> tuple[bool, dict[str, Any]]:
     model, (x, y) = synthetic_problem(args, world.rank)
     optimizer = make_optimizer(OptimConfig(warmup_epochs=0),
                                make_schedule(OptimConfig(warmup_epochs=0), world.size, 1, 1))
-    optimizer.build(model.trainable_variables)
+    if not args.zero_stage:     # sharded, the step builds it in pieces
+        optimizer.build(model.trainable_variables)
     collectives.broadcast_variables(model.weights + optimizer.variables)
     batch = (x, y, tf.ones([args.batch_size]),
              tf.fill([args.batch_size], 1.0 / (args.batch_size * world.size)))
     objective = Objective.for_model(model)
     step = StepMath(model, optimizer, collectives, objective,
                     StepOptions(fp16_compression=args.compression == "fp16",
-                                bucket_bytes=bucket_bytes(args.bucket_mib)))
+                                bucket_bytes=bucket_bytes(args.bucket_mib),
+                                zero_stage=args.zero_stage))
     probe(model, objective, batch, [step.train_metrics], args.model)
     model.compile(optimizer=optimizer, jit_compile=False)
-    with step_installed(step):
+    with step_installed(step), step.training():
         run_step = (_fit_step(step, batch) if args.loop == "fit" else
                     _exchange_step(step) if args.loop == "exchange" else
                     tf.function(step.train_step, jit_compile=False))
@@ -155,7 +159,7 @@ def run(args: argparse.Namespace) -> tuple[bool, dict[str, Any]]:
     medians = [statistics.median(r["step_seconds"]) for r in everyone]
     return world.is_chief, {
         "model": args.model, "loop": args.loop, "compression": args.compression,
-        "bucket_mib": args.bucket_mib,
+        "bucket_mib": args.bucket_mib, "zero_stage": args.zero_stage,
         "world_size": world.size, "batch_size_per_rank": args.batch_size,
         "input_shape": list(x.shape[1:]),
         "parameters": sum(int(v.shape.num_elements()) for v in model.trainable_variables),

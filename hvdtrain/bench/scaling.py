@@ -39,6 +39,7 @@ def variant_names(fusion_mib: list[float], bucket_mib: list[float]) -> list[str]
     return ["single", "exchange", "hvdtrain",
             *(f"hvdtrain-buckets-{mib:g}MiB" for mib in bucket_mib),
             "hvdtrain-tensorflow", "hvdtrain-fp16", "hvdtrain-hierarchical",
+            "hvdtrain-zero-1", "hvdtrain-zero-2",
             *(f"hvdtrain-fusion-{mib:g}MiB" for mib in fusion_mib), "minimal", "multiworker"]
 
 
@@ -66,6 +67,8 @@ def run_variant(name: str, args: argparse.Namespace, model: str, output: Path) -
         program += ["--compression", "fp16"]
     elif name == "hvdtrain-hierarchical":
         env["HOROVOD_HIERARCHICAL_ALLREDUCE"] = "1"
+    elif name.startswith("hvdtrain-zero-"):
+        program += ["--zero-stage", name.removeprefix("hvdtrain-zero-")]
     elif name.startswith("hvdtrain-buckets-"):
         program += ["--bucket-mib", name.removeprefix("hvdtrain-buckets-").removesuffix("MiB")]
     elif name.startswith("hvdtrain-fusion-"):
