@@ -236,10 +236,7 @@ class TensorFlowCollectives:
         tf = self._tf
         tensors = [tf.convert_to_tensor(t) for t in tensors]
         reduced: list[Any] = [None] * len(tensors)
-        by_dtype: dict[Any, list[int]] = {}
-        for index, tensor in enumerate(tensors):
-            by_dtype.setdefault(tensor.dtype, []).append(index)
-        for indices in by_dtype.values():
+        for indices in _positions_by_dtype(tensors):
             flats = [tf.reshape(tensors[i], [-1]) for i in indices]
             total = self.all_reduce(flats[0] if len(flats) == 1 else tf.concat(flats, 0))
             parts = (tf.split(total, [tf.size(tensors[i]) for i in indices])
@@ -261,10 +258,7 @@ class TensorFlowCollectives:
         tf = self._tf
         tensors = [tf.convert_to_tensor(t) for t in tensors]
         gathered: list[Any] = [None] * len(tensors)
-        by_dtype: dict[Any, list[int]] = {}
-        for index, tensor in enumerate(tensors):
-            by_dtype.setdefault(tensor.dtype, []).append(index)
-        for indices in by_dtype.values():
+        for indices in _positions_by_dtype(tensors):
             if len(indices) == 1:    # as it is: no copy into a concatenation
                 gathered[indices[0]] = self.all_gather(tensors[indices[0]])
                 continue
@@ -412,6 +406,14 @@ class TensorFlowCollectives:
         every = tf.cast(tf.boolean_mask(rows, tf.sequence_mask(firsts, slots)), dtype)
         every.set_shape(tf.TensorShape([None]).concatenate(tensor.shape[1:]))
         return every
+
+
+def _positions_by_dtype(tensors: Sequence[Any]) -> list[list[int]]:
+    """The tensors' positions grouped by dtype (one collective carries each group)."""
+    groups: dict[Any, list[int]] = {}
+    for index, tensor in enumerate(tensors):
+        groups.setdefault(tensor.dtype, []).append(index)
+    return list(groups.values())
 
 
 def on_the_wire(tensor: Any) -> tuple[Any, Any]:
