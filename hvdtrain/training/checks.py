@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import contextlib
 import os
-from typing import Iterator
+from typing import Iterator, Sequence
 
+import keras
 import tensorflow as tf
 
 from hvdtrain.collectives import Collectives, World
@@ -75,3 +76,16 @@ def check_data(config: Config, data: DataBundle, validation_freq: int | list[int
     if config.optim.lr_schedule == "plateau" and (data.val is None or validation_freq != 1):
         raise UserError("--lr-schedule plateau watches val_loss after every epoch; give "
                         "validation data (every epoch) or choose another schedule")
+
+
+def check_callbacks(config: Config, callbacks: Sequence[keras.callbacks.Callback]) -> None:
+    """A user's callback that saves the optimizer from rank 0 alone would save 1/N of a
+    sharded optimizer's state (rank 0's pieces)."""
+    if not config.optim.zero_stage:
+        return
+    for callback in callbacks:
+        if isinstance(callback, (keras.callbacks.BackupAndRestore,
+                                 keras.callbacks.ModelCheckpoint)):
+            raise UserError(f"{type(callback).__name__} saves rank 0's optimizer state, which "
+                            "--zero-stage cuts into pieces across the ranks; use hvdtrain's "
+                            "checkpoints (--run-dir, --resume auto) or --zero-stage 0")

@@ -134,8 +134,10 @@ def _resumed(restored: Restored, world: World, run_dir: Path, store: CheckpointS
         with run_files(run_dir, "the metrics files"):
             resume_metrics_files(run_dir, start.epoch, saved.metrics)
     where = f", step {start.step}" if start.step else ""
+    held = (f" (its optimizer state was held by {saved.sharded['ranks']} rank(s) at ZeRO "
+            f"stage {saved.sharded['zero_stage']}; saved whole)" if saved.sharded else "")
     logger.info(f"resuming after epoch {start.epoch}{where} from "
-                f"{store.directory / restored.name}")
+                f"{store.directory / restored.name}{held}")
     return start
 
 

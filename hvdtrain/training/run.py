@@ -34,7 +34,8 @@ from hvdtrain.plugins import load_callbacks
 from hvdtrain.training.autotune_run import Tuning, autotune
 from hvdtrain.training.callbacks import FirstStepClock, Reporting, RunHooks, StepPosition
 from hvdtrain.training.checkpointing import CheckpointPlan, ResumePoint
-from hvdtrain.training.checks import check_backend, check_data, check_world, data_errors_named
+from hvdtrain.training.checks import (check_backend, check_callbacks, check_data, check_world,
+                                      data_errors_named)
 from hvdtrain.training.data_plan import DataPlan, plan_data
 from hvdtrain.training.elastic import ElasticRun, elastic_loop
 from hvdtrain.training.epoch_end import standard_callbacks
@@ -235,8 +236,9 @@ class Run:
         if optim.zero_stage:
             for optimizer in step.optimizers.values():
                 check_shardable(optimizer)
-            logger.info(describe_sharding(optim.zero_stage, world.size, step.optimizer,
-                                          trainable.model.trainable_variables))
+            if step.optimizer is not None:
+                logger.info(describe_sharding(optim.zero_stage, world.size, step.optimizer,
+                                              trainable.model.trainable_variables))
         evaluate_dataset, metric_states = step.validation()
         with data_errors_named(data):
             first = next(iter(data.train.dataset(plan.spec, 0, 1)))
@@ -251,9 +253,11 @@ class Run:
             optimizer_classes={name: type(optimizer).__name__
                                for name, optimizer in step.optimizers.items()},
             world_size=world.size, config=config.to_dict())
+        user_callbacks = self._callbacks()
+        check_callbacks(config, user_callbacks)
         return Prepared(collectives, run_dir, resuming, data, trainable, step, plan,
                         lambda spec: evaluate_dataset(data.val.dataset(spec)), plateau,
-                        self._callbacks(),
+                        user_callbacks,
                         CheckpointStore(run_dir, config.train.keep_checkpoints), state, launched)
 
     def _callbacks(self) -> list[keras.callbacks.Callback]:

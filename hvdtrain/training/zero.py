@@ -26,7 +26,8 @@ import numpy as np
 import tensorflow as tf
 
 from hvdtrain.collectives import Collectives, GradientReduction
-from hvdtrain.errors import UserError
+from hvdtrain.errors import (AgreedError, CheckpointWriteFailed, StoppedBySignal,
+                             TrainingDiverged, UserError)
 from hvdtrain.keras_internals import resize_variable, set_class
 
 ZERO_STAGES = (0, 1, 2)
@@ -92,9 +93,13 @@ class Sharding:
             for variable in variables:
                 if id(variable) in self.pieces or id(variable) in self.owners:
                     continue
+                if getattr(variable, "overwrite_with_gradient", False):
+                    raise UserError(f"--zero-stage cannot shard '{_path(variable)}', which "
+                                    "takes its gradient as its value (a float8 layer's "
+                                    "scale); use --zero-stage 0")
                 piece = Piece.of(variable, self.world.size)
                 shard = keras.Variable(self._own_piece(piece, variable), trainable=False,
-                                       dtype=variable.dtype, name=variable.name)
+                                       dtype=variable.dtype, name=_name(variable))
                 self.pieces[id(variable)] = piece
                 self.shards[id(variable)] = shard
                 self.owners[id(shard)] = variable
@@ -127,7 +132,7 @@ class Sharding:
             if isinstance(gradients[index], tf.IndexedSlices):
                 raise UserError(
                     f"--zero-stage cannot shard the sparse gradient of "
-                    f"'{variables[index].path}' (an embedding's) exactly: Keras' optimizers "
+                    f"'{_path(variables[index])}' (an embedding's) exactly: Keras' optimizers "
                     "apply its rows one by one; use --zero-stage 0 for this model")
         for bucket in self.reduction.buckets([gradients[i] for i in present]):
             members = [present[i] for i in bucket]
@@ -147,28 +152,38 @@ class Sharding:
         shards = [self.shards[id(v)] for v in variables]
         for variable, shard in zip(variables, shards):
             shard.assign(self._own_piece(self.pieces[id(variable)], variable))
+        updated = None
         if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
-            pieces = self._agreed_finiteness(pieces)
+            pieces, updated = self._agreed_finiteness(pieces)
         optimizer.apply(list(pieces), shards)
-        self.gather(variables)
+        self.gather(variables, [p is not None for p in pieces], updated)
 
-    def _agreed_finiteness(self, pieces: Sequence[Any]) -> list[Any]:
+    def _agreed_finiteness(self, pieces: Sequence[Any]) -> tuple[list[Any], tf.Tensor]:
         """A loss-scale optimizer skips a step whose gradients are not finite; each rank sees
-        its pieces alone, so a non-finite piece anywhere makes every rank's pieces NaN."""
+        its pieces alone, so a non-finite piece anywhere makes every rank's pieces NaN.
+        Returns (the pieces, whether the update will happen)."""
         bad = tf.add_n([tf.reduce_sum(tf.cast(~tf.math.is_finite(p), tf.float32))
                         for p in pieces if p is not None] or [tf.constant(0.0)])
-        poison = tf.where(self.collectives.allreduce_sum([bad])[0] > 0, np.nan, 0.0)
-        return [p if p is None else p + tf.cast(poison, p.dtype) for p in pieces]
+        finite = self.collectives.allreduce_sum([bad])[0] == 0
+        poison = tf.where(finite, 0.0, np.nan)
+        return [p if p is None else p + tf.cast(poison, p.dtype) for p in pieces], finite
 
-    def gather(self, variables: Sequence[Any]) -> None:
-        """Every rank's pieces into each variable: one grouped all-gather per bucket."""
+    def gather(self, variables: Sequence[Any], constrained: Sequence[bool],
+               updated: tf.Tensor | None = None) -> None:
+        """Every rank's pieces into each variable: one grouped all-gather per bucket. Then, as
+        Keras does after an update, each ``constrained`` variable's constraint (those that had
+        a gradient), unless ``updated`` says the optimizer skipped the step."""
         for bucket in self.reduction.buckets(list(variables)):
             members = [variables[i] for i in bucket]
             gathered = self.collectives.allgather([self.shards[id(v)].value for v in members])
-            for variable, every in zip(members, gathered):
+            for index, every in zip(bucket, gathered):
+                variable = variables[index]
                 variable.assign(self.pieces[id(variable)].whole(every, variable.shape))
-                if variable.constraint is not None:
-                    variable.assign(variable.constraint(variable))
+                if variable.constraint is None or not constrained[index]:
+                    continue
+                projected = variable.constraint(variable)
+                variable.assign(projected if updated is None else
+                                tf.where(updated, projected, tf.convert_to_tensor(variable)))
 
     # --- the optimizer's state ---------------------------------------------------------------
 
@@ -198,7 +213,7 @@ class Sharding:
                 continue
             trained = list(inner._trainable_variables)
             self.register(trained)
-            by_prefix = sorted(((v.path.replace("/", "_") + "_", v) for v in trained),
+            by_prefix = sorted(((_path(v).replace("/", "_") + "_", v) for v in trained),
                                key=lambda item: -len(item[0]))
             for slot in inner.variables:
                 if id(slot) in self.owners:
@@ -222,6 +237,17 @@ class Sharding:
             if owner is not None:
                 every = self.collectives.allgather([tf.convert_to_tensor(slot)])[0]
                 resize_variable(slot, self.pieces[id(owner)].whole(every, owner.shape))
+
+
+def _path(variable: Any) -> str:
+    """A Keras variable's path, a TensorFlow variable's name (without ":0")."""
+    return getattr(variable, "path", None) or variable.name.split(":")[0]
+
+
+def _name(variable: Any) -> str:
+    """The name a shard takes: its variable's own (weight-decay exclusions match names)."""
+    return _path(variable).split("/")[-1] if not isinstance(variable, keras.Variable) \
+        else variable.name
 
 
 def _key(variable: Any) -> Any:
@@ -254,7 +280,7 @@ class _ShardedOptimizer:
             return super().add_variable_from_reference(reference_variable, name, initializer)
         slot = self.add_variable(shape=(piece.length,), initializer=initializer,
                                  dtype=owner.dtype,
-                                 name=f"{owner.path.replace('/', '_')}_{name or 'var'}")
+                                 name=f"{_path(owner).replace('/', '_')}_{name or 'var'}")
         sharding.owners[id(slot)] = owner
         return slot
 
@@ -293,23 +319,27 @@ def sharded_for_the_run(optimizers: Sequence[keras.optimizers.Optimizer], shardi
                         variables: Sequence[Any] = ()) -> Iterator[None]:
     """Each optimizer (and the one inside a loss-scale optimizer) sharded while the block
     runs, built in pieces for ``variables`` if not built yet (an optimizer built whole before,
-    as a restored one is, is cut); when the block ends normally, its state is gathered back
-    whole and its class restored."""
+    as a restored one is, is cut). When the block ends normally or every rank stopped together
+    (a stop, a divergence, a failed checkpoint write), its state is gathered back whole; after
+    an error of one rank, whose peers may be gone, it stays in pieces. Its class is restored."""
     found = [inner for optimizer in optimizers for inner in holders(optimizer)]
     originals = [type(inner) for inner in found]
     for inner, cls in zip(found, originals):
         set_class(inner, sharded_class(cls))
         object.__setattr__(inner, "_hvdtrain_sharding", sharding)
-    finished = False
+    whole_again = False
     try:
         for optimizer in optimizers:
             sharding.shard_slots(optimizer)
             if variables and not optimizer.built:
                 optimizer.build(list(variables))
         yield
-        finished = True
+        whole_again = True
+    except (StoppedBySignal, TrainingDiverged, CheckpointWriteFailed, AgreedError):
+        whole_again = True    # every rank stopped together: all can gather
+        raise
     finally:
-        if finished:
+        if whole_again:
             for optimizer in optimizers:
                 sharding.unshard_slots(optimizer)
         for inner, cls in zip(found, originals):
@@ -373,15 +403,17 @@ def _updates_elementwise(optimizer: keras.optimizers.Optimizer) -> bool:
     generator = np.random.default_rng(0)
     start = generator.normal(size=(4, 3)).astype(np.float32)
     grads = [generator.normal(size=(4, 3)).astype(np.float32) for _ in range(3)]
-    whole_optimizer, split_optimizer = _fresh_copy(optimizer), _fresh_copy(optimizer)
+    whole_optimizer = _fresh_copy(optimizer)
     whole = keras.Variable(start, name="probe")
-    parts = [keras.Variable(start.ravel()[:5], name="probe"),
-             keras.Variable(start.ravel()[5:], name="probe")]
+    cuts = [slice(0, 5), slice(5, 12)]
+    # One copy per piece, as each rank applies its own pieces alone.
+    parts = [(_fresh_copy(optimizer), keras.Variable(start.ravel()[cut], name="probe"))
+             for cut in cuts]
     for grad in grads:
         whole_optimizer.apply([tf.constant(grad)], [whole])
-        split_optimizer.apply([tf.constant(grad.ravel()[:5]), tf.constant(grad.ravel()[5:])],
-                              parts)
-    joined = np.concatenate([part.numpy() for part in parts])
+        for cut, (part_optimizer, part) in zip(cuts, parts):
+            part_optimizer.apply([tf.constant(grad.ravel()[cut])], [part])
+    joined = np.concatenate([part.numpy() for _, part in parts])
     return bool(np.allclose(whole.numpy().ravel(), joined, rtol=1e-6, atol=1e-7))
 
 

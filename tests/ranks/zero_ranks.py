@@ -8,6 +8,7 @@ none CASES`` for one process):
 - ``variants``: Adam at stage 1 and 2 with two accumulated micro-steps (against Keras with the
   four-times batch), in the custom loop, under mixed precision (a loss-scale optimizer), and a
   model's own ``train_step`` with two optimizers (a GAN's shape);
+- ``diverged``: a sharded run whose loss diverges stops every rank, its optimizer whole again;
 - ``resume-from FROM`` / ``checkpoint-to TO``: continue at stage 2 the run in FROM (one epoch
   done, written by another world size), and write a one-epoch run at stage 2 into TO.
 
@@ -205,6 +206,22 @@ def variant_cases(out: Path, x, y) -> dict:
     }
 
 
+def diverged_case(out: Path, x, y) -> dict:
+    """A run every rank stops together (its loss diverges): the optimizer leaves whole."""
+    from hvdtrain.errors import TrainingDiverged
+
+    trained = model(keras.optimizers.Adam(0.01))
+    try:   # squared errors of about 1e60: infinite in float32
+        hvdtrain.fit(trained, x, y * 1e30, batch_size=BATCH, epochs=2, shuffle=False,
+                     run_dir=str(out / "run-diverged"), progress=False, tensorboard=False,
+                     lr_scaling="none", warmup_epochs=0, zero_stage=2)
+        stopped = ""
+    except TrainingDiverged as error:
+        stopped = type(error).__name__
+    return {"stopped": stopped, "shapes_after": [list(v.shape) for v in state(trained)],
+            "weights": [list(w.shape) for w in trained.get_weights()]}
+
+
 def resume_case(out: Path, source: Path, x, y) -> dict:
     """Continue at stage 2 a one-epoch run written by another world size, to epoch 2."""
     trained = model(keras.optimizers.Adam(0.01))
@@ -238,6 +255,8 @@ def main() -> None:
             seen["optimizers"] = optimizer_cases(out, x, y)
         elif name == "variants":
             seen["variants"] = variant_cases(out, x, y)
+        elif name == "diverged":
+            seen["diverged"] = diverged_case(out, x, y)
         elif name == "resume-from":
             seen["resumed"] = resume_case(out, Path(cases.pop(0)), x, y)
         elif name == "checkpoint-to":

@@ -12,6 +12,7 @@ from hvdtrain.collectives import GradientReduction, LocalCollectives
 from hvdtrain.config import ConfigError, build_config
 from hvdtrain.errors import UserError
 from hvdtrain.keras_internals import resize_variable
+from hvdtrain.training.checks import check_callbacks
 from hvdtrain.training.zero import Piece, Sharding, check_shardable
 
 
@@ -26,6 +27,21 @@ def test_an_optimizer_sharding_would_change_is_refused_in_one_line(optimizer, sa
     with pytest.raises(UserError, match=says) as refused:
         check_shardable(optimizer())
     assert "\n" not in str(refused.value) and "--zero-stage 0" in str(refused.value)
+
+
+class GlobalNormSGD(keras.optimizers.SGD):
+    """A user's optimizer that scales each call's gradients by their joint norm: elementwise
+    within one call's gradients only when every piece is in the call."""
+
+    def apply(self, grads, trainable_variables=None):
+        norm = tf.linalg.global_norm(grads)
+        return super().apply([g / norm for g in grads], trainable_variables)
+
+
+def test_an_optimizer_whose_call_spans_all_gradients_is_refused():
+    """Each rank applies its pieces alone, so the probe gives each piece its own copy."""
+    with pytest.raises(UserError, match="depends on other elements"):
+        check_shardable(GlobalNormSGD(0.1))
 
 
 @pytest.mark.parametrize("optimizer", [
@@ -77,3 +93,22 @@ def test_a_resized_variable_stays_the_same_object_in_every_list_that_holds_it():
     assert tuple(slot.shape) == (3,) and slot.numpy().tolist() == [0, 1, 2]
     slot.assign(slot + 1)
     assert slot.numpy().tolist() == [1, 2, 3]
+
+
+def test_a_float8_scale_is_refused_in_one_line():
+    scale = keras.Variable(np.ones((1,), np.float32), name="scale")
+    scale.overwrite_with_gradient = True
+    with pytest.raises(UserError, match="takes its gradient as its value"):
+        Sharding(LocalCollectives(), 1, GradientReduction()).register([scale])
+
+
+@pytest.mark.parametrize("callback", [
+    lambda path: keras.callbacks.ModelCheckpoint(str(path / "m.weights.h5"),
+                                                 save_weights_only=True),
+    lambda path: keras.callbacks.BackupAndRestore(str(path / "backup")),
+])
+def test_callbacks_that_save_rank_0s_optimizer_are_refused_when_sharded(tmp_path, callback):
+    config = build_config({"zero_stage": 1})
+    with pytest.raises(UserError, match="saves rank 0's optimizer state"):
+        check_callbacks(config, [callback(tmp_path)])
+    check_callbacks(build_config({}), [callback(tmp_path)])

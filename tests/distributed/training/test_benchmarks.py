@@ -121,7 +121,8 @@ def test_scaling_rows_share_and_bus_bandwidth_from_the_compute_floor():
     assert parse_hosts("node1:2,node2:2,node3") == ["node1", "node1", "node2", "node2", "node3"]
     assert variant_names([0, 8], [0, 16]) == [
         "single", "exchange", "hvdtrain", "hvdtrain-buckets-0MiB", "hvdtrain-buckets-16MiB",
-        "hvdtrain-tensorflow", "hvdtrain-fp16", "hvdtrain-hierarchical", "hvdtrain-fusion-0MiB",
+        "hvdtrain-tensorflow", "hvdtrain-fp16", "hvdtrain-hierarchical", "hvdtrain-zero-1",
+        "hvdtrain-zero-2", "hvdtrain-fusion-0MiB",
         "hvdtrain-fusion-8MiB", "minimal", "multiworker"]
 
     def result(step: float) -> dict:

@@ -35,7 +35,7 @@ def horovod_job(tmp_path_factory) -> dict:
     their own; one process resumes that."""
     out = tmp_path_factory.mktemp("zero-horovod")
     _job(out / "one", 1, "none", "checkpoint-to", str(out / "from-one"))
-    seen = _job(out / "two", 2, "horovod", "optimizers", "variants", "resume-from",
+    seen = _job(out / "two", 2, "horovod", "optimizers", "variants", "diverged", "resume-from",
                 str(out / "from-one"), "checkpoint-to", str(out / "from-two"))
     seen["resumed_on_one"] = _job(out / "one-again", 1, "none", "resume-from",
                                   str(out / "from-two"))["resumed"]
@@ -99,3 +99,12 @@ def test_a_checkpoint_resumes_on_another_world_size_exactly(horovod_job):
     one uninterrupted process ends."""
     for resumed in (horovod_job["resumed"], horovod_job["resumed_on_one"]):
         assert resumed["weights"] <= WITHIN and resumed["state"] <= WITHIN, resumed
+
+
+def test_a_run_every_rank_stops_together_leaves_the_optimizer_whole(horovod_job):
+    """A divergence stops every rank at once, so they gather the state back before the error
+    reaches the user: a later Keras ``fit`` or ``save`` finds the optimizer as it was built."""
+    seen = horovod_job["diverged"]
+    assert seen["stopped"] == "TrainingDiverged"
+    per_weight = [shape for shape in seen["shapes_after"] if shape]
+    assert per_weight == [shape for shape in seen["weights"] for _ in range(2)], seen
