@@ -24,6 +24,10 @@ CGROUPS = Path("/sys/fs/cgroup/memory")
 CGROUP_PREFIX = "hvdtrain-bench-zero"
 
 
+def threads_per_rank(ranks: int) -> int:
+    return max(1, (os.cpu_count() or 1) // ranks)
+
+
 def train_arguments(args: argparse.Namespace, run_dir: Path, stage: int, ranks: int,
                     hidden: int) -> list[str]:
     examples = args.batch_size * ranks * args.steps * 5 // 4   # a fifth held out
@@ -33,8 +37,7 @@ def train_arguments(args: argparse.Namespace, run_dir: Path, stage: int, ranks: 
             "--learning-rate", "0.0001", "--warmup-epochs", "0", "--batch-size",
             str(args.batch_size), "--epochs", "2", "--zero-stage", str(stage), "--run-dir",
             str(run_dir), "--backend", args.backend, "--no-progress", "--no-tensorboard",
-            "--threads",
-            str(max(1, (os.cpu_count() or 1) // ranks))]
+            "--threads", str(threads_per_rank(ranks))]
 
 
 def launch(args: argparse.Namespace, run_dir: Path, stage: int, ranks: int, hidden: int,
@@ -43,15 +46,12 @@ def launch(args: argparse.Namespace, run_dir: Path, stage: int, ranks: int, hidd
     of its output)."""
     import subprocess
 
-    program = [python(), "-m", "hvdtrain.bench.zero"]
-    if limit_mib is not None:
-        program += ["--join-cgroup", str(limit_mib), "--"]
-    else:
-        program = [python(), "-m", "hvdtrain"]
+    program = ([python(), "-m", "hvdtrain"] if limit_mib is None else
+               [python(), "-m", "hvdtrain.bench.zero", "--join-cgroup", str(limit_mib), "--"])
     program += train_arguments(args, run_dir, stage, ranks, hidden)
     command = ([str(MPIRUN_WRAPPER), "-np", str(ranks), "-H", f"localhost:{ranks}",
                 "--command", " ".join(program)] if ranks > 1 else program)
-    result = subprocess.run(command, env=variant_env(max(1, (os.cpu_count() or 1) // ranks)),
+    result = subprocess.run(command, env=variant_env(threads_per_rank(ranks)),
                             text=True, capture_output=True, timeout=args.timeout,
                             stdin=subprocess.DEVNULL)
     return result.returncode, (result.stdout + result.stderr)[-2000:]

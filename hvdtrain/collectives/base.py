@@ -57,7 +57,7 @@ class GradientReduction:
         filled = 0
         for index in reversed(range(len(tensors))):
             current.insert(0, index)
-            filled += _static_bytes(tensors[index])
+            filled += static_bytes(tensors[index])
             if filled >= self.bucket_bytes:
                 found.append(current)
                 current, filled = [], 0
@@ -69,7 +69,7 @@ class GradientReduction:
         """One line for the run's log: how the gradients of ``variables`` will travel;
         ``all_at_once``: why every gradient exists before the first bucket leaves (summed over
         micro-steps first, or one XLA computation), so none overlaps the backward pass."""
-        total = sum(_static_bytes(v) for v in variables) / 2**20
+        total = sum(static_bytes(v) for v in variables) / 2**20
         count = len(self.buckets(variables))
         if self.bucket_bytes == 0:
             return f"gradients: {total:.2f} MiB in one allreduce after the backward pass"
@@ -79,7 +79,7 @@ class GradientReduction:
                 f"{self.bucket_bytes / 2**20:g} MiB, {when}")
 
 
-def _static_bytes(tensor: Any) -> int:
+def static_bytes(tensor: Any) -> int:
     """Bytes of a tensor or variable (TensorFlow's or Keras') whose shape is known when the
     graph is built (0 otherwise)."""
     import tensorflow as tf

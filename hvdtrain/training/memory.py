@@ -9,7 +9,8 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 import keras
-import numpy as np
+
+from hvdtrain.collectives import static_bytes
 
 
 @dataclass(frozen=True)
@@ -26,10 +27,7 @@ class HeldMemory:
 
 def variable_bytes(variables: Sequence[Any]) -> int:
     """Bytes of Keras or TensorFlow variables (or tensors) of known shapes."""
-    import tensorflow as tf
-
-    return int(sum(np.prod(v.shape, dtype=np.int64) * tf.as_dtype(v.dtype).size
-                   for v in variables))
+    return sum(static_bytes(v) for v in variables)
 
 
 def peak_resident_bytes() -> int | None:

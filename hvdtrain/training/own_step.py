@@ -20,10 +20,9 @@ import tensorflow as tf
 
 from hvdtrain.collectives import Collectives, GradientReduction, assign_across_ranks
 from hvdtrain.training.distributed_optimizer import distributed_for_the_run
-from hvdtrain.training.memory import variable_bytes
 from hvdtrain.training.objective import check_additive
 from hvdtrain.training.step import vote_variables
-from hvdtrain.training.zero import Sharding, sharded_for_the_run
+from hvdtrain.training.zero import Sharding, gradient_bytes_kept, sharded_for_the_run
 
 # The Trainer methods whose override makes a step the model's own.
 OWN_STEP_METHODS = ("train_step", "test_step", "compute_loss", "compute_metrics")
@@ -76,10 +75,7 @@ class OwnStep:
 
     def gradient_bytes(self) -> int:
         """The reduced gradients of the weights the optimizers train (pieces, sharded)."""
-        variables = self.model.trainable_variables
-        if self._sharding is None:
-            return variable_bytes(variables)
-        return self._sharding.piece_bytes(variables)
+        return gradient_bytes_kept(self._sharding, self.model.trainable_variables)
 
     @contextlib.contextmanager
     def training(self) -> Iterator[None]:

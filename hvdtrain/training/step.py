@@ -23,7 +23,7 @@ from hvdtrain.collectives import Collectives, GradientReduction
 from hvdtrain.training.accumulation import Accumulation
 from hvdtrain.training.memory import variable_bytes
 from hvdtrain.training.objective import BatchShares, MetricState, Objective
-from hvdtrain.training.zero import Sharding, sharded_for_the_run
+from hvdtrain.training.zero import Sharding, gradient_bytes_kept, sharded_for_the_run
 
 
 class TrainingStep(Protocol):
@@ -220,11 +220,9 @@ class StepMath:
         return self.train_metrics.global_results(self.collectives)
 
     def gradient_bytes(self) -> int:
-        variables = self.model.trainable_variables
-        kept = (variable_bytes(variables) if self.sharding is None else
-                self.sharding.piece_bytes(variables))
         totals = self.accumulation.totals if self.accumulation is not None else []
-        return kept + variable_bytes(totals)
+        return (gradient_bytes_kept(self.sharding, self.model.trainable_variables)
+                + variable_bytes(totals))
 
     def keras_step(self, data: Any) -> dict[str, tf.Tensor]:
         return self.train_step(*data)

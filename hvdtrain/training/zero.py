@@ -29,6 +29,7 @@ from hvdtrain.collectives import Collectives, GradientReduction
 from hvdtrain.errors import (AgreedError, CheckpointWriteFailed, StoppedBySignal,
                              TrainingDiverged, UserError)
 from hvdtrain.keras_internals import resize_variable, set_class
+from hvdtrain.training.memory import variable_bytes
 
 ZERO_STAGES = (0, 1, 2)
 
@@ -110,11 +111,6 @@ class Sharding:
 
     def piece_shapes(self, variables: Sequence[Any]) -> list[tuple[int]]:
         return [(self.pieces[id(v)].length,) for v in variables]
-
-    def piece_bytes(self, variables: Sequence[Any]) -> int:
-        """Bytes of this rank's pieces of ``variables`` (cut on the way, if not yet)."""
-        self.register(variables)
-        return sum(self.pieces[id(v)].length * tf.as_dtype(v.dtype).size for v in variables)
 
     # --- the step ----------------------------------------------------------------------------
 
@@ -199,10 +195,14 @@ class Sharding:
             if owner is None:
                 values.append(slot.numpy() if keep else None)
                 continue
-            every = self.collectives.allgather([tf.convert_to_tensor(slot)])[0]
-            values.append(self.pieces[id(owner)].whole(every, owner.shape).numpy()
-                          if keep else None)
+            whole = self._gathered(slot, owner)
+            values.append(whole.numpy() if keep else None)
         return values
+
+    def _gathered(self, piece: Any, owner: Any) -> tf.Tensor:
+        """Every rank's ``piece`` of ``owner`` (a slot or a shard) as one whole value."""
+        every = self.collectives.allgather([tf.convert_to_tensor(piece)])[0]
+        return self.pieces[id(owner)].whole(every, owner.shape)
 
     def shard_slots(self, optimizer: keras.optimizers.Optimizer) -> None:
         """An optimizer built before the run (restored, or by the user): each slot of a
@@ -235,8 +235,7 @@ class Sharding:
         for slot in optimizer.variables:
             owner = self.owners.pop(id(slot), None)
             if owner is not None:
-                every = self.collectives.allgather([tf.convert_to_tensor(slot)])[0]
-                resize_variable(slot, self.pieces[id(owner)].whole(every, owner.shape))
+                resize_variable(slot, self._gathered(slot, owner))
 
 
 def _path(variable: Any) -> str:
@@ -417,11 +416,22 @@ def _updates_elementwise(optimizer: keras.optimizers.Optimizer) -> bool:
     return bool(np.allclose(whole.numpy().ravel(), joined, rtol=1e-6, atol=1e-7))
 
 
+def piece_bytes(variables: Sequence[Any], world_size: int) -> int:
+    """Bytes of one rank's pieces of ``variables`` at ``world_size`` ranks."""
+    return sum(Piece.of(v, world_size).length * tf.as_dtype(v.dtype).size for v in variables)
+
+
+def gradient_bytes_kept(sharding: Sharding | None, variables: Sequence[Any]) -> int:
+    """Bytes of the reduced gradients of ``variables`` a rank keeps: whole, or its pieces."""
+    if sharding is None:
+        return variable_bytes(variables)
+    return piece_bytes(variables, sharding.world.size)
+
+
 def describe(stage: int, world_size: int, optimizer: keras.optimizers.Optimizer,
              variables: Sequence[Any]) -> str:
     """The run log's line on sharding: what the optimizer's state costs each rank."""
-    full = sum(Piece.of(v, 1).size * tf.as_dtype(v.dtype).size for v in variables)
-    mine = sum(Piece.of(v, world_size).length * tf.as_dtype(v.dtype).size for v in variables)
+    full, mine = variable_bytes(variables), piece_bytes(variables, world_size)
     kinds = _slot_kinds(optimizer)
     return (f"ZeRO stage {stage}: each rank keeps the optimizer state for 1/{world_size} of "
             f"every variable: {kinds} x {mine / 2**20:.2f} MiB instead of {kinds} x "
