@@ -70,15 +70,17 @@ def launch(launcher: str, np: int, args: list[str], cwd: Path | None = None,
            **env: str) -> subprocess.CompletedProcess:
     """Run ``python -m <module> ARGS`` on ``np`` ranks with horovodrun, mpirun, or no launcher."""
     program = [str(BIN / "python"), "-m", module, *args]
+    # More ranks than cores (four on the two-core CI machine): Open MPI needs the slots named.
+    slots = ["-H", f"localhost:{np}"] if np > (os.cpu_count() or 1) else []
     if launcher == "horovodrun":
         command = [str(BIN / "horovodrun"), "-np", str(np), *program]
     elif launcher == "mpirun" and module == "hvdtrain":    # the arguments pass as they are
-        command = [str(REPO / "launch" / "mpirun.sh"), "-np", str(np), "--", *args]
+        command = [str(REPO / "launch" / "mpirun.sh"), "-np", str(np), *slots, "--", *args]
     elif launcher == "mpirun":
         # --command is one string, which the wrapper splits at spaces and expands as globs.
         if any(len(word.split()) != 1 or set(word) & set("*?[") for word in program):
             raise ValueError(f"launch/mpirun.sh --command would split or expand {program}")
-        command = [str(REPO / "launch" / "mpirun.sh"), "-np", str(np), "--command",
+        command = [str(REPO / "launch" / "mpirun.sh"), "-np", str(np), *slots, "--command",
                    " ".join(program)]
     elif launcher == "none":
         command = program

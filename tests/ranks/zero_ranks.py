@@ -223,7 +223,10 @@ def diverged_case(out: Path, x, y) -> dict:
 
 
 def resume_case(out: Path, source: Path, x, y) -> dict:
-    """Continue at stage 2 a one-epoch run written by another world size, to epoch 2."""
+    """Continue at stage 2 a one-epoch run written by another world size, to epoch 2; and how
+    many ranks held the state its checkpoint records."""
+    records = [json.loads(path.read_text()).get("sharded")
+               for path in sorted(source.rglob("state.json"))]
     trained = model(keras.optimizers.Adam(0.01))
     hvdtrain.fit(trained, x, y, batch_size=32 // SIZE, epochs=2, shuffle=False,
                  run_dir=str(source), resume="required", accept_changes=True, progress=False,
@@ -232,7 +235,8 @@ def resume_case(out: Path, source: Path, x, y) -> dict:
     reference = model(keras.optimizers.Adam(0.01))
     reference.fit(x, y, batch_size=32, epochs=2, shuffle=False, verbose=0)
     return {"weights": difference(trained.get_weights(), reference.get_weights()),
-            "state": difference(state(trained), state(reference))}
+            "state": difference(state(trained), state(reference)),
+            "held_by": records[0]["ranks"] if len(records) == 1 and records[0] else records}
 
 
 def checkpoint_to(target: Path, x, y) -> None:

@@ -6,6 +6,7 @@ both backends; a checkpoint of one world size resumes on another."""
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -31,14 +32,17 @@ def _job(out: Path, np: int, backend: str, *cases: str) -> dict:
 
 @pytest.fixture(scope="module")
 def horovod_job(tmp_path_factory) -> dict:
-    """One process writes a stage-2 checkpoint; two ranks resume it, run every case and write
-    their own; one process resumes that."""
+    """Four ranks write a stage-2 checkpoint; two ranks resume it, run every case and write
+    their own; one process, and then four ranks, resume that."""
     out = tmp_path_factory.mktemp("zero-horovod")
-    _job(out / "one", 1, "none", "checkpoint-to", str(out / "from-one"))
+    _job(out / "four", 4, "horovod", "checkpoint-to", str(out / "from-four"))
     seen = _job(out / "two", 2, "horovod", "optimizers", "variants", "diverged", "resume-from",
-                str(out / "from-one"), "checkpoint-to", str(out / "from-two"))
-    seen["resumed_on_one"] = _job(out / "one-again", 1, "none", "resume-from",
-                                  str(out / "from-two"))["resumed"]
+                str(out / "from-four"), "checkpoint-to", str(out / "from-two"))
+    for name, ranks, backend in (("one", 1, "none"), ("four", 4, "horovod")):
+        resumed = out / f"from-two-on-{name}"    # a copy: a resumed run goes on in its directory
+        shutil.copytree(out / "from-two", resumed)
+        seen[f"resumed_on_{name}"] = _job(out / f"on-{name}", ranks, backend, "resume-from",
+                                          str(resumed))["resumed"]
     return seen
 
 
@@ -94,11 +98,13 @@ def test_mixed_precision_sharded_equals_unsharded_on_the_same_ranks(horovod_job,
     _sharded_while_training(seen)
 
 
-def test_a_checkpoint_resumes_on_another_world_size_exactly(horovod_job):
-    """One rank's stage-2 checkpoint continued on two ranks, and two ranks' on one, end where
-    one uninterrupted process ends."""
-    for resumed in (horovod_job["resumed"], horovod_job["resumed_on_one"]):
-        assert resumed["weights"] <= WITHIN and resumed["state"] <= WITHIN, resumed
+@pytest.mark.parametrize("resumed", ["resumed", "resumed_on_one", "resumed_on_four"])
+def test_a_checkpoint_resumes_on_another_world_size_exactly(horovod_job, resumed):
+    """Four ranks' stage-2 checkpoint continued on two ranks, and two ranks' on one and on four
+    (pieces that do not divide evenly: padded), end where one uninterrupted process ends."""
+    seen = horovod_job[resumed]
+    assert seen["weights"] <= WITHIN and seen["state"] <= WITHIN, seen
+    assert seen["held_by"] == {"resumed": 4, "resumed_on_one": 2, "resumed_on_four": 2}[resumed]
 
 
 def test_a_run_every_rank_stops_together_leaves_the_optimizer_whole(horovod_job):
