@@ -164,6 +164,33 @@ class Sharding:
         poison = tf.where(finite, 0.0, np.nan)
         return [p if p is None else p + tf.cast(poison, p.dtype) for p in pieces], finite
 
+    def clipped(self, optimizer: keras.optimizers.Optimizer, pieces: Sequence[Any]) -> list[Any]:
+        """Keras' ``clipnorm`` (each gradient by its own norm) or ``global_clipnorm`` (all by
+        their joint norm) on this rank's pieces, with the whole gradients' norms: each piece's
+        squares summed here, those sums over every rank (one allreduce; padding adds zeros),
+        then Keras' own formulas."""
+        present = [index for index, piece in enumerate(pieces) if piece is not None]
+        if not present:
+            return list(pieces)
+        squares = self.collectives.allreduce_sum([tf.stack(
+            [tf.reduce_sum(tf.square(tf.cast(pieces[i], tf.float32))) for i in present])])[0]
+        clipped = list(pieces)
+        if optimizer.clipnorm and optimizer.clipnorm > 0:
+            for position, index in enumerate(present):
+                piece = pieces[index]
+                l2sum = tf.cast(squares[position], piece.dtype)
+                positive = l2sum > 0
+                l2norm = tf.where(positive, tf.sqrt(tf.where(positive, l2sum, 1.0)), l2sum)
+                clipped[index] = (piece * optimizer.clipnorm
+                                  / tf.maximum(l2norm, optimizer.clipnorm))
+            return clipped
+        norm = tf.sqrt(tf.reduce_sum(squares))
+        limit = optimizer.global_clipnorm
+        scale = limit * tf.minimum(1.0 / norm, 1.0 / limit) + (norm - norm)   # NaN if not finite
+        for index in present:
+            clipped[index] = pieces[index] * tf.cast(scale, pieces[index].dtype)
+        return clipped
+
     def gather(self, variables: Sequence[Any], constrained: Sequence[bool],
                updated: tf.Tensor | None = None) -> None:
         """Every rank's pieces into each variable: one grouped all-gather per bucket. Then, as
@@ -287,6 +314,13 @@ class _ShardedOptimizer:
         self._hvdtrain_sharding.register(variables)
         super().build(variables)
 
+    def _clip_gradients(self, grads: Sequence[Any]) -> list[Any]:
+        """Norm clipping with the norms of the whole gradients, not of this rank's pieces."""
+        if (self.clipnorm and self.clipnorm > 0) or (self.global_clipnorm and
+                                                     self.global_clipnorm > 0):
+            return self._hvdtrain_sharding.clipped(self, grads)
+        return super()._clip_gradients(grads)
+
     def apply(self, grads: Sequence[Any], trainable_variables: Sequence[Any] | None = None) -> Any:
         """Given the model's variables (a model's own ``train_step``): reduce-scatter, update
         the pieces, all-gather. Given the pieces (the run's step, or a loss-scale optimizer
@@ -376,11 +410,6 @@ def check_shardable(optimizer: keras.optimizers.Optimizer) -> None:
     updating a (4, 3) variable whole and as two flat pieces from a copy of the optimizer."""
     inner = holders(optimizer)[-1]
     name = type(inner).__name__
-    for setting in ("clipnorm", "global_clipnorm"):
-        if getattr(inner, setting, None):
-            raise UserError(f"--zero-stage cannot shard optimizer {name} with {setting} "
-                            "exactly yet (the norm spans every rank's pieces); use clipvalue "
-                            "or --zero-stage 0")
     if getattr(inner, "use_ema", False):
         raise UserError(f"--zero-stage cannot shard optimizer {name} with use_ema (its "
                         "averages replace the weights at the end); use --zero-stage 0")
@@ -392,10 +421,15 @@ def check_shardable(optimizer: keras.optimizers.Optimizer) -> None:
 
 
 def _fresh_copy(optimizer: keras.optimizers.Optimizer) -> keras.optimizers.Optimizer:
+    """An unbuilt copy without norm clipping (sharded runs clip with the whole norms)."""
     try:
-        return type(optimizer).from_config(optimizer.get_config())
+        config = optimizer.get_config()
+        copied = type(optimizer).from_config({**config, "clipnorm": None,
+                                              "global_clipnorm": None})
     except (TypeError, ValueError, NotImplementedError, KeyError):
-        return copy.deepcopy(optimizer)
+        copied = copy.deepcopy(optimizer)
+        copied.clipnorm = copied.global_clipnorm = None
+    return copied
 
 
 def _updates_elementwise(optimizer: keras.optimizers.Optimizer) -> bool:

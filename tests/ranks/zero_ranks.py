@@ -3,8 +3,9 @@
 none CASES`` for one process):
 
 - ``optimizers``: SGD, momentum, Nesterov, Adam, AdamW (biases excluded from weight decay),
-  RMSprop, Adagrad, Lion and a user's own elementwise optimizer, each at stage 2 on a model
-  with a kernel constraint, against Keras ``fit`` in one process with the global batch;
+  RMSprop, Adagrad, Lion, a user's own elementwise optimizer, Adam with ``clipnorm`` and
+  momentum with ``global_clipnorm``, each at stage 2 on a model with a kernel constraint,
+  against Keras ``fit`` in one process with the global batch;
 - ``variants``: Adam at stage 1 and 2 with two accumulated micro-steps (against Keras with the
   four-times batch), in the custom loop, under mixed precision (a loss-scale optimizer), and a
   model's own ``train_step`` with two optimizers (a GAN's shape);
@@ -72,6 +73,10 @@ OPTIMIZERS = {
     "adagrad": lambda: keras.optimizers.Adagrad(0.1),
     "lion": lambda: keras.optimizers.Lion(0.003),
     "own": lambda: SignMomentum(0.01),
+    # Norm clipping (the mean gradients' norms are about 1: both clip every step).
+    "adam-clipnorm": lambda: keras.optimizers.Adam(0.01, clipnorm=0.05),
+    "momentum-global-clipnorm": lambda: keras.optimizers.SGD(0.05, momentum=0.9,
+                                                             global_clipnorm=0.05),
 }
 
 

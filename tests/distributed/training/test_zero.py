@@ -65,7 +65,8 @@ def _sharded_while_training(seen: dict) -> None:
 
 
 @pytest.mark.parametrize("optimizer", ["sgd", "momentum", "nesterov", "adam", "adamw",
-                                       "rmsprop", "adagrad", "lion", "own"])
+                                       "rmsprop", "adagrad", "lion", "own", "adam-clipnorm",
+                                       "momentum-global-clipnorm"])
 def test_each_optimizer_sharded_on_two_ranks_equals_one_process(horovod_job, optimizer):
     seen = horovod_job["optimizers"][optimizer]
     within = RMSPROP_WITHIN if optimizer == "rmsprop" else WITHIN
