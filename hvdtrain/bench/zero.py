@@ -57,6 +57,23 @@ def launch(args: argparse.Namespace, run_dir: Path, stage: int, ranks: int, hidd
     return result.returncode, (result.stdout + result.stderr)[-2000:]
 
 
+def drop_large_files(run_dir: Path) -> None:
+    """A measured run's checkpoints and final model (GBs per run at these widths): the
+    figures come from its ``summary.json`` and ``metrics.jsonl``, which stay."""
+    import shutil
+
+    shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)
+    for name in ("model.keras", "model.weights.h5"):
+        (run_dir / name).unlink(missing_ok=True)
+
+
+def last_log_line(run_dir: Path) -> str:
+    """Where a run that failed had got to (the last line of rank 0's log)."""
+    log = run_dir / "hvdtrain.log"
+    lines = log.read_text().strip().splitlines() if log.exists() else []
+    return lines[-1][:160] if lines else "no log"
+
+
 def measured(run_dir: Path, ranks: int, batch_size: int) -> dict:
     """Per rank memory (MiB) and the last epoch's step time (s) of a finished run."""
     summary = json.loads((run_dir / "summary.json").read_text())
@@ -106,6 +123,7 @@ def sweep(args: argparse.Namespace) -> dict[tuple[int, int], dict]:
                     raise RuntimeError(f"{run_dir.name} failed:\n{output}")
                 runs.setdefault((ranks, stage), []).append(
                     measured(run_dir, ranks, args.batch_size))
+                drop_large_files(run_dir)
     return {key: {**seen[0], "step_s": statistics.median(s["step_s"] for s in seen)}
             for key, seen in runs.items()}
 
@@ -118,9 +136,14 @@ def widest(args: argparse.Namespace, stage: int, ranks: int) -> tuple[int | None
     for hidden in sorted(args.widths):
         run_dir = args.out / f"limit-stage{stage}-h{hidden}"
         code, output = launch(args, run_dir, stage, ranks, hidden, args.memory_limit_mib)
-        tried[hidden] = "trained" if code == 0 else f"failed ({code})"
         if code != 0:
+            tried[hidden] = f"failed ({code}) after: {last_log_line(run_dir)}"
+            drop_large_files(run_dir)
             break
+        peaks = [m["peak_resident_bytes"] / 2 ** 20 for m in
+                 json.loads((run_dir / "summary.json").read_text())["memory"]]
+        tried[hidden] = f"trained (peak resident {max(peaks):.0f} MiB)"
+        drop_large_files(run_dir)
         best = hidden
     return best, tried
 
