@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import fcntl
 import hashlib
+import itertools
 import os
 import re
 import shutil
@@ -20,7 +21,7 @@ import socket
 import zipfile
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Callable, Union
+from typing import Any, Callable, Iterable, Union
 
 import keras
 import numpy as np
@@ -172,29 +173,47 @@ def _built_for(optimizer: keras.optimizers.Optimizer) -> list[str]:
     return [v.path for v in optimizer_variables_built_for(optimizer)]
 
 
+def _write_npz(path: Path, arrays: Iterable[tuple[str, np.ndarray]]) -> None:
+    """A NumPy archive as ``np.savez`` writes it, one array at a time as ``arrays`` yields
+    them, so a checkpoint never holds a second copy of the model or the optimizer's state."""
+    with zipfile.ZipFile(path, "w", allowZip64=True) as archive:
+        for name, value in arrays:
+            with archive.open(f"{name}.npy", "w", force_zip64=True) as member:
+                np.lib.format.write_array(member, np.asanyarray(value), allow_pickle=False)
+
+
 def _write_files(directory: Path, model: keras.Model,
                  optimizers: dict[str, keras.optimizers.Optimizer], state: CheckpointState,
                  rank_states: list[list[np.ndarray]],
-                 whole: dict[str, list[np.ndarray]] | None) -> None:
+                 whole: dict[str, Iterable[np.ndarray]] | None) -> None:
     """A checkpoint's files in ``directory``, flushed to disk: the weights and random-generator
-    states, every built optimizer's variables (``whole``: a sharded optimizer's, gathered),
-    and ``state`` with what each optimizer was built for and the files' checksums."""
-    arrays = {f"w{i:04d}": weight for i, weight in enumerate(model.get_weights())}
-    arrays.update({f"rng{rank:04d}_{i:04d}": value
-                   for rank, values in enumerate(rank_states)
-                   for i, value in enumerate(values)})
-    np.savez(directory / WEIGHTS_FILE, **arrays)
+    states, every built optimizer's variables (``whole``: a sharded optimizer's, gathered one
+    at a time as they are written), and ``state`` with what each optimizer was built for and
+    the files' checksums."""
+    rng = ((f"rng{rank:04d}_{i:04d}", value) for rank, values in enumerate(rank_states)
+           for i, value in enumerate(values))
+    _write_npz(directory / WEIGHTS_FILE, itertools.chain(
+        ((f"w{i:04d}", weight.numpy()) for i, weight in enumerate(model.weights)), rng))
     built = {name: optimizer for name, optimizer in optimizers.items() if optimizer.built}
     whole = whole or {}
-    np.savez(directory / OPTIMIZER_FILE, **{
-        f"{_optimizer_prefix(name)}{i:04d}": value
+    _write_npz(directory / OPTIMIZER_FILE, (
+        (f"{_optimizer_prefix(name)}{i:04d}", value)
         for name, optimizer in built.items()
-        for i, value in enumerate(whole.get(name) or [v.numpy() for v in optimizer.variables])})
+        for i, value in enumerate(whole[name] if name in whole else
+                                  (v.numpy() for v in optimizer.variables))))
     files = {name: sha256_of(directory / name) for name in (WEIGHTS_FILE, OPTIMIZER_FILE)}
     optimizer_state = {name: _built_for(optimizer) for name, optimizer in built.items()}
     with open(directory / STATE_FILE, "w") as handle:
         handle.write(replace(state, optimizers=optimizer_state, files=files).to_json())
     _fsync_tree(directory)
+
+
+def _drain(whole: dict[str, Iterable[np.ndarray]] | None) -> None:
+    """The gathers of sharded state a failed write left unread: every rank takes part in each
+    (a collective), so rank 0 finishes them before it reports the failure."""
+    for values in (whole or {}).values():
+        for _ in values:
+            pass
 
 
 @dataclass(frozen=True)
@@ -313,12 +332,13 @@ class CheckpointStore:
 
     def save(self, model: keras.Model, optimizers: Optimizers, state: CheckpointState,
              rank_states: list[list[np.ndarray]] | None = None,
-             whole: dict[str, list[np.ndarray]] | None = None) -> Checkpoint:
+             whole: dict[str, Iterable[np.ndarray]] | None = None) -> Checkpoint:
         """Write checkpoint ``checkpoint_name(state.epoch, state.step)`` atomically and prune
         old ones; a failed write raises CheckpointWriteFailed and leaves the checkpoints on
         disk as they were. ``rank_states``: every rank's ``rank_local_variables`` values, in
-        rank order (default: this process's); ``whole``: the state of sharded optimizers,
-        gathered (ZeRO), by attribute."""
+        rank order (default: this process's); ``whole``: the state of sharded optimizers (ZeRO),
+        by attribute, each gathered as it is written (every rank takes part: a failed write
+        still completes the gathers)."""
         final = self.directory / checkpoint_name(state.epoch, state.step)
         partial = self.directory / f".partial-{final.name}-{os.getpid()}"
         try:
@@ -337,6 +357,8 @@ class CheckpointStore:
                 f"could not write checkpoint {final.name} in {self.directory}: {_why(error)}; "
                 f"{kept}; free space or fix the quota or permissions, then continue with "
                 "--resume auto") from error
+        finally:
+            _drain(whole)     # after a failure the other ranks still wait in the gathers
         return self._move_into_place(partial, final)
 
     def _move_into_place(self, partial: Path, final: Path) -> Checkpoint:

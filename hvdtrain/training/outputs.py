@@ -4,7 +4,11 @@ serialise it), ``summary.json`` (``RunSummary``), ``curves.png``, and the closin
 from __future__ import annotations
 
 import dataclasses
+import errno
 import json
+import os
+import shutil
+import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -15,6 +19,7 @@ from hvdtrain.checkpoint import atomic_write_text
 from hvdtrain.errors import first_sentence
 from hvdtrain.keras_internals import sublayers
 from hvdtrain.log import logger
+from hvdtrain.training.memory import variable_bytes
 from hvdtrain.plots import plot_curves
 from hvdtrain.writes import run_files
 
@@ -40,16 +45,33 @@ class RunSummary:
     memory: list[dict[str, Any] | None] = dataclasses.field(default_factory=list)
 
 
+# The members of a .keras archive, in the order Keras writes them; then the assets folder.
+KERAS_ARCHIVE_MEMBERS = ("metadata.json", "config.json", "model.weights.h5")
+# Room asked for beyond twice the variables' bytes (HDF5's metadata, the JSON files).
+SAVE_MARGIN_BYTES = 2 ** 20
+
+
 def save_model(run_dir: Path, model: keras.Model) -> Path:
     """The final model as ``model.keras``; a model Keras cannot serialise whole (a subclass
     without ``get_config``, such as a GAN) as its weights, ``model.weights.h5``, said in one
-    line."""
+    line. Keras would build the archive in memory whenever the host (not the job's memory
+    limit) has room, holding the weights and optimizer state twice more; here it writes them
+    unzipped, straight to disk, and the archive is made from those files. An HDF5 write that
+    fails for want of space can crash the process, so the room is checked first."""
     partial = run_dir / ".model.partial.keras"
+    unpacked = run_dir / ".model.partial"
     if not model.built and all(layer.built for layer in sublayers(model)):
         model.built = True     # a composite (a GAN) whose parts are built: it has trained
     with run_files(run_dir, "the final model", leftover=partial):
+        shutil.rmtree(unpacked, ignore_errors=True)
+        optimizer = getattr(model, "optimizer", None)
+        stored = variable_bytes(model.weights) + variable_bytes(
+            optimizer.variables if optimizer is not None and optimizer.built else [])
+        if shutil.disk_usage(run_dir).free < 2 * stored + SAVE_MARGIN_BYTES:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(run_dir))
         try:
-            model.save(partial)
+            model.save(unpacked, zipped=False)
+            archive_saved_model(unpacked, partial)
         except (NotImplementedError, TypeError, ValueError) as error:
             partial.unlink(missing_ok=True)
             path = run_dir / "model.weights.h5"
@@ -59,8 +81,21 @@ def save_model(run_dir: Path, model: keras.Model) -> Path:
                            f"{why}); saved its weights to {path} (give the class "
                            "get_config/from_config to save it whole)")
             return path
+        finally:
+            shutil.rmtree(unpacked, ignore_errors=True)
         partial.replace(run_dir / "model.keras")
     return run_dir / "model.keras"
+
+
+def archive_saved_model(unpacked: Path, archive: Path) -> None:
+    """A ``.keras`` archive from the folder ``model.save(zipped=False)`` wrote: the members
+    Keras' own archive has, stored uncompressed as Keras stores them."""
+    with zipfile.ZipFile(archive, "w") as zipped:
+        for name in KERAS_ARCHIVE_MEMBERS:
+            zipped.write(unpacked / name, name)
+        for asset in sorted((unpacked / "assets").rglob("*")):
+            if asset.is_file():
+                zipped.write(asset, asset.relative_to(unpacked).as_posix())
 
 
 def write_outputs(run_dir: Path, model: keras.Model, summary: RunSummary) -> None:

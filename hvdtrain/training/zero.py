@@ -210,21 +210,14 @@ class Sharding:
 
     # --- the optimizer's state ---------------------------------------------------------------
 
-    def full_state(self, optimizer: keras.optimizers.Optimizer,
-                   keep: bool = True) -> list[np.ndarray | None]:
+    def full_state(self, optimizer: keras.optimizers.Optimizer) -> Iterator[np.ndarray]:
         """Every optimizer variable's value as an unsharded optimizer holds it, in
-        ``optimizer.variables`` order (a collective: one all-gather per slot, so no more than
-        one whole slot is on the device at once); ``keep`` false: this rank takes part in the
-        gathers but keeps nothing (None for each)."""
-        values: list[np.ndarray | None] = []
+        ``optimizer.variables`` order, each gathered as it is asked for (a collective: one
+        all-gather per slot, so no more than one whole slot exists at once, and every rank
+        must read as many)."""
         for slot in optimizer.variables:
             owner = self.owners.get(id(slot))
-            if owner is None:
-                values.append(slot.numpy() if keep else None)
-                continue
-            whole = self._gathered(slot, owner)
-            values.append(whole.numpy() if keep else None)
-        return values
+            yield slot.numpy() if owner is None else self._gathered(slot, owner).numpy()
 
     def _gathered(self, piece: Any, owner: Any) -> tf.Tensor:
         """Every rank's ``piece`` of ``owner`` (a slot or a shard) as one whole value."""
@@ -382,26 +375,32 @@ def sharded_for_the_run(optimizers: Sequence[keras.optimizers.Optimizer], shardi
 
 @dataclass(frozen=True)
 class WholeState:
-    """Sharded optimizers' state gathered whole for a checkpoint: the arrays by attribute, and
-    how it was held (``CheckpointState.sharded``)."""
+    """Sharded optimizers' state for a checkpoint: by attribute, each optimizer's values
+    gathered whole one at a time as rank 0 writes them; and how it was held
+    (``CheckpointState.sharded``)."""
 
-    arrays: dict[str, list[np.ndarray]]
+    arrays: dict[str, Iterator[np.ndarray]]
     record: dict[str, int]
 
 
 def consolidated_state(optimizers: dict[str, keras.optimizers.Optimizer]) -> WholeState | None:
-    """Every sharded optimizer's whole state (a collective every rank calls before rank 0
-    writes a checkpoint; only rank 0 keeps the values), or None when no optimizer is
-    sharded."""
+    """Every sharded optimizer's whole state, or None when no optimizer is sharded. A
+    collective: rank 0 reads it while writing the checkpoint; the other ranks take part in
+    each gather here, keeping nothing, and get None back."""
     sharded = {name: optimizer for name, optimizer in optimizers.items()
                if isinstance(optimizer, _ShardedOptimizer) and optimizer.built}
     if not sharded:
         return None
     sharding = next(iter(sharded.values()))._hvdtrain_sharding
-    chief = sharding.world.is_chief
-    return WholeState({name: optimizer._hvdtrain_sharding.full_state(optimizer, keep=chief)
-                       for name, optimizer in sharded.items()},
-                      {"zero_stage": sharding.stage, "ranks": sharding.world.size})
+    whole = WholeState({name: optimizer._hvdtrain_sharding.full_state(optimizer)
+                        for name, optimizer in sharded.items()},
+                       {"zero_stage": sharding.stage, "ranks": sharding.world.size})
+    if sharding.world.is_chief:
+        return whole
+    for values in whole.arrays.values():
+        for _ in values:
+            pass
+    return None
 
 
 def check_shardable(optimizer: keras.optimizers.Optimizer) -> None:
