@@ -78,12 +78,12 @@ class OwnStep:
         return gradient_bytes_kept(self._sharding, self.model.trainable_variables)
 
     @contextlib.contextmanager
-    def training(self) -> Iterator[None]:
+    def training(self, end_in_pieces: bool = False) -> Iterator[None]:
         """While the block runs, the model's optimizers average gradients across ranks (and
         hold pieces of their state, sharded)."""
         optimizers = list(self.optimizers.values())
         if self._sharding is not None:
-            with sharded_for_the_run(optimizers, self._sharding):
+            with sharded_for_the_run(optimizers, self._sharding, end_in_pieces=end_in_pieces):
                 yield
             return
         with distributed_for_the_run(optimizers, self.reduction,

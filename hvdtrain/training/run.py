@@ -50,7 +50,7 @@ from hvdtrain.training.run_columns import RunColumns, RunColumnsLog
 from hvdtrain.training.schedule import PlateauDecay
 from hvdtrain.training.step import StepMath, StepOptions, TrainingStep, xla_line
 from hvdtrain.training.trainable import Trainable, own_step_reason, prepare, probe_trainable
-from hvdtrain.training.zero import check_shardable
+from hvdtrain.training.zero import check_shardable, saved_from_pieces
 from hvdtrain.training.zero import describe as describe_sharding
 
 
@@ -359,7 +359,8 @@ class Run:
             validation_freq=self.validation_freq, plateau=run.plateau,
             user_callbacks=run.user_callbacks, run_columns=run.run_columns))
         callbacks.before.insert(0, position)
-        with data_errors_named(run.data, world.rank), run.step.training():
+        with data_errors_named(run.data, world.rank), \
+                run.step.training(end_in_pieces=self.process_ends_with_run):
             done = start.resume.step if start.resume.epoch == initial_epoch else 0
             try:
                 history = LOOPS[config.train.loop](
@@ -397,18 +398,21 @@ class Run:
         if any(stale for _, _, stale, _ in gathered):
             epoch, metrics = None, run.validate()
         fingerprints = [each for each, _, _, _ in gathered]
-        if world.is_chief:
-            summary = RunSummary(metrics, world.size, len(set(fingerprints)) == 1, fingerprints,
-                                 start.before_broadcast, trained, started - run.launched,
-                                 run.first_step.seconds, run.first_step.unix_time,
-                                 None if run.data.val is None else run.data.val.num_examples,
-                                 [facts for _, facts, _, _ in gathered],
-                                 None if epoch is None else epoch + 1,
-                                 [held for _, _, _, held in gathered])
-            final = float32_copy(model, self.config.train.precision,
-                                 lambda: self.model_factory(run.data.input_shape,
-                                                            run.data.num_classes))
-            write_outputs(run.run_dir, final, summary)
+        # A sharded optimizer the CLI's run left in pieces is gathered as rank 0 saves it.
+        with saved_from_pieces(list(run.step.optimizers.values())):
+            if world.is_chief:
+                summary = RunSummary(metrics, world.size, len(set(fingerprints)) == 1,
+                                     fingerprints, start.before_broadcast, trained,
+                                     started - run.launched, run.first_step.seconds,
+                                     run.first_step.unix_time,
+                                     None if run.data.val is None else run.data.val.num_examples,
+                                     [facts for _, facts, _, _ in gathered],
+                                     None if epoch is None else epoch + 1,
+                                     [held for _, _, _, held in gathered])
+                final = float32_copy(model, self.config.train.precision,
+                                     lambda: self.model_factory(run.data.input_shape,
+                                                                run.data.num_classes))
+                write_outputs(run.run_dir, final, summary)
         return RunResult(run.run_dir, metrics, fingerprints, model, history,
                          list(run.run_columns.rows))
 

@@ -66,8 +66,9 @@ class TrainingStep(Protocol):
         """(exact validation over every rank's share of a dataset, ``val_*`` names; the metric
         states the probe batch must build for it)."""
 
-    def training(self) -> ContextManager[None]:
-        """What must be in place while this step trains (the run enters it around the loop)."""
+    def training(self, end_in_pieces: bool = False) -> ContextManager[None]:
+        """What must be in place while this step trains (the run enters it around the loop);
+        ``end_in_pieces``: sharded optimizer state may stay in pieces after (``zero``)."""
 
     def gradient_bytes(self) -> int:
         """The gradient bytes this rank keeps after the exchange (``memory.HeldMemory``)."""
@@ -209,12 +210,12 @@ class StepMath:
                                 xla=self.options.xla)
         return evaluation.run, [evaluation.metrics]
 
-    def training(self) -> ContextManager[None]:
+    def training(self, end_in_pieces: bool = False) -> ContextManager[None]:
         """hvdtrain's step reduces gradients itself; sharded, the optimizer holds pieces."""
         if self.sharding is None:
             return contextlib.nullcontext()
         return sharded_for_the_run([self.optimizer], self.sharding,
-                                   self.model.trainable_variables)
+                                   self.model.trainable_variables, end_in_pieces)
 
     def epoch_results(self, logs: dict[str, Any]) -> dict[str, float]:
         return self.train_metrics.global_results(self.collectives)

@@ -307,6 +307,18 @@ class _ShardedOptimizer:
         self._hvdtrain_sharding.register(variables)
         super().build(variables)
 
+    def save_own_variables(self, store: Any) -> None:
+        """Keras saving the state: only the final save may, each variable gathered whole as
+        it is stored (``saved_from_pieces``); anything else would save this rank's pieces."""
+        stream = getattr(self, "_hvdtrain_stream", None)
+        if stream is None:
+            raise UserError(f"optimizer '{self.name}' holds only this rank's pieces of its "
+                            "state under --zero-stage, so Keras cannot save it during the run; "
+                            "hvdtrain's checkpoints and final model save it whole (or use "
+                            "--zero-stage 0)")
+        for index, value in enumerate(stream):
+            store[str(index)] = value
+
     def _clip_gradients(self, grads: Sequence[Any]) -> list[Any]:
         """Norm clipping with the norms of the whole gradients, not of this rank's pieces."""
         if (self.clipnorm and self.clipnorm > 0) or (self.global_clipnorm and
@@ -342,35 +354,64 @@ def sharded_class(optimizer_class: type) -> type:
 
 @contextlib.contextmanager
 def sharded_for_the_run(optimizers: Sequence[keras.optimizers.Optimizer], sharding: Sharding,
-                        variables: Sequence[Any] = ()) -> Iterator[None]:
+                        variables: Sequence[Any] = (), end_in_pieces: bool = False
+                        ) -> Iterator[None]:
     """Each optimizer (and the one inside a loss-scale optimizer) sharded while the block
     runs, built in pieces for ``variables`` if not built yet (an optimizer built whole before,
     as a restored one is, is cut). When the block ends normally or every rank stopped together
     (a stop, a divergence, a failed checkpoint write), its state is gathered back whole; after
-    an error of one rank, whose peers may be gone, it stays in pieces. Its class is restored."""
+    an error of one rank, whose peers may be gone, it stays in pieces. Its class is restored.
+    ``end_in_pieces`` (a run whose process ends with it: no program sees the optimizer after):
+    a lone optimizer that ends normally stays sharded, in pieces, for ``saved_from_pieces``."""
     found = [inner for optimizer in optimizers for inner in holders(optimizer)]
     originals = [type(inner) for inner in found]
     for inner, cls in zip(found, originals):
         set_class(inner, sharded_class(cls))
         object.__setattr__(inner, "_hvdtrain_sharding", sharding)
-    whole_again = False
+    whole_again = in_pieces = False
     try:
         for optimizer in optimizers:
             sharding.shard_slots(optimizer)
             if variables and not optimizer.built:
                 optimizer.build(list(variables))
         yield
-        whole_again = True
+        in_pieces = end_in_pieces and len(found) == 1
+        whole_again = not in_pieces
     except (StoppedBySignal, TrainingDiverged, CheckpointWriteFailed, AgreedError):
         whole_again = True    # every rank stopped together: all can gather
         raise
     finally:
-        if whole_again:
-            for optimizer in optimizers:
-                sharding.unshard_slots(optimizer)
-        for inner, cls in zip(found, originals):
-            set_class(inner, cls)
-            object.__delattr__(inner, "_hvdtrain_sharding")
+        if in_pieces:
+            object.__setattr__(found[0], "_hvdtrain_class", originals[0])
+        else:
+            if whole_again:
+                for optimizer in optimizers:
+                    sharding.unshard_slots(optimizer)
+            for inner, cls in zip(found, originals):
+                set_class(inner, cls)
+                object.__delattr__(inner, "_hvdtrain_sharding")
+
+
+@contextlib.contextmanager
+def saved_from_pieces(optimizers: Sequence[keras.optimizers.Optimizer]) -> Iterator[None]:
+    """Around rank 0's final save, on every rank: an optimizer a run left in pieces
+    (``end_in_pieces``) gives Keras' save each state variable whole, gathered as Keras stores
+    it, so no rank ever holds the whole state; every rank takes part in each gather (the
+    other ranks here; rank 0 as it saves, then here for any its save did not read). Its class
+    is restored after."""
+    left = [optimizer for optimizer in optimizers if hasattr(optimizer, "_hvdtrain_class")]
+    for optimizer in left:
+        object.__setattr__(optimizer, "_hvdtrain_stream",
+                           optimizer._hvdtrain_sharding.full_state(optimizer))
+    try:
+        yield
+    finally:
+        for optimizer in left:
+            for _ in optimizer._hvdtrain_stream:
+                pass
+            set_class(optimizer, optimizer._hvdtrain_class)
+            for name in ("_hvdtrain_stream", "_hvdtrain_class", "_hvdtrain_sharding"):
+                object.__delattr__(optimizer, name)
 
 
 @dataclass(frozen=True)

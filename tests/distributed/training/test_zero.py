@@ -48,7 +48,8 @@ def horovod_job(tmp_path_factory) -> dict:
 
 @pytest.fixture(scope="module")
 def tensorflow_job(tmp_path_factory) -> dict:
-    return _job(tmp_path_factory.mktemp("zero-tensorflow") / "two", 2, "tensorflow", "variants")
+    return _job(tmp_path_factory.mktemp("zero-tensorflow") / "two", 2, "tensorflow",
+                "optimizers", "variants")
 
 
 def _sharded_while_training(seen: dict) -> None:
@@ -67,8 +68,10 @@ def _sharded_while_training(seen: dict) -> None:
 @pytest.mark.parametrize("optimizer", ["sgd", "momentum", "nesterov", "adam", "adamw",
                                        "rmsprop", "adagrad", "lion", "own", "adam-clipnorm",
                                        "momentum-global-clipnorm"])
-def test_each_optimizer_sharded_on_two_ranks_equals_one_process(horovod_job, optimizer):
-    seen = horovod_job["optimizers"][optimizer]
+@pytest.mark.parametrize("backend", ["horovod", "tensorflow"])
+def test_each_optimizer_sharded_on_two_ranks_equals_one_process(horovod_job, tensorflow_job,
+                                                                backend, optimizer):
+    seen = (horovod_job if backend == "horovod" else tensorflow_job)["optimizers"][optimizer]
     within = RMSPROP_WITHIN if optimizer == "rmsprop" else WITHIN
     assert seen["weights"] <= within and seen["state"] <= WITHIN, seen
     if optimizer == "rmsprop":
@@ -115,3 +118,26 @@ def test_a_run_every_rank_stops_together_leaves_the_optimizer_whole(horovod_job)
     assert seen["stopped"] == "TrainingDiverged"
     per_weight = [shape for shape in seen["shapes_after"] if shape]
     assert per_weight == [shape for shape in seen["weights"] for _ in range(2)], seen
+
+
+def test_the_cli_saves_the_whole_state_gathered_as_it_writes(tmp_path):
+    """The CLI's run ends with its optimizer in pieces (no rank gathers the whole state back);
+    rank 0's final save gathers each state variable as Keras stores it, so ``model.keras``
+    holds the same whole state as the last checkpoint, and loads as an ordinary model."""
+    import keras
+    import numpy as np
+
+    from conftest import train
+    from hvdtrain.checkpoint import CheckpointStore
+
+    run_dir = train(tmp_path, "cli", "--epochs", "1", "--hidden-units", "30", "20",
+                    "--optimizer", "adam", "--zero-stage", "2", "--no-tensorboard")
+    checkpoint = CheckpointStore(run_dir, 1).latest()
+    with np.load(checkpoint.path / "optimizer.npz") as saved:
+        checkpointed = [saved[key] for key in sorted(saved.files)]
+    loaded = keras.saving.load_model(run_dir / "model.keras", safe_mode=True)
+    state = [np.asarray(v) for v in loaded.optimizer.variables]
+    assert [a.shape for a in state] == [a.shape for a in checkpointed]
+    assert any(a.size > 1 for a in state)
+    for ours, theirs in zip(state, checkpointed):
+        np.testing.assert_array_equal(ours, theirs)
