@@ -18,6 +18,7 @@ import os
 import re
 import shutil
 import socket
+import sys
 import zipfile
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -208,12 +209,17 @@ def _write_files(directory: Path, model: keras.Model,
     _fsync_tree(directory)
 
 
-def _drain(whole: dict[str, Iterable[np.ndarray]] | None) -> None:
-    """The gathers of sharded state a failed write left unread: every rank takes part in each
-    (a collective), so rank 0 finishes them before it reports the failure."""
-    for values in (whole or {}).values():
-        for _ in values:
+def drain(gathers: Iterable[Any], quietly: bool = False) -> None:
+    """Take part in the all-gathers of sharded state (ZeRO) that ``gathers`` has left unread:
+    every rank takes part in each, so rank 0 finishes them after a failed write before it
+    reports it. ``quietly``: while another error is on its way (the write's, or a peer gone),
+    a failure here does not replace it."""
+    try:
+        for _ in gathers:
             pass
+    except Exception:
+        if not quietly:
+            raise
 
 
 @dataclass(frozen=True)
@@ -358,7 +364,9 @@ class CheckpointStore:
                 f"{kept}; free space or fix the quota or permissions, then continue with "
                 "--resume auto") from error
         finally:
-            _drain(whole)     # after a failure the other ranks still wait in the gathers
+            in_flight = sys.exc_info()[1]
+            for values in (whole or {}).values():
+                drain(values, quietly=in_flight is not None)
         return self._move_into_place(partial, final)
 
     def _move_into_place(self, partial: Path, final: Path) -> Checkpoint:

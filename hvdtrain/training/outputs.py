@@ -20,6 +20,7 @@ from hvdtrain.errors import first_sentence
 from hvdtrain.keras_internals import sublayers
 from hvdtrain.log import logger
 from hvdtrain.training.memory import variable_bytes
+from hvdtrain.training.zero import saved_state_bytes
 from hvdtrain.plots import plot_curves
 from hvdtrain.writes import run_files
 
@@ -65,13 +66,13 @@ def save_model(run_dir: Path, model: keras.Model) -> Path:
     with run_files(run_dir, "the final model", leftover=partial):
         shutil.rmtree(unpacked, ignore_errors=True)
         optimizer = getattr(model, "optimizer", None)
-        stored = variable_bytes(model.weights) + variable_bytes(
-            optimizer.variables if optimizer is not None and optimizer.built else [])
+        stored = variable_bytes(model.weights) + (
+            saved_state_bytes(optimizer) if optimizer is not None and optimizer.built else 0)
         if shutil.disk_usage(run_dir).free < 2 * stored + SAVE_MARGIN_BYTES:
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(run_dir))
         try:
-            model.save(unpacked, zipped=False)
-            archive_saved_model(unpacked, partial)
+            # An absolute path: Keras puts a relative folder's assets under a temporary folder.
+            model.save(unpacked.resolve(), zipped=False)
         except (NotImplementedError, TypeError, ValueError) as error:
             partial.unlink(missing_ok=True)
             path = run_dir / "model.weights.h5"
@@ -81,6 +82,8 @@ def save_model(run_dir: Path, model: keras.Model) -> Path:
                            f"{why}); saved its weights to {path} (give the class "
                            "get_config/from_config to save it whole)")
             return path
+        else:
+            archive_saved_model(unpacked, partial)
         finally:
             shutil.rmtree(unpacked, ignore_errors=True)
         partial.replace(run_dir / "model.keras")

@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
+import sys
 from dataclasses import dataclass
 from typing import Any, Iterator, Sequence
 
@@ -25,10 +26,12 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from hvdtrain.collectives import Collectives, GradientReduction
+from hvdtrain.checkpoint import drain
+from hvdtrain.collectives import Collectives, GradientReduction, static_bytes
 from hvdtrain.errors import (AgreedError, CheckpointWriteFailed, StoppedBySignal,
                              TrainingDiverged, UserError)
 from hvdtrain.keras_internals import resize_variable, set_class
+from hvdtrain.log import logger
 from hvdtrain.training.memory import variable_bytes
 
 ZERO_STAGES = (0, 1, 2)
@@ -316,6 +319,7 @@ class _ShardedOptimizer:
                             "state under --zero-stage, so Keras cannot save it during the run; "
                             "hvdtrain's checkpoints and final model save it whole (or use "
                             "--zero-stage 0)")
+        object.__setattr__(self, "_hvdtrain_stream", None)   # read once: a second save refused
         for index, value in enumerate(stream):
             store[str(index)] = value
 
@@ -398,20 +402,32 @@ def saved_from_pieces(optimizers: Sequence[keras.optimizers.Optimizer]) -> Itera
     (``end_in_pieces``) gives Keras' save each state variable whole, gathered as Keras stores
     it, so no rank ever holds the whole state; every rank takes part in each gather (the
     other ranks here; rank 0 as it saves, then here for any its save did not read). Its class
-    is restored after."""
+    is restored after; its state stays in pieces (the process is ending)."""
     left = [optimizer for optimizer in optimizers if hasattr(optimizer, "_hvdtrain_class")]
-    for optimizer in left:
-        object.__setattr__(optimizer, "_hvdtrain_stream",
-                           optimizer._hvdtrain_sharding.full_state(optimizer))
+    streams = [optimizer._hvdtrain_sharding.full_state(optimizer) for optimizer in left]
+    for optimizer, stream in zip(left, streams):
+        object.__setattr__(optimizer, "_hvdtrain_stream", stream)
+        if optimizer._hvdtrain_sharding.world.is_chief:
+            logger.info(f"ZeRO: optimizer '{optimizer.name}' saved from its pieces, one state "
+                        "variable gathered at a time (no rank holds its whole state)")
     try:
         yield
     finally:
-        for optimizer in left:
-            for _ in optimizer._hvdtrain_stream:
-                pass
-            set_class(optimizer, optimizer._hvdtrain_class)
-            for name in ("_hvdtrain_stream", "_hvdtrain_class", "_hvdtrain_sharding"):
-                object.__delattr__(optimizer, name)
+        in_flight = sys.exc_info()[1]
+        for optimizer, stream in zip(left, streams):
+            try:
+                drain(stream, quietly=in_flight is not None)
+            finally:   # the class comes back; its state stays in pieces (the process ends)
+                set_class(optimizer, optimizer._hvdtrain_class)
+                for name in ("_hvdtrain_stream", "_hvdtrain_class", "_hvdtrain_sharding"):
+                    object.__delattr__(optimizer, name)
+
+
+def saved_state_bytes(optimizer: keras.optimizers.Optimizer) -> int:
+    """The bytes of ``optimizer``'s state as Keras saves it: whole, also while sharded."""
+    sharding = getattr(optimizer, "_hvdtrain_sharding", None)
+    owners = sharding.owners if sharding is not None else {}
+    return sum(static_bytes(owners.get(id(v), v)) for v in optimizer.variables)
 
 
 @dataclass(frozen=True)

@@ -261,3 +261,28 @@ def test_a_full_disk_at_the_final_save_stops_with_one_line_and_resume_auto_finis
         filler.unlink()
         assert main(args) == 0, capsys.readouterr().err
         assert (run_dir / "model.keras").exists()
+
+
+def test_the_final_model_in_a_relative_run_directory_keeps_its_assets(tmp_path, monkeypatch):
+    """An adapted lookup keeps its vocabulary as a Keras asset; the final model, written
+    unzipped then archived, must carry it also when the run directory is relative."""
+    import keras
+    import tensorflow as tf
+
+    from hvdtrain.training.outputs import save_model
+
+    monkeypatch.chdir(tmp_path)
+    lookup = keras.layers.StringLookup()
+    lookup.adapt(tf.constant(["red", "green", "blue", "green"]))
+    words = keras.Input((1,), dtype="string")
+    model = keras.Model(words, keras.layers.Dense(1)(
+        keras.layers.CategoryEncoding(lookup.vocabulary_size(), "one_hot")(lookup(words))))
+    model.compile("adam", "mse")
+    run_dir = Path("run")
+    run_dir.mkdir()
+    saved = save_model(run_dir, model)
+    sample = tf.constant([["green"], ["blue"], ["mauve"]])
+    loaded = keras.saving.load_model(saved)
+    np.testing.assert_array_equal(loaded.predict(sample, verbose=0),
+                                  model.predict(sample, verbose=0))
+    assert sorted(p.name for p in run_dir.iterdir()) == ["model.keras"]

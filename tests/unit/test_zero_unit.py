@@ -110,3 +110,17 @@ def test_callbacks_that_save_rank_0s_optimizer_are_refused_when_sharded(tmp_path
     with pytest.raises(UserError, match="saves rank 0's optimizer state"):
         check_callbacks(config, [callback(tmp_path)])
     check_callbacks(build_config({}), [callback(tmp_path)])
+
+
+def test_keras_saving_a_sharded_optimizer_during_the_run_is_refused_in_one_line(tmp_path):
+    """A user's own ``model.save`` mid-run would store this rank's pieces as the state."""
+    from hvdtrain.training.zero import sharded_for_the_run
+
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+    model.compile(keras.optimizers.Adam(), "mse")
+    sharding = Sharding(LocalCollectives(), 2, GradientReduction())
+    with sharded_for_the_run([model.optimizer], sharding, model.trainable_variables):
+        with pytest.raises(UserError, match="Keras cannot save it during the run") as refused:
+            model.save(tmp_path / "mid-run.keras")
+    assert "\n" not in str(refused.value)
+    model.save(tmp_path / "after.keras")     # whole again once the run is over

@@ -132,6 +132,7 @@ def test_the_cli_saves_the_whole_state_gathered_as_it_writes(tmp_path):
 
     run_dir = train(tmp_path, "cli", "--epochs", "1", "--hidden-units", "30", "20",
                     "--optimizer", "adam", "--zero-stage", "2", "--no-tensorboard")
+    assert "ZeRO: optimizer 'adam' saved from its pieces" in run_dir.with_suffix(".log").read_text()
     checkpoint = CheckpointStore(run_dir, 1).latest()
     with np.load(checkpoint.path / "optimizer.npz") as saved:
         checkpointed = [saved[key] for key in sorted(saved.files)]
