@@ -278,6 +278,7 @@ def test_the_final_model_in_a_relative_run_directory_keeps_its_assets(tmp_path, 
     model = keras.Model(words, keras.layers.Dense(1)(
         keras.layers.CategoryEncoding(lookup.vocabulary_size(), "one_hot")(lookup(words))))
     model.compile("adam", "mse")
+    model.fit(tf.constant([["red"], ["blue"]]), np.ones((2, 1)), verbose=0)   # state to save
     run_dir = Path("run")
     run_dir.mkdir()
     saved = save_model(run_dir, model)
