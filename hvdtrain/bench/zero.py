@@ -140,9 +140,8 @@ def widest(args: argparse.Namespace, stage: int, ranks: int) -> tuple[int | None
             tried[hidden] = f"failed ({code}) after: {last_log_line(run_dir)}"
             drop_large_files(run_dir)
             break
-        peaks = [m["peak_resident_bytes"] / 2 ** 20 for m in
-                 json.loads((run_dir / "summary.json").read_text())["memory"]]
-        tried[hidden] = f"trained (peak resident {max(peaks):.0f} MiB)"
+        peak = max(measured(run_dir, ranks, args.batch_size)["peak_mib"])
+        tried[hidden] = f"trained (peak resident {peak:.0f} MiB)"
         drop_large_files(run_dir)
         best = hidden
     return best, tried

@@ -19,9 +19,9 @@ from hvdtrain.checkpoint import atomic_write_text
 from hvdtrain.errors import first_sentence
 from hvdtrain.keras_internals import sublayers
 from hvdtrain.log import logger
+from hvdtrain.plots import plot_curves
 from hvdtrain.training.memory import variable_bytes
 from hvdtrain.training.zero import saved_state_bytes
-from hvdtrain.plots import plot_curves
 from hvdtrain.writes import run_files
 
 

@@ -392,8 +392,7 @@ def sharded_for_the_run(optimizers: Sequence[keras.optimizers.Optimizer], shardi
                 for optimizer in optimizers:
                     sharding.unshard_slots(optimizer)
             for inner, cls in zip(found, originals):
-                set_class(inner, cls)
-                object.__delattr__(inner, "_hvdtrain_sharding")
+                _unsharded_class(inner, cls)
 
 
 @contextlib.contextmanager
@@ -418,9 +417,15 @@ def saved_from_pieces(optimizers: Sequence[keras.optimizers.Optimizer]) -> Itera
             try:
                 drain(stream, quietly=in_flight is not None)
             finally:   # the class comes back; its state stays in pieces (the process ends)
-                set_class(optimizer, optimizer._hvdtrain_class)
-                for name in ("_hvdtrain_stream", "_hvdtrain_class", "_hvdtrain_sharding"):
-                    object.__delattr__(optimizer, name)
+                _unsharded_class(optimizer, optimizer._hvdtrain_class)
+
+
+def _unsharded_class(optimizer: keras.optimizers.Optimizer, cls: type) -> None:
+    """``optimizer`` back in its own class, without what sharding attached to it."""
+    set_class(optimizer, cls)
+    for name in ("_hvdtrain_sharding", "_hvdtrain_class", "_hvdtrain_stream"):
+        if name in vars(optimizer):
+            object.__delattr__(optimizer, name)
 
 
 def saved_state_bytes(optimizer: keras.optimizers.Optimizer) -> int:
@@ -455,8 +460,7 @@ def consolidated_state(optimizers: dict[str, keras.optimizers.Optimizer]) -> Who
     if sharding.world.is_chief:
         return whole
     for values in whole.arrays.values():
-        for _ in values:
-            pass
+        drain(values)
     return None
 
 
