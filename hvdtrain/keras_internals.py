@@ -286,6 +286,22 @@ def copy_as(instance: Any, cls: type) -> Any:
     return copy
 
 
+def config_at_a_constant_rate(optimizer: keras.optimizers.Optimizer) -> dict[str, Any]:
+    """``optimizer.get_config()`` with a constant learning rate standing in for a schedule: a
+    schedule without ``get_config``, as Keras' examples write them, cannot be serialised, and
+    a copy made to probe how the optimizer updates does not need it."""
+    rate = optimizer._learning_rate
+    scheduled = isinstance(rate, keras.optimizers.schedules.LearningRateSchedule) or (
+        callable(rate) and not isinstance(rate, keras.Variable))
+    if not scheduled:
+        return optimizer.get_config()
+    object.__setattr__(optimizer, "_learning_rate", 1e-3)
+    try:
+        return optimizer.get_config()
+    finally:
+        object.__setattr__(optimizer, "_learning_rate", rate)
+
+
 def remember_rates(optimizer: keras.optimizers.Optimizer, base: float, last: float) -> None:
     """Note on the optimizer the base rate a run scaled and the rate it last set, so a next run
     of the same model (a notebook) starts from the base again (``remembered_rates``)."""

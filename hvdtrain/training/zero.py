@@ -30,7 +30,7 @@ from hvdtrain.checkpoint import drain
 from hvdtrain.collectives import Collectives, GradientReduction, static_bytes
 from hvdtrain.errors import (AgreedError, CheckpointWriteFailed, StoppedBySignal,
                              TrainingDiverged, UserError)
-from hvdtrain.keras_internals import resize_variable, set_class
+from hvdtrain.keras_internals import config_at_a_constant_rate, resize_variable, set_class
 from hvdtrain.log import logger
 from hvdtrain.training.memory import variable_bytes
 
@@ -481,9 +481,10 @@ def check_shardable(optimizer: keras.optimizers.Optimizer) -> None:
 
 
 def _fresh_copy(optimizer: keras.optimizers.Optimizer) -> keras.optimizers.Optimizer:
-    """An unbuilt copy without norm clipping (sharded runs clip with the whole norms)."""
+    """An unbuilt copy without norm clipping (sharded runs clip with the whole norms), at a
+    constant rate (a schedule scales every element alike)."""
     try:
-        config = optimizer.get_config()
+        config = config_at_a_constant_rate(optimizer)
         copied = type(optimizer).from_config({**config, "clipnorm": None,
                                               "global_clipnorm": None})
     except (TypeError, ValueError, NotImplementedError, KeyError):

@@ -124,3 +124,18 @@ def test_keras_saving_a_sharded_optimizer_during_the_run_is_refused_in_one_line(
             model.save(tmp_path / "mid-run.keras")
     assert "\n" not in str(refused.value)
     model.save(tmp_path / "after.keras")     # whole again once the run is over
+
+
+class WarmUpCosine(keras.optimizers.schedules.LearningRateSchedule):
+    """A schedule written as Keras' examples write them: no ``get_config``."""
+
+    def __call__(self, step):
+        return 0.01 * tf.cos(tf.cast(step, tf.float32) / 100.0)
+
+
+def test_an_optimizer_on_a_schedule_without_a_config_is_probed_and_accepted():
+    """The probe copies the optimizer; its schedule, which cannot be serialised, stays the
+    user's and is not needed to tell that Adam updates element by element."""
+    optimizer = keras.optimizers.Adam(WarmUpCosine())
+    check_shardable(optimizer)
+    assert isinstance(optimizer._learning_rate, WarmUpCosine)
