@@ -1,11 +1,16 @@
-"""Allreduce sweep: hvdtrain's gradient path (Horovod, inside a ``tf.function``) against
-mpi4py's ``MPI.Allreduce`` on the same ranks, 4 KB to 64 MB of float32.
+"""Allreduce sweep: hvdtrain's gradient path (inside a ``tf.function``) against mpi4py's
+``MPI.Allreduce`` on the same ranks, 4 KB to 64 MB of float32, with what lies between them.
 
 Run under a launcher with the MPI controller: ``launch/mpirun.sh -np 2 --command "python -m
 hvdtrain.bench.comm --output comm.json"``. MPI is timed first, before Horovod starts, since
-Horovod's polling thread would slow a raw MPI call beside it. Reports per size the median time,
-bus bandwidth and the ratio hvdtrain / MPI. ``--breakdown tl.json`` reads a Horovod timeline of
-the sweep (``HOROVOD_TIMELINE=tl.json``) and prints where Horovod's time goes: negotiation, the
+Horovod's polling thread would slow a raw MPI call beside it. Then, per size, the median time
+of: the same ``tf.function`` call with no collective in it (``call_seconds``: what any
+collective run from TensorFlow pays, the floor below which no TensorFlow path can go), Horovod's
+own ``hvd.allreduce`` in that function (``horovod_seconds``: what a bare Horovod script pays) and
+hvdtrain's gradient reduction (``hvdtrain_seconds``). ``--backend tensorflow`` times hvdtrain on
+TensorFlow's collectives instead (no Horovod in the process). Reports bus bandwidth and the
+ratio hvdtrain / MPI. ``--breakdown tl.json`` reads a Horovod timeline of the sweep
+(``HOROVOD_TIMELINE=tl.json``) and prints where Horovod's time goes: negotiation, the
 ``MPI_Allreduce`` itself, and the gap between calls.
 """
 
@@ -17,7 +22,7 @@ import statistics
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 SIZES = [4 << 10, 64 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20]
 
@@ -46,38 +51,60 @@ def mpi_sweep(comm, repeats: int) -> list[float]:
     return seconds
 
 
-def hvdtrain_sweep(collectives, repeats: int) -> list[float]:
-    """Median seconds of hvdtrain's gradient reduction (one grouped allreduce) for each size."""
+def function_sweep(reduce, repeats: int) -> list[float]:
+    """Median seconds of ``reduce`` (one float32 tensor in, one out) run as a ``tf.function``
+    for each size; eager execution returns once it has completed on this rank."""
     import tensorflow as tf
 
-    reduce = tf.function(lambda t: collectives.reduce_gradients([t])[0])
+    function = tf.function(reduce)
     seconds = []
     for nbytes in SIZES:
         tensor = tf.ones([nbytes // 4], tf.float32)
-        # Eager execution returns once the allreduce has completed on this rank.
-        seconds.append(_timed(lambda: reduce(tensor), repeats))
+        seconds.append(_timed(lambda: function(tensor), repeats))
     return seconds
 
 
-def sweep(repeats: int) -> list[dict]:
+def no_collective(tensor):
+    """The call floor: the function returns its input's copy, no collective."""
+    import tensorflow as tf
+
+    return tf.identity(tensor)
+
+
+def sweep(repeats: int, backend: str = "horovod") -> list[dict]:
     from hvdtrain.launchers import apply_runtime_defaults
 
     apply_runtime_defaults(gpus_visible=False)
     from mpi4py import MPI                                 # MPI_Init, thread level multiple
 
     comm = MPI.COMM_WORLD
-    mpi_seconds = mpi_sweep(comm, repeats)
-    from hvdtrain.collectives.horovod_backend import HorovodCollectives
+    timed = {"mpi_seconds": mpi_sweep(comm, repeats)}
+    collectives: Any
+    if backend == "tensorflow":
+        from hvdtrain.collectives.tensorflow_backend import tensorflow_collectives
 
-    collectives = HorovodCollectives()                     # adopts the initialised MPI
-    hvdtrain_seconds = hvdtrain_sweep(collectives, repeats)
+        collectives = tensorflow_collectives()             # before any tensor exists
+        timed["call_seconds"] = function_sweep(no_collective, repeats)
+    else:
+        from hvdtrain.collectives.horovod_backend import HorovodCollectives, horovod_tensorflow
+
+        collectives = HorovodCollectives()                 # adopts the initialised MPI
+        hvd = horovod_tensorflow()
+        timed["call_seconds"] = function_sweep(no_collective, repeats)
+        timed["horovod_seconds"] = function_sweep(lambda t: hvd.allreduce(t, op=hvd.Sum),
+                                                  repeats)
+    timed["hvdtrain_seconds"] = function_sweep(
+        lambda t: collectives.reduce_gradients([t])[0], repeats)
     size = collectives.world.size
     rows = []
-    for nbytes, mpi_s, hvd_s in zip(SIZES, mpi_seconds, hvdtrain_seconds):
+    for index, nbytes in enumerate(SIZES):
+        row = {"bytes": nbytes, "backend": backend,
+               **{name: seconds[index] for name, seconds in timed.items()}}
         bus = 2 * (size - 1) / size * nbytes
-        rows.append({"bytes": nbytes, "mpi_seconds": mpi_s, "hvdtrain_seconds": hvd_s,
-                     "mpi_bus_gbps": bus / mpi_s / 1e9, "hvdtrain_bus_gbps": bus / hvd_s / 1e9,
-                     "ratio": hvd_s / mpi_s})
+        row.update(mpi_bus_gbps=bus / row["mpi_seconds"] / 1e9,
+                   hvdtrain_bus_gbps=bus / row["hvdtrain_seconds"] / 1e9,
+                   ratio=row["hvdtrain_seconds"] / row["mpi_seconds"])
+        rows.append(row)
     return rows if collectives.world.is_chief else []
 
 
@@ -143,6 +170,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--output", type=Path)
+    parser.add_argument("--backend", choices=("horovod", "tensorflow"), default="horovod",
+                        help="hvdtrain's collectives to time beside MPI")
     parser.add_argument("--breakdown", type=Path, metavar="TIMELINE",
                         help="only analyse the Horovod timeline of an earlier sweep")
     args = parser.parse_args(argv)
@@ -152,10 +181,13 @@ def main(argv: list[str] | None = None) -> int:
                   f"MPI_Allreduce {row['mpi_allreduce_ms']:8.3f} ms  per call "
                   f"{row['period_ms']:8.3f} ms")
         return 0
-    rows = sweep(args.repeats)
+    rows = sweep(args.repeats, args.backend)
     for row in rows:
+        horovod = (f"  Horovod {row['horovod_seconds'] * 1e3:8.3f} ms"
+                   if "horovod_seconds" in row else "")
         print(f"{row['bytes'] / 1024:>8,.0f} KiB  MPI {row['mpi_seconds'] * 1e3:8.3f} ms "
-              f"({row['mpi_bus_gbps']:.2f} GB/s)  hvdtrain {row['hvdtrain_seconds'] * 1e3:8.3f} "
+              f"({row['mpi_bus_gbps']:.2f} GB/s)  call {row['call_seconds'] * 1e3:7.3f} ms"
+              f"{horovod}  hvdtrain ({args.backend}) {row['hvdtrain_seconds'] * 1e3:8.3f} "
               f"ms ({row['hvdtrain_bus_gbps']:.2f} GB/s)  ratio {row['ratio']:.3f}", flush=True)
     if rows and args.output:
         args.output.write_text(json.dumps(rows, indent=2) + "\n")

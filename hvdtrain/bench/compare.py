@@ -2,9 +2,9 @@
 
 On one machine, with the same model, per-rank batch, world size and CPU threads per rank:
 hvdtrain's custom loop and ``fit`` path, the minimal hand-written Horovod loop (the floor),
-``MultiWorkerMirroredStrategy``, one process alone, the allreduce sweep (``bench.comm``), the
-input pipeline alone and the startup time. Writes ``compare.json`` and ``compare.png`` to
-``--output-dir`` and prints the table of ratios.
+``MultiWorkerMirroredStrategy``, one process alone, the allreduce sweep (``bench.comm``, on each
+backend), the input pipeline alone and the startup time. Writes ``compare.json`` and
+``compare.png`` to ``--output-dir`` and prints the table of ratios.
 """
 
 from __future__ import annotations
@@ -111,9 +111,10 @@ def main(argv: list[str] | None = None) -> int:
         run_multiworker(common, ["localhost"] * args.np, env, out / f"multiworker-{round_}.json")
         run_checked([python(), "-m", "hvdtrain", "benchmark", *common, "--output",
                      str(out / f"single-{round_}.json")], variant_env(os.cpu_count() or 1))
-    run_checked([str(MPIRUN_WRAPPER), "-np", str(args.np), "--command",
-                 f"{python()} -m hvdtrain.bench.comm --repeats {args.comm_repeats} --output "
-                 f"{out / 'comm.json'}"], env)
+    for backend in ("horovod", "tensorflow"):
+        run_checked([str(MPIRUN_WRAPPER), "-np", str(args.np), "--command",
+                     f"{python()} -m hvdtrain.bench.comm --repeats {args.comm_repeats} "
+                     f"--backend {backend} --output {out / f'comm-{backend}.json'}"], env)
     startup = launch_to_first_step(horovodrun, env, out)
     report = summarize(out, args, input_pipeline_sweep(args.batch_size), startup)
     (out / "compare.json").write_text(json.dumps(report, indent=2) + "\n")
@@ -153,7 +154,8 @@ def summarize(out: Path, args: argparse.Namespace, pipeline: list[dict],
                 rate["hvdtrain-tensorflow"] / rate["hvdtrain-custom"],
             "scaling_efficiency": rate["hvdtrain-custom"] / (args.np * rate["single"]),
         },
-        "allreduce": load("comm"),
+        "allreduce": load("comm-horovod"),
+        "allreduce_tensorflow_backend": load("comm-tensorflow"),
         "input_pipeline": [{**row, "ratio_to_training": row["examples_per_second"]
                             / training_rate} for row in pipeline],
         "startup": startup,
@@ -163,8 +165,11 @@ def summarize(out: Path, args: argparse.Namespace, pipeline: list[dict],
 def print_table(report: dict) -> None:
     for name, value in report["ratios"].items():
         print(f"{name:36s} {value:6.3f}")
-    for row in report["allreduce"]:
-        print(f"allreduce {row['bytes'] / 1024:>8,.0f} KiB  hvdtrain/MPI {row['ratio']:.3f}")
+    for row, other in zip(report["allreduce"], report["allreduce_tensorflow_backend"]):
+        print(f"allreduce {row['bytes'] / 1024:>8,.0f} KiB  hvdtrain/MPI {row['ratio']:.3f} "
+              f"(call floor {row['call_seconds'] / row['mpi_seconds']:.3f}, bare Horovod "
+              f"{row['horovod_seconds'] / row['mpi_seconds']:.3f}; TensorFlow backend "
+              f"{other['ratio']:.3f})")
     for row in report["input_pipeline"]:
         print(f"input {row['source']:10s} {row['examples_per_second']:>12,.0f} ex/s  "
               f"{row['ratio_to_training']:.1f}x training")
@@ -192,6 +197,9 @@ def draw(report: dict, path: Path) -> None:
                     label="mpi4py Allreduce")
     middle.semilogx(sizes, [row["hvdtrain_bus_gbps"] for row in report["allreduce"]], "o-",
                     label="hvdtrain (Horovod)")
+    middle.semilogx(sizes, [row["hvdtrain_bus_gbps"]
+                            for row in report["allreduce_tensorflow_backend"]], "o-",
+                    label="hvdtrain (TensorFlow backend)")
     middle.set_title("allreduce bus bandwidth")
     middle.set_xlabel("message (MiB)")
     middle.set_ylabel("GB/s")

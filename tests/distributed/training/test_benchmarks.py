@@ -36,8 +36,11 @@ def test_compare_harness_writes_every_field(tmp_path):
     assert [row["bytes"] for row in report["allreduce"]] == [
         4 << 10, 64 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20]
     for row in report["allreduce"]:
-        assert {"mpi_seconds", "hvdtrain_seconds", "mpi_bus_gbps", "hvdtrain_bus_gbps",
-                "ratio"} <= set(row)
+        assert {"mpi_seconds", "call_seconds", "horovod_seconds", "hvdtrain_seconds",
+                "mpi_bus_gbps", "hvdtrain_bus_gbps", "ratio"} <= set(row)
+        assert row["backend"] == "horovod"
+    assert [row["backend"] for row in report["allreduce_tensorflow_backend"]] == [
+        "tensorflow"] * len(report["allreduce"])
     assert [row["source"] for row in report["input_pipeline"]] == [
         "digits", "synthetic", "npz", "tfrecord"]
     startup = report["startup"]
@@ -69,7 +72,8 @@ def test_compare_reports_the_median_over_rounds_of_every_variant(tmp_path):
         for round_, step in enumerate(per_round, start=1):
             (tmp_path / f"{name}-{round_}.json").write_text(json.dumps(
                 {"step_seconds_median": step, "examples_per_second_total": 16 / step}))
-    (tmp_path / "comm.json").write_text("[]")
+    for backend in ("horovod", "tensorflow"):
+        (tmp_path / f"comm-{backend}.json").write_text("[]")
     args = argparse.Namespace(rounds=3, np=2, model="mlp", batch_size=8)
     report = summarize(tmp_path, args, [{"source": "digits", "examples_per_second": 1e4}], {})
     assert report["rounds"] == 3
