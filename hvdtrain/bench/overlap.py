@@ -148,7 +148,10 @@ def step_phases(steps: list[list[TensorStep]]) -> dict[str, float]:
     one's first submission, with nothing reducing (``idle_ms``: the update, the forward pass and
     the backward pass up to the first bucket, which no synchronous step can overlap with its
     own exchange); from this step's first reduction start to its last reduction end
-    (``reducing_ms``). Empty for a timeline of one step."""
+    (``reducing_ms``); the sum over the step's calls of the time from a call's first
+    submission on some rank to its submission on every rank (``waiting_ms``: what ranks that
+    submit in different orders, or compute at different speeds, wait for each other). Empty
+    for a timeline of one step."""
     bounds = [StepBounds(min(t.submitted for t in tensors), min(t.start for t in tensors),
                          max(t.end for t in tensors)) for tensors in steps]
     pairs = list(zip(bounds, bounds[1:]))
@@ -160,7 +163,10 @@ def step_phases(steps: list[list[TensorStep]]) -> dict[str, float]:
                                          for before, now in pairs),
             "reducing_ms": statistics.median((now.last_reduction_end
                                               - now.first_reduction_start) / 1e3
-                                             for _, now in pairs)}
+                                             for _, now in pairs),
+            "waiting_ms": statistics.median(sum(call.negotiated_ms - call.submitted_ms
+                                                for call in calls_of(tensors, 0.0))
+                                            for tensors in steps[1:])}
 
 
 def analyse(timeline: Path, step: int = -1) -> dict:
@@ -205,7 +211,8 @@ def phases_line(phases: dict[str, float], steps: int) -> str:
     return (f" Over steps 2-{steps} (medians): a step took {phases['step_ms']:.1f} ms, "
             f"{phases['idle_ms']:.1f} ms of it with no allreduce running (the update, the forward "
             f"pass and the backward pass up to the first bucket), and its reductions spanned "
-            f"{phases['reducing_ms']:.1f} ms.")
+            f"{phases['reducing_ms']:.1f} ms; its calls waited {phases['waiting_ms']:.1f} ms in "
+            f"all for every rank's submission.")
 
 
 def draw(report: dict, path: Path) -> None:

@@ -114,8 +114,11 @@ def test_step_phases_split_each_step_into_time_with_and_without_reductions(tmp_p
              for name, times in BUCKETED_LATE.items()}
     report = analyse(write_timeline(tmp_path / "tl.json", [BUCKETED_LATE, BUCKETED, later]))
     # Steps submit first at 1, 10 and 21 ms, reduce from 2 to 2.75, 10.75 to 15 and 22 to
-    # 22.75 ms: periods 9 and 11, idle 10 - 2.75 and 21 - 15, reducing 4.25 and 0.75.
-    assert report["phases"] == {"step_ms": 10.0, "idle_ms": 6.625, "reducing_ms": 2.5}
+    # 22.75 ms: periods 9 and 11, idle 10 - 2.75 and 21 - 15, reducing 4.25 and 0.75; each
+    # call waits from its first submission to its negotiation's end: 0.5 + 0.25 + 0.25 ms in
+    # both steps (the first step is not counted: its wait is the ranks' start).
+    assert report["phases"] == {"step_ms": 10.0, "idle_ms": 6.625, "reducing_ms": 2.5,
+                                "waiting_ms": 1.0}
     assert analyse(write_timeline(tmp_path / "one.json", [BUCKETED]))["phases"] == {}
 
 
