@@ -79,25 +79,6 @@ class GradientReduction:
                 f"{self.bucket_bytes / 2**20:g} MiB, {when}")
 
 
-def submitted_after(previous: Sequence[Any], tensors: Sequence[Any]) -> list[Any]:
-    """``tensors``, which in a ``tf.function`` exist only once ``previous`` (the results of the
-    collective issued before) do: the next collective is then submitted after that one has
-    completed, so every rank submits a step's collectives in the order they were issued.
-
-    Without it, TensorFlow's executor starts a bucket's allreduce as soon as its gradients
-    exist, and two ranks computing the backward pass in different orders submitted buckets in
-    different orders; Horovod runs a bucket only once every rank has submitted it, so each rank
-    waited for the other's submissions. Horovod runs one collective at a time on its
-    background thread, so the chain costs no overlap with the backward pass; eagerly every op
-    already runs in program order, and nothing is added."""
-    import tensorflow as tf
-
-    if not previous or tf.executing_eagerly():
-        return list(tensors)
-    with tf.control_dependencies(list(previous)):
-        return [tf.identity(tensor) for tensor in tensors]
-
-
 def static_bytes(tensor: Any) -> int:
     """Bytes of a tensor or variable (TensorFlow's or Keras') whose shape is known when the
     graph is built (0 otherwise)."""
