@@ -319,15 +319,14 @@ DROPOUT_ARGS = ["--epochs", "2", "--batch-size", "16", "--checkpoint-every-steps
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("model,backend", [("cnn", "horovod"),
-                                           ("user_programs:dropout_mlp", "horovod"),
-                                           ("user_programs:dropout_mlp", "tensorflow")])
-def test_stop_and_resume_with_dropout_equals_an_uninterrupted_run(tmp_path, model, backend):
+@pytest.mark.parametrize("backend", ["horovod", "tensorflow"])
+def test_stop_and_resume_with_dropout_equals_an_uninterrupted_run(tmp_path, backend):
     """SIGTERM through launch/mpirun.sh after a step checkpoint, then --resume auto: the same
     weights and rows as an uninterrupted run (dropout masks included), on either backend. The
     TensorFlow backend's interrupted run slows its steps with a callback of the user's kind
-    (HOROVOD_CYCLE_TIME does not reach it)."""
-    args = [*DROPOUT_ARGS, "--model", model, "--backend", backend]
+    (HOROVOD_CYCLE_TIME does not reach it). The built-in cnn's dropout takes the same path
+    (the same seed generators in the checkpoint), so it no longer runs here too."""
+    args = [*DROPOUT_ARGS, "--model", "user_programs:dropout_mlp", "--backend", backend]
     paths = {"PYTHONPATH": RANK_PYTHONPATH}
     straight = train(tmp_path, "straight", *args, **paths)
     run_dir = tmp_path / "stopped"
