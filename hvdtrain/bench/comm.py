@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import statistics
 import time
 from dataclasses import dataclass
@@ -25,6 +26,9 @@ from pathlib import Path
 from typing import Any, Callable
 
 SIZES = [4 << 10, 64 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20]
+# Horovod's timeline name for the i-th of a grouped allreduce's n tensors: ``<op name>_<i>of<n>``
+# (hvdtrain's gradient reduction is a grouped allreduce; bare ``hvd.allreduce`` is not).
+GROUP_MEMBER = re.compile(r"_\d+of\d+$")
 
 
 def _timed(run: Callable[[], object], repeats: int) -> float:
@@ -65,7 +69,7 @@ def function_sweep(reduce, repeats: int) -> list[float]:
 
 
 def no_collective(tensor):
-    """The call floor: the function returns its input's copy, no collective."""
+    """The call floor: the function returns its input (``tf.identity``), no collective."""
     import tensorflow as tf
 
     return tf.identity(tensor)
@@ -143,11 +147,17 @@ def timeline_spans(events: list[dict]) -> list[Span]:
 
 
 def timeline_breakdown(path: Path, repeats: int) -> list[dict]:
-    """Median milliseconds per size of a timed sweep (warm-up call excluded): negotiation,
-    ``MPI_Allreduce`` inside Horovod, and the period from one call's start to the next."""
+    """Median milliseconds per size of hvdtrain's timed sweep (warm-up call excluded; the bare
+    ``hvd.allreduce`` calls before it are left out): negotiation, ``MPI_Allreduce`` inside
+    Horovod, and the period from one call's start to the next."""
+    events = timeline_events(path)
+    grouped = {event["pid"] for event in events
+               if event.get("ph") == "M" and event.get("name") == "process_name"
+               and GROUP_MEMBER.search(event.get("args", {}).get("name", ""))}
     spans: dict[str, list[tuple[float, float]]] = {}
-    for span in timeline_spans(timeline_events(path)):
-        spans.setdefault(span.name, []).append((span.begin, span.end - span.begin))
+    for span in timeline_spans(events):
+        if span.pid in grouped:
+            spans.setdefault(span.name, []).append((span.begin, span.end - span.begin))
     negotiations, reductions = spans["NEGOTIATE_ALLREDUCE"], spans["MPI_ALLREDUCE"]
     per_size = repeats + 1
     if len(negotiations) != len(SIZES) * per_size:

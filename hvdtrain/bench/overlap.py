@@ -21,14 +21,12 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import NamedTuple
 
-from hvdtrain.bench.comm import Span, timeline_events, timeline_spans
+from hvdtrain.bench.comm import GROUP_MEMBER, Span, timeline_events, timeline_spans
 from hvdtrain.bench.variants import MPIRUN_WRAPPER, python, run_checked, variant_env
 
 # Short and cheap; what follows ``--`` on the command line comes later and wins.
 BENCHMARK_DEFAULTS = ["--model", "cnn", "--batch-size", "64", "--warmup-steps", "3",
                       "--steps", "5", "--repeats", "1"]
-# Horovod's name for the i-th of a grouped allreduce's n tensors: ``<op name>_<i>of<n>``.
-GROUP_MEMBER = re.compile(r"_\d+of\d+$")
 
 
 @dataclass(frozen=True)
@@ -143,7 +141,7 @@ class StepBounds(NamedTuple):
 
 def step_phases(steps: list[list[TensorStep]]) -> dict[str, float]:
     """Where steps spend their time, ms, each a median over every step after the first (taken
-    separately, so the three need not come from one step): from the previous step's first
+    separately, so the four need not come from one step): from the previous step's first
     submission to this one's (``step_ms``); from the previous step's last reduction end to this
     one's first submission, with nothing reducing (``idle_ms``: the update, the forward pass and
     the backward pass up to the first bucket, which no synchronous step can overlap with its

@@ -325,7 +325,7 @@ def test_stop_and_resume_with_dropout_equals_an_uninterrupted_run(tmp_path, back
     weights and rows as an uninterrupted run (dropout masks included), on either backend. The
     TensorFlow backend's interrupted run slows its steps with a callback of the user's kind
     (HOROVOD_CYCLE_TIME does not reach it). The built-in cnn's dropout takes the same path
-    (the same seed generators in the checkpoint), so it no longer runs here too."""
+    (the same seed generators in the checkpoint), so it is not run separately."""
     args = [*DROPOUT_ARGS, "--model", "user_programs:dropout_mlp", "--backend", backend]
     paths = {"PYTHONPATH": RANK_PYTHONPATH}
     straight = train(tmp_path, "straight", *args, **paths)

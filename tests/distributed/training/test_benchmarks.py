@@ -41,6 +41,9 @@ def test_compare_harness_writes_every_field(tmp_path):
         assert row["backend"] == "horovod"
     assert [row["backend"] for row in report["allreduce_tensorflow_backend"]] == [
         "tensorflow"] * len(report["allreduce"])
+    for row in report["allreduce_tensorflow_backend"]:
+        assert {"mpi_seconds", "call_seconds", "hvdtrain_seconds", "mpi_bus_gbps",
+                "hvdtrain_bus_gbps", "ratio"} <= set(row) and "horovod_seconds" not in row
     assert [row["source"] for row in report["input_pipeline"]] == [
         "digits", "synthetic", "npz", "tfrecord"]
     startup = report["startup"]
@@ -91,20 +94,28 @@ def test_compare_reports_the_median_over_rounds_of_every_variant(tmp_path):
 
 
 def test_timeline_breakdown_reads_a_horovod_timeline(tmp_path):
-    """Per size: the warm-up call is dropped, then medians of negotiation, MPI and period."""
+    """Per size: hvdtrain's calls (a grouped allreduce's rows, ``..._1of1``) only, not the
+    sweep's bare ``hvd.allreduce`` calls before them; the warm-up call is dropped, then
+    medians of negotiation, MPI and period."""
     from hvdtrain.bench.comm import SIZES, timeline_breakdown
 
-    events, clock = [{"name": "process_name", "ph": "M", "pid": 1, "args": {}}], 0
-    for index, _ in enumerate(SIZES):
-        for call in range(3):                      # the warm-up and --repeats 2
-            negotiate = 999 if call == 0 else 10 * (index + 1)
-            events += [{"ph": "B", "name": "NEGOTIATE_ALLREDUCE", "ts": clock, "pid": 1},
-                       {"ph": "E", "ts": clock + negotiate, "pid": 1},
-                       {"ph": "B", "name": "ALLREDUCE", "ts": clock + 1000, "pid": 1},
-                       {"ph": "B", "name": "MPI_ALLREDUCE", "ts": clock + 1000, "pid": 1},
-                       {"ph": "E", "ts": clock + 1000 + 500 * (index + 1), "pid": 1},
-                       {"ph": "E", "ts": clock + 1000 + 500 * (index + 1), "pid": 1}]
-            clock += 2000 * (index + 1) + 1000
+    events, clock = [{"name": "process_name", "ph": "M", "pid": 1, "args": {}},
+                     {"name": "process_name", "ph": "M", "pid": 2,
+                      "args": {"name": "HorovodAllreduce_Identity_0"}},
+                     {"name": "process_name", "ph": "M", "pid": 3,
+                      "args": {"name": "HorovodGroupedAllreduce_Identity_0_1of1"}}], 0
+    for pid, scale in ((2, 7), (3, 1)):            # the bare series first, 7x slower
+        for index, _ in enumerate(SIZES):
+            for call in range(3):                  # the warm-up and --repeats 2
+                negotiate = 999 if call == 0 else 10 * (index + 1) * scale
+                reduced = clock + 1000 + 500 * (index + 1) * scale
+                events += [{"ph": "B", "name": "NEGOTIATE_ALLREDUCE", "ts": clock, "pid": pid},
+                           {"ph": "E", "ts": clock + negotiate, "pid": pid},
+                           {"ph": "B", "name": "ALLREDUCE", "ts": clock + 1000, "pid": pid},
+                           {"ph": "B", "name": "MPI_ALLREDUCE", "ts": clock + 1000, "pid": pid},
+                           {"ph": "E", "ts": reduced, "pid": pid},
+                           {"ph": "E", "ts": reduced, "pid": pid}]
+                clock += 2000 * (index + 1) + 1000
     path = tmp_path / "tl.json"
     path.write_text("[\n" + ",\n".join(json.dumps(e) for e in events) + ",")   # unterminated
     rows = timeline_breakdown(path, repeats=2)
