@@ -88,13 +88,15 @@ def sweep(repeats: int, backend: str = "horovod") -> list[dict]:
         from hvdtrain.collectives.tensorflow_backend import tensorflow_collectives
 
         collectives = tensorflow_collectives()             # before any tensor exists
-        timed["call_seconds"] = function_sweep(no_collective, repeats)
     else:
-        from hvdtrain.collectives.horovod_backend import HorovodCollectives, horovod_tensorflow
+        from hvdtrain.collectives.horovod_backend import HorovodCollectives
 
         collectives = HorovodCollectives()                 # adopts the initialised MPI
+    timed["call_seconds"] = function_sweep(no_collective, repeats)
+    if backend == "horovod":
+        from hvdtrain.collectives.horovod_backend import horovod_tensorflow
+
         hvd = horovod_tensorflow()
-        timed["call_seconds"] = function_sweep(no_collective, repeats)
         timed["horovod_seconds"] = function_sweep(lambda t: hvd.allreduce(t, op=hvd.Sum),
                                                   repeats)
     timed["hvdtrain_seconds"] = function_sweep(
@@ -131,6 +133,13 @@ class Span:
     args: dict
 
 
+def row_names(events: list[dict]) -> dict[int, str]:
+    """The name of each row (``pid``) of a Horovod timeline: the tensor its ``M`` event names."""
+    return {event["pid"]: event["args"]["name"] for event in events
+            if event.get("ph") == "M" and event.get("name") == "process_name"
+            and "name" in event.get("args", {})}
+
+
 def timeline_spans(events: list[dict]) -> list[Span]:
     """Every completed activity, in the order they close. Activities nest on a row (an
     ``ALLREDUCE`` holds its ``MPI_ALLREDUCE``), so an ``E`` closes the row's latest open ``B``;
@@ -151,9 +160,7 @@ def timeline_breakdown(path: Path, repeats: int) -> list[dict]:
     ``hvd.allreduce`` calls before it are left out): negotiation, ``MPI_Allreduce`` inside
     Horovod, and the period from one call's start to the next."""
     events = timeline_events(path)
-    grouped = {event["pid"] for event in events
-               if event.get("ph") == "M" and event.get("name") == "process_name"
-               and GROUP_MEMBER.search(event.get("args", {}).get("name", ""))}
+    grouped = {pid for pid, name in row_names(events).items() if GROUP_MEMBER.search(name)}
     spans: dict[str, list[tuple[float, float]]] = {}
     for span in timeline_spans(events):
         if span.pid in grouped:

@@ -21,7 +21,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import NamedTuple
 
-from hvdtrain.bench.comm import GROUP_MEMBER, Span, timeline_events, timeline_spans
+from hvdtrain.bench.comm import (GROUP_MEMBER, Span, row_names, timeline_events,
+                                 timeline_spans)
 from hvdtrain.bench.variants import MPIRUN_WRAPPER, python, run_checked, variant_env
 
 # Short and cheap; what follows ``--`` on the command line comes later and wins.
@@ -68,9 +69,7 @@ def allreduce_steps(events: list[dict]) -> list[list[TensorStep]]:
     """Every step's allreduced tensors: the k-th negotiation and the k-th reduction of each
     tensor are its step k. Refuses a timeline whose tensors do not all occur equally often
     (allreduces outside the training step, a job cut off mid-step): it has no such steps."""
-    names = {event["pid"]: event["args"]["name"] for event in events
-             if event.get("ph") == "M" and event.get("name") == "process_name"
-             and "name" in event.get("args", {})}
+    names = row_names(events)
     negotiations: dict[int, list[Span]] = {}
     reductions: dict[int, list[Span]] = {}
     for span in timeline_spans(events):
