@@ -134,6 +134,26 @@ mpi4py_is_prebuilt() {
   "$vpy" -c 'import sys; from importlib.metadata import distribution as d
 sys.exit("manylinux" not in (d("mpi4py").read_text("WHEEL") or ""))' >/dev/null 2>&1
 }
+# mpi4py built from source takes minutes on 2 cores (one large C file), so its wheel is kept
+# beside the Horovod wheels (HVDTRAIN_CACHE_DIR, as hvdtrain.install.horovod_build resolves it),
+# keyed by the interpreter, the machine and the Open MPI it was compiled against. A cache that
+# is not writable (a container build mounts the host's read-only) is used when it fits and
+# otherwise left alone: the wheel is then built in a temporary directory.
+install_mpi4py_from_source() {
+  local cache_dir="${HVDTRAIN_CACHE_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/hvdtrain}"
+  local key slot
+  key="$("$vpy" -c 'import platform, sys; print(f"cp{sys.version_info[0]}{sys.version_info[1]}-{platform.machine()}")')"
+  key+="-$(mpirun --version 2>/dev/null | head -n1 | tr -cs 'A-Za-z0-9.' '-' | sed 's/^mpirun-//; s/-*$//')"
+  slot="$cache_dir/mpi4py-$key"
+  if ! compgen -G "$slot/mpi4py-*.whl" >/dev/null; then
+    mkdir -p "$slot" 2>/dev/null && [ -w "$slot" ] || slot="$(mktemp -d)"
+    say "building mpi4py against the system Open MPI (minutes, once: kept in $slot)"
+    "$vpy" -m pip wheel "${pip_quiet[@]}" --no-deps --no-binary mpi4py --wheel-dir "$slot" \
+      "mpi4py>=3.1,<5"
+  fi
+  say "installing mpi4py (built against the system Open MPI) from $slot"
+  "$vpy" -m pip install "${pip_quiet[@]}" --no-index --find-links "$slot" "mpi4py>=3.1,<5"
+}
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$wanted" ]; then
   say "Python packages up to date in $venv ($variant)"
 else
@@ -146,8 +166,7 @@ else
       say "removing the prebuilt mpi4py of an earlier --no-horovod setup"
       "$vpy" -m pip uninstall "${pip_quiet[@]}" -y mpi4py
     fi
-    say "installing mpi4py (built against the system Open MPI)"
-    "$vpy" -m pip install "${pip_quiet[@]}" --no-binary mpi4py "mpi4py>=3.1,<5"
+    install_mpi4py_from_source
   else
     # No compiler: mpi4py's binary wheels (PyPI, since 4.1) carry one extension per MPI ABI and
     # pick at import time by the libmpi the dynamic linker finds; the Open MPI one needs only

@@ -106,9 +106,10 @@ def test_cpu_image_builds_with_podman_and_trains_two_ranks(tmp_path):
             text=True, capture_output=True, timeout=600,
             env=dict(os.environ, CONTAINERS_CONF=str(conf)))
         assert imported.returncode == 0, imported.stderr
-    # The Horovod wheel this machine's setup built (same TensorFlow, Python 3.11, Open MPI)
-    # is handed to the build read-only: compiling it again in the image took 5 of the test's
-    # 8 minutes. Without a fitting wheel the image compiles Horovod as on a workstation.
+    # The Horovod and mpi4py wheels this machine's setup built (same TensorFlow, Python 3.11,
+    # Open MPI) are handed to the build read-only: compiling them again in the image took 5 and
+    # 2.5 of the test's 10 minutes. Without fitting wheels the image compiles them as on a
+    # workstation.
     wheels = default_cache_dir()
     built = _podman(conf, "build", "--network", "host", "-v", f"{CA_BUNDLE}:/run/host-ca.crt:ro",
                     *(["-v", f"{wheels}:/run/horovod-wheels:ro", "--build-arg",
