@@ -1,7 +1,9 @@
 """``python -m hvdtrain.bench.scaling``: data parallelism across nodes, over their network.
 
 On the nodes named by ``--hosts``, back to back with the same per-rank batch and threads: one
-process alone (the compute floor), hvdtrain's gradient exchange alone, ``hvdtrain benchmark``
+process alone, one process per rank computing at once with no communication (the concurrent
+compute floor: on nodes that share a machine's cores, the one a step cannot beat), hvdtrain's
+gradient exchange alone, ``hvdtrain benchmark``
 (with each ``--bucket-mib``, ``--compression fp16``, each ``--fusion-mib`` and hierarchical
 allreduce), the minimal Horovod loop, ``MultiWorkerMirroredStrategy`` and the allreduce sweep.
 Per variant: median step time, examples/second, the communication share of a step and the
@@ -19,8 +21,8 @@ import statistics
 import sys
 from pathlib import Path
 
-from hvdtrain.bench.variants import (MPIRUN_WRAPPER, python, run_checked, run_multiworker,
-                                     variant_env)
+from hvdtrain.bench.variants import (MPIRUN_WRAPPER, python, run_checked,
+                                     run_concurrent_singles, run_multiworker, variant_env)
 
 SHAPES = {"resnet50": [32, 32, 3]}
 
@@ -36,7 +38,7 @@ def parse_hosts(text: str) -> list[str]:
 
 def variant_names(fusion_mib: list[float], bucket_mib: list[float]) -> list[str]:
     """Every variant, in the order they run (and are reported)."""
-    return ["single", "exchange", "hvdtrain",
+    return ["single", "concurrent", "exchange", "hvdtrain",
             *(f"hvdtrain-buckets-{mib:g}MiB" for mib in bucket_mib),
             "hvdtrain-tensorflow", "hvdtrain-fp16", "hvdtrain-hierarchical",
             "hvdtrain-zero-1", "hvdtrain-zero-2",
@@ -51,6 +53,10 @@ def run_variant(name: str, args: argparse.Namespace, model: str, output: Path) -
     env = variant_env(args.threads)
     if name == "multiworker":
         run_multiworker(timing, parse_hosts(args.hosts), env, output, args.ssh, args.timeout)
+        return
+    if name == "concurrent":
+        run_concurrent_singles(timing, parse_hosts(args.hosts), env, output, args.ssh,
+                               args.timeout)
         return
     common = [*timing, "--output", str(output)]
     if name == "single":
@@ -86,15 +92,17 @@ def mpirun(args: argparse.Namespace) -> list[str]:
 
 def summarize(results: dict[str, dict[str, list[dict]]], ranks: int,
               link_gbit: float | None) -> list[dict]:
-    """One row per model and variant, medians over rounds. A training variant's exchange time
-    is its step minus the floor; the ``exchange`` variant's is its whole step (no compute).
-    With both measured, every training variant also gets ``step_over_bound``: its step over
+    """One row per model and variant, medians over rounds. The floor is the concurrent one
+    where it was measured (one process alone otherwise). A training variant's exchange time is
+    its step minus the floor; the ``exchange`` variant's is its whole step (no compute). With
+    both measured, every training variant also gets ``step_over_bound``: its step over
     max(floor, exchange alone), 1.0 when communication hides entirely behind compute or the
     other way round."""
     rows = []
     link_gbytes = link_gbit / 8 if link_gbit else None
     for model, variants in results.items():
-        floor = statistics.median(r["step_seconds_median"] for r in variants["single"])
+        floor = statistics.median(r["step_seconds_median"]
+                                  for r in variants.get("concurrent") or variants["single"])
         parameters = variants["single"][0]["parameters"]
         alone = (statistics.median(r["step_seconds_median"] for r in variants["exchange"])
                  if "exchange" in variants else None)
@@ -103,7 +111,7 @@ def summarize(results: dict[str, dict[str, list[dict]]], ranks: int,
             row = {"model": model, "variant": name, "parameters": parameters,
                    "step_seconds": step, "examples_per_second":
                    statistics.median(r["examples_per_second_total"] for r in rounds)}
-            if name != "single":
+            if name not in ("single", "concurrent"):
                 wire_bytes = parameters * (2 if name == "hvdtrain-fp16" else 4)
                 exchange = step if name == "exchange" else step - floor
                 if name != "exchange":

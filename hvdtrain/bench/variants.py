@@ -53,6 +53,32 @@ def is_this_host(host: str) -> bool:
                     socket.gethostname().split(".")[0])
 
 
+def start_on(host: str, command: list[str], env: dict[str, str],
+             ssh: str = "ssh") -> subprocess.Popen:
+    """``command`` started on ``host``: here for this host, over ``ssh`` (in this directory,
+    with this environment's TF_*, HOROVOD_* and ``FORWARDED`` settings) for any other."""
+    if is_this_host(host):
+        argv = command
+    else:
+        settings = [f"{name}={env[name]}" for name in sorted(env)
+                    if name in FORWARDED or name.startswith(("TF_", "HOROVOD_"))]
+        argv = [*shlex.split(ssh), host, shlex.join(["cd", os.getcwd()]) + " && "
+                + shlex.join(["env", *settings, *command])]
+    return subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            text=True, stdin=subprocess.DEVNULL)
+
+
+def wait_all(processes: list[subprocess.Popen], what: str, timeout: int) -> None:
+    """Wait for every process; one error naming ``what`` with each failure's output."""
+    failures = []
+    for process in processes:
+        _, err = process.communicate(timeout=timeout)
+        if process.returncode != 0:
+            failures.append(err[-3000:])
+    if failures:
+        raise RuntimeError(f"{what} failed:\n" + "\n".join(failures))
+
+
 def run_multiworker(common: list[str], hosts: list[str], env: dict[str, str], output: Path,
                     ssh: str = "ssh", timeout: int = 1200) -> None:
     """One ``baselines.multiworker`` worker per entry of ``hosts`` (a host twice: two
@@ -66,21 +92,25 @@ def run_multiworker(common: list[str], hosts: list[str], env: dict[str, str], ou
     workers = []
     for index, host in enumerate(hosts):
         config = json.dumps({"cluster": cluster, "task": {"type": "worker", "index": index}})
-        worker_env = dict(env, TF_CONFIG=config)
-        if is_this_host(host):
-            argv = command
-        else:
-            settings = [f"{name}={worker_env[name]}" for name in sorted(worker_env)
-                        if name in FORWARDED or name.startswith(("TF_", "HOROVOD_"))]
-            argv = [*shlex.split(ssh), host, shlex.join(["cd", os.getcwd()]) + " && "
-                    + shlex.join(["env", *settings, *command])]
-        workers.append(subprocess.Popen(argv, env=worker_env, stdout=subprocess.DEVNULL,
-                                        stderr=subprocess.PIPE, text=True,
-                                        stdin=subprocess.DEVNULL))
-    failures = []
-    for worker in workers:
-        _, err = worker.communicate(timeout=timeout)
-        if worker.returncode != 0:
-            failures.append(err[-3000:])
-    if failures:
-        raise RuntimeError("MultiWorkerMirroredStrategy worker failed:\n" + "\n".join(failures))
+        workers.append(start_on(host, command, dict(env, TF_CONFIG=config), ssh))
+    wait_all(workers, "MultiWorkerMirroredStrategy worker", timeout)
+
+
+def run_concurrent_singles(common: list[str], hosts: list[str], env: dict[str, str],
+                           output: Path, ssh: str = "ssh", timeout: int = 1200) -> None:
+    """The concurrent compute floor: one ``hvdtrain benchmark`` per entry of ``hosts``, each a
+    world of one (no launcher, no communication), all started at once, so each computes while
+    the others do, as the ranks of a job do (on one machine they share its cores and memory
+    bandwidth). ``output`` gets the slowest one's result (a synchronous step waits for it),
+    the examples/s of all of them together, and each one's step."""
+    parts = [output.with_name(f"{output.stem}-host{index}.json") for index in range(len(hosts))]
+    wait_all([start_on(host, [python(), "-m", "hvdtrain", "benchmark", *common, "--output",
+                              str(part)], env, ssh) for host, part in zip(hosts, parts)],
+             "concurrent single-process run", timeout)
+    results = [json.loads(part.read_text()) for part in parts]
+    slowest = max(results, key=lambda result: result["step_seconds_median"])
+    output.write_text(json.dumps({
+        **slowest, "examples_per_second_total": sum(r["examples_per_second_total"]
+                                                    for r in results),
+        "per_process_step_seconds": [r["step_seconds_median"] for r in results]}, indent=2)
+        + "\n")

@@ -341,15 +341,16 @@ def test_a_node_cut_off_with_the_launchers_outside_the_nodes_ends_every_process(
 # --- scaling over the network ------------------------------------------------------------------
 
 def test_scaling_study_across_the_nodes(cluster, tmp_path):
-    """The scaling command at a tiny size, one rank per node: hvdtrain with fp16 and with a
-    fusion threshold of its own (both travel through mpirun), TensorFlow's
-    MultiWorkerMirroredStrategy with its second worker started over ssh on node2, and the
-    allreduce sweep across the nodes. Asserts no times: every row is whole and consistent."""
+    """The scaling command at a tiny size, one rank per node: the concurrent floor (a world of
+    one on each node at once, node2's started over ssh), hvdtrain with fp16 (which travels
+    through mpirun), TensorFlow's MultiWorkerMirroredStrategy with its second worker started
+    over ssh on node2, and the allreduce sweep across the nodes. Asserts no times: every row
+    is whole and consistent."""
     out = tmp_path / "scaling"
     result = on_node1(cluster, [str(BIN / "python"), "-m", "hvdtrain.bench.scaling", "--hosts",
                                 "node1:1,node2:1", "--iface", netcluster.NODE_INTERFACE,
-                                "--models", "mlp", "--variants", "hvdtrain-fp16",
-                                "hvdtrain-fusion-0MiB", "multiworker", "--fusion-mib", "0",
+                                "--models", "mlp", "--variants", "concurrent",
+                                "hvdtrain-fp16", "multiworker",
                                 "--threads", "1", "--batch-size", "16", "--warmup-steps", "1",
                                 "--steps", "3", "--repeats", "1", "--comm-repeats", "1",
                                 "--link-gbit", "1", "--output-dir", str(out)], tmp_path)
@@ -357,14 +358,21 @@ def test_scaling_study_across_the_nodes(cluster, tmp_path):
     report = yaml.safe_load((out / "scaling.json").read_text())
     assert report["ranks"] == 2 and report["link_gbit"] == 1
     rows = {row["variant"]: row for row in report["rows"]}
-    assert list(rows) == ["single", "hvdtrain-fp16", "hvdtrain-fusion-0MiB", "multiworker"]
+    assert list(rows) == ["single", "concurrent", "hvdtrain-fp16", "multiworker"]
     parameters = yaml.safe_load((out / "mlp-single-1.json").read_text())["parameters"]
     for name, row in rows.items():
         assert row["model"] == "mlp" and row["parameters"] == parameters > 0
+        if name == "concurrent":     # the slowest process's step; both processes' examples
+            assert row["examples_per_second"] >= 32 / row["step_seconds"] * (1 - 1e-6)
+            continue
         assert row["examples_per_second"] == pytest.approx(
             16 * (1 if name == "single" else 2) / row["step_seconds"], rel=1e-6)
         if name != "single":
             assert 0 <= row["communication_share"] < 1
+    concurrent = yaml.safe_load((out / "mlp-concurrent-1.json").read_text())
+    assert len(concurrent["per_process_step_seconds"]) == 2
+    assert concurrent["step_seconds_median"] == max(concurrent["per_process_step_seconds"])
+    assert concurrent["world_size"] == 1
     fp16 = yaml.safe_load((out / "mlp-hvdtrain-fp16-1.json").read_text())
     assert fp16["compression"] == "fp16" and fp16["world_size"] == 2
     assert [row["bytes"] for row in report["allreduce"]][-1] == 64 << 20

@@ -135,10 +135,10 @@ def test_scaling_rows_share_and_bus_bandwidth_from_the_compute_floor():
 
     assert parse_hosts("node1:2,node2:2,node3") == ["node1", "node1", "node2", "node2", "node3"]
     assert variant_names([0, 8], [0, 16]) == [
-        "single", "exchange", "hvdtrain", "hvdtrain-buckets-0MiB", "hvdtrain-buckets-16MiB",
-        "hvdtrain-tensorflow", "hvdtrain-fp16", "hvdtrain-hierarchical", "hvdtrain-zero-1",
-        "hvdtrain-zero-2", "hvdtrain-fusion-0MiB",
-        "hvdtrain-fusion-8MiB", "minimal", "multiworker"]
+        "single", "concurrent", "exchange", "hvdtrain", "hvdtrain-buckets-0MiB",
+        "hvdtrain-buckets-16MiB", "hvdtrain-tensorflow", "hvdtrain-fp16", "hvdtrain-hierarchical",
+        "hvdtrain-zero-1", "hvdtrain-zero-2", "hvdtrain-fusion-0MiB", "hvdtrain-fusion-8MiB",
+        "minimal", "multiworker"]
 
     def result(step: float) -> dict:
         return {"step_seconds_median": step, "examples_per_second_total": 64 / step,
@@ -183,6 +183,17 @@ def test_scaling_rows_measure_the_step_against_the_exchange_alone():
     assert "communication_share" not in exchange and "step_over_bound" not in exchange
     assert by_name["big", "hvdtrain"]["step_over_bound"] == pytest.approx(0.99 / 0.9)
     assert by_name["big", "hvdtrain-fp16"]["step_over_bound"] == pytest.approx(0.6 / 0.9)
+    assert by_name["small", "hvdtrain"]["step_over_bound"] == pytest.approx(0.55 / 0.5)
+    # Measured, the concurrent floor (both ranks computing at once) replaces one process's.
+    rows = summarize({"big": {"single": [result(0.2)], "concurrent": [result(0.35)],
+                              "exchange": exchanges, "hvdtrain": [result(1.0)]},
+                      "small": {"single": [result(0.3)], "concurrent": [result(0.5)],
+                                "exchange": [result(0.1)], "hvdtrain": [result(0.55)]}},
+                     ranks=2, link_gbit=1.0)
+    by_name = {(row["model"], row["variant"]): row for row in rows}
+    assert "communication_share" not in by_name["big", "concurrent"]
+    assert by_name["big", "hvdtrain"]["communication_share"] == pytest.approx(0.65)
+    assert by_name["big", "hvdtrain"]["step_over_bound"] == pytest.approx(1.0 / 0.9)
     assert by_name["small", "hvdtrain"]["step_over_bound"] == pytest.approx(0.55 / 0.5)
 
 
