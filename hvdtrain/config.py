@@ -155,6 +155,12 @@ class OptimConfig:
                                            "the last layers' first, each sent as soon as the "
                                            "backward pass has computed it (0: one allreduce "
                                            "after the whole backward pass)", minimum=0.0)
+    bucket_order: str = option("ready", "when each bucket's allreduce is submitted: ready (as "
+                                        "soon as its own gradients exist) or issued (once the "
+                                        "bucket before it has completed: one order on every "
+                                        "rank, no rank waits for another's submission; the "
+                                        "TensorFlow backend always submits so)",
+                               choices=("ready", "issued"))
     accumulation_steps: int = option(1, "local steps whose gradients are accumulated before one "
                                         "allreduce and update", minimum=1)
     zero_stage: int = option(0, "ZeRO: 1 keeps on each rank the optimizer state for 1/ranks of "

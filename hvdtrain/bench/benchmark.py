@@ -48,6 +48,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--bucket-mib", type=float, default=BUCKET_MIB,
                         help="gradient bucket size, as in training (0: one allreduce after the "
                              f"backward pass; default: {BUCKET_MIB:g})")
+    parser.add_argument("--bucket-order", default="ready", choices=("ready", "issued"),
+                        help="when each bucket's allreduce is submitted, as in training "
+                             "(default: ready)")
     parser.add_argument("--zero-stage", type=int, default=0, choices=(0, 1, 2),
                         help="ZeRO stage, as in training (default: 0)")
 
@@ -145,7 +148,8 @@ def run(args: argparse.Namespace) -> tuple[bool, dict[str, Any]]:
     step = StepMath(model, optimizer, collectives, objective,
                     StepOptions(fp16_compression=args.compression == "fp16",
                                 bucket_bytes=bucket_bytes(args.bucket_mib),
-                                zero_stage=args.zero_stage))
+                                zero_stage=args.zero_stage,
+                                in_issue_order=args.bucket_order == "issued"))
     probe(model, objective, batch, [step.train_metrics], args.model)
     model.compile(optimizer=optimizer, jit_compile=False)
     with step_installed(step), step.training():
@@ -159,7 +163,8 @@ def run(args: argparse.Namespace) -> tuple[bool, dict[str, Any]]:
     medians = [statistics.median(r["step_seconds"]) for r in everyone]
     return world.is_chief, {
         "model": args.model, "loop": args.loop, "compression": args.compression,
-        "bucket_mib": args.bucket_mib, "zero_stage": args.zero_stage,
+        "bucket_mib": args.bucket_mib, "bucket_order": args.bucket_order,
+        "zero_stage": args.zero_stage,
         "world_size": world.size, "batch_size_per_rank": args.batch_size,
         "input_shape": list(x.shape[1:]),
         "parameters": sum(int(v.shape.num_elements()) for v in model.trainable_variables),

@@ -3,9 +3,9 @@
 On the nodes named by ``--hosts``, back to back with the same per-rank batch and threads: one
 process alone, one process per rank computing at once with no communication (the concurrent
 compute floor: on nodes that share a machine's cores, the one a step cannot beat), hvdtrain's
-gradient exchange alone, ``hvdtrain benchmark``
-(with each ``--bucket-mib``, ``--compression fp16``, each ``--fusion-mib`` and hierarchical
-allreduce), the minimal Horovod loop, ``MultiWorkerMirroredStrategy`` and the allreduce sweep.
+gradient exchange alone, ``hvdtrain benchmark`` (with each ``--bucket-mib``, ``--bucket-order
+issued``, ``--compression fp16``, each ``--fusion-mib`` and hierarchical allreduce), the minimal
+Horovod loop, ``MultiWorkerMirroredStrategy`` and the allreduce sweep.
 Per variant: median step time, examples/second, the communication share of a step and the
 exchange's bus bandwidth against ``--link-gbit``; writes ``scaling.json``. ``resnet50`` runs at
 32x32x3: its full 94 MB gradient at a compute a CPU finishes in a fraction of a second.
@@ -40,9 +40,32 @@ def variant_names(fusion_mib: list[float], bucket_mib: list[float]) -> list[str]
     """Every variant, in the order they run (and are reported)."""
     return ["single", "concurrent", "exchange", "hvdtrain",
             *(f"hvdtrain-buckets-{mib:g}MiB" for mib in bucket_mib),
-            "hvdtrain-tensorflow", "hvdtrain-fp16", "hvdtrain-hierarchical",
+            "hvdtrain-issued-order", "hvdtrain-tensorflow", "hvdtrain-fp16",
+            "hvdtrain-hierarchical",
             "hvdtrain-zero-1", "hvdtrain-zero-2",
             *(f"hvdtrain-fusion-{mib:g}MiB" for mib in fusion_mib), "minimal", "multiworker"]
+
+
+def hvdtrain_knobs(name: str) -> tuple[list[str], dict[str, str]]:
+    """What an ``hvdtrain benchmark`` variant adds: (its arguments, its environment)."""
+    if name == "exchange":
+        return ["--loop", "exchange"], {}
+    if name == "hvdtrain-tensorflow":   # the same step on TensorFlow's collectives
+        return [], {"HVDTRAIN_BACKEND": "tensorflow"}
+    if name == "hvdtrain-issued-order":
+        return ["--bucket-order", "issued"], {}
+    if name == "hvdtrain-fp16":
+        return ["--compression", "fp16"], {}
+    if name == "hvdtrain-hierarchical":
+        return [], {"HOROVOD_HIERARCHICAL_ALLREDUCE": "1"}
+    if name.startswith("hvdtrain-zero-"):
+        return ["--zero-stage", name.removeprefix("hvdtrain-zero-")], {}
+    if name.startswith("hvdtrain-buckets-"):
+        return ["--bucket-mib", name.removeprefix("hvdtrain-buckets-").removesuffix("MiB")], {}
+    if name.startswith("hvdtrain-fusion-"):
+        mib = float(name.removeprefix("hvdtrain-fusion-").removesuffix("MiB"))
+        return [], {"HOROVOD_FUSION_THRESHOLD": str(int(mib * 2 ** 20))}
+    return [], {}
 
 
 def run_variant(name: str, args: argparse.Namespace, model: str, output: Path) -> None:
@@ -62,24 +85,12 @@ def run_variant(name: str, args: argparse.Namespace, model: str, output: Path) -
     if name == "single":
         run_checked([python(), "-m", "hvdtrain", "benchmark", *common], env, args.timeout)
         return
-    program = [python(), "-m", "hvdtrain.bench.baselines.minimal_horovod", *common]
-    if name.startswith("hvdtrain") or name == "exchange":
-        program = [python(), "-m", "hvdtrain", "benchmark", *common]
-    if name == "exchange":
-        program += ["--loop", "exchange"]
-    if name == "hvdtrain-tensorflow":   # the same step on TensorFlow's collectives
-        env["HVDTRAIN_BACKEND"] = "tensorflow"
-    elif name == "hvdtrain-fp16":
-        program += ["--compression", "fp16"]
-    elif name == "hvdtrain-hierarchical":
-        env["HOROVOD_HIERARCHICAL_ALLREDUCE"] = "1"
-    elif name.startswith("hvdtrain-zero-"):
-        program += ["--zero-stage", name.removeprefix("hvdtrain-zero-")]
-    elif name.startswith("hvdtrain-buckets-"):
-        program += ["--bucket-mib", name.removeprefix("hvdtrain-buckets-").removesuffix("MiB")]
-    elif name.startswith("hvdtrain-fusion-"):
-        mib = float(name.removeprefix("hvdtrain-fusion-").removesuffix("MiB"))
-        env["HOROVOD_FUSION_THRESHOLD"] = str(int(mib * 2 ** 20))
+    if name == "minimal":
+        program = [python(), "-m", "hvdtrain.bench.baselines.minimal_horovod", *common]
+    else:
+        knobs, settings = hvdtrain_knobs(name)
+        program = [python(), "-m", "hvdtrain", "benchmark", *common, *knobs]
+        env.update(settings)
     run_checked([*mpirun(args), "--command", shlex.join(program)], env, args.timeout)
 
 

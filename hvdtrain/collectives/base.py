@@ -29,7 +29,9 @@ class GradientReduction:
     filled from the end of the list (the last layers' gradients, which the backward pass
     computes first), one grouped allreduce each: in a ``tf.function`` each bucket's allreduce
     starts as soon as its own gradients exist, while the backward pass still computes the
-    earlier layers' (see ``buckets``). 0 keeps one group for everything.
+    earlier layers' (see ``buckets``). 0 keeps one group for everything. ``in_issue_order``
+    submits each bucket only once the one issued before it has completed (``submitted_after``),
+    so every rank submits them in one order.
     """
 
     op: str = "sum"
@@ -38,6 +40,7 @@ class GradientReduction:
     postscale: float = 1.0
     sparse_as_dense: bool = False
     bucket_bytes: int = 0
+    in_issue_order: bool = False
 
     def __post_init__(self) -> None:
         if self.op not in ("sum", "average", "adasum"):
@@ -74,9 +77,31 @@ class GradientReduction:
         if self.bucket_bytes == 0:
             return f"gradients: {total:.2f} MiB in one allreduce after the backward pass"
         when = (f"all at once ({all_at_once}: no overlap)" if all_at_once else
-                "each sent once the backward pass has computed it")
+                "each sent once the one before has completed (one order on every rank)"
+                if self.in_issue_order else "each sent once the backward pass has computed it")
         return (f"gradients: {total:.2f} MiB in {count} bucket(s) of about "
                 f"{self.bucket_bytes / 2**20:g} MiB, {when}")
+
+
+def submitted_after(previous: Sequence[Any], tensors: Sequence[Any]) -> list[Any]:
+    """``tensors``, which in a ``tf.function`` exist only once ``previous`` (the results of the
+    collective issued before) do: the next collective is then submitted after that one has
+    completed, so every rank submits a step's collectives in the order they were issued.
+
+    Without it TensorFlow's executor starts a bucket's allreduce as soon as its gradients
+    exist, and two ranks that compute the backward pass in different orders submit buckets in
+    different orders; Horovod runs a collective only once every rank has submitted it, so each
+    waits for the other's submissions. With it every bucket also waits for the one issued
+    before it, which holds the output layer's gradient that TensorFlow computes last (see
+    hvdtrain/bench/README.md, "Submission order"): on one machine that was faster, over a
+    1 Gbit/s link slower, so it is ``--bucket-order issued``, not the default. Eagerly every
+    op already runs in program order, and nothing is added."""
+    import tensorflow as tf
+
+    if not previous or tf.executing_eagerly():
+        return list(tensors)
+    with tf.control_dependencies(list(previous)):
+        return [tf.identity(tensor) for tensor in tensors]
 
 
 def static_bytes(tensor: Any) -> int:

@@ -10,7 +10,8 @@ import os
 from types import ModuleType
 from typing import Any, Callable, Iterator, Sequence
 
-from hvdtrain.collectives.base import GradientReduction, scaled_rows, tf_variables
+from hvdtrain.collectives.base import (GradientReduction, scaled_rows, submitted_after,
+                                       tf_variables)
 from hvdtrain.collectives.world import World, gpus_visible
 from hvdtrain.launchers import MPI_LAUNCHER_VARIABLES, apply_runtime_defaults
 
@@ -89,13 +90,17 @@ class HorovodCollectives:
                 reduced[index] = hvd.allreduce(reduced[index] * reduction.prescale, op=op,
                                                compression=compression) * reduction.postscale
         else:
+            previous: list[Any] = []
             for bucket in reduction.buckets([reduced[i] for i in dense]):
                 members = [dense[i] for i in bucket]
+                inputs = [reduced[i] for i in members]
                 combined = hvd.grouped_allreduce(
-                    [reduced[i] for i in members], op=op, compression=compression,
-                    prescale_factor=reduction.prescale, postscale_factor=reduction.postscale)
+                    submitted_after(previous, inputs) if reduction.in_issue_order else inputs,
+                    op=op, compression=compression, prescale_factor=reduction.prescale,
+                    postscale_factor=reduction.postscale)
                 for index, tensor in zip(members, combined):
                     reduced[index] = tensor
+                previous = combined
         for index in sparse:
             reduced[index] = scaled_rows(hvd.allreduce(reduced[index], op=op),
                                          reduction.prescale * reduction.postscale)

@@ -231,7 +231,10 @@ class Run:
         if world.size > 1 and optim.reduction != "adasum":
             all_at_once = ("accumulated over micro-steps" if optim.accumulation_steps > 1 else
                            "computed by one XLA cluster" if asks_xla and not own_step else "")
-            logger.info(GradientReduction(bucket_bytes=optim.bucket_bytes).describe(
+            # TensorFlow's collectives run in program order (the group's ordering token).
+            in_order = optim.bucket_order == "issued" or collectives.backend == "tensorflow"
+            logger.info(GradientReduction(bucket_bytes=optim.bucket_bytes,
+                                          in_issue_order=in_order).describe(
                 trainable.model.trainable_variables, all_at_once))
         if optim.zero_stage:
             for optimizer in step.optimizers.values():
@@ -280,13 +283,14 @@ class Run:
             op = "adasum" if optim.reduction == "adasum" else "average"
             return OwnStep(trainable.model, collectives, data.keras_element,
                            GradientReduction(op, optim.compression == "fp16",
-                                             bucket_bytes=optim.bucket_bytes),
+                                             bucket_bytes=optim.bucket_bytes,
+                                             in_issue_order=optim.bucket_order == "issued"),
                            optim.zero_stage)
         return StepMath(trainable.model, trainable.optimizer, collectives, trainable.objective,
                         StepOptions(optim.accumulation_steps, optim.reduction == "adasum",
                                     optim.compression == "fp16", data.train.normalised,
                                     optim.bucket_bytes, bool(trainable.model.jit_compile),
-                                    optim.zero_stage))
+                                    optim.zero_stage, optim.bucket_order == "issued"))
 
     # --- autotune (instead of restore, train and finish) ---------------------------------------
 

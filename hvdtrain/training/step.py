@@ -81,7 +81,8 @@ def vote_variables() -> tuple[tf.Variable, ...]:
 
 @dataclass(frozen=True)
 class StepOptions:
-    """How gradients travel (accumulation steps, Adasum or mean, fp16 on the wire, bucket size),
+    """How gradients travel (accumulation steps, Adasum or mean, fp16 on the wire, bucket size
+    and submission order),
     whether the data's weights already divide by the global batch, and whether the forward and
     backward pass are compiled with XLA (the model's ``jit_compile``), and the ZeRO stage
     (``training.zero``: 0, every rank holds the whole optimizer state)."""
@@ -93,14 +94,17 @@ class StepOptions:
     bucket_bytes: int = 0
     xla: bool = False
     zero_stage: int = 0
+    in_issue_order: bool = False
 
     def reduction(self, world_size: int) -> GradientReduction:
         """Gradients weighted by the global batch are summed; Adasum combines each rank's own
         mean gradient (its weighted sum times the world size), as Horovod's Adasum expects."""
         if self.adasum:
             return GradientReduction("adasum", self.fp16_compression, prescale=world_size,
-                                     bucket_bytes=self.bucket_bytes)
-        return GradientReduction("sum", self.fp16_compression, bucket_bytes=self.bucket_bytes)
+                                     bucket_bytes=self.bucket_bytes,
+                                     in_issue_order=self.in_issue_order)
+        return GradientReduction("sum", self.fp16_compression, bucket_bytes=self.bucket_bytes,
+                                 in_issue_order=self.in_issue_order)
 
 
 class StepMath:

@@ -28,6 +28,7 @@ import tensorflow as tf
 
 from hvdtrain.checkpoint import drain
 from hvdtrain.collectives import Collectives, GradientReduction, static_bytes
+from hvdtrain.collectives.base import submitted_after
 from hvdtrain.errors import (AgreedError, CheckpointWriteFailed, StoppedBySignal,
                              TrainingDiverged, UserError)
 from hvdtrain.keras_internals import config_at_a_constant_rate, resize_variable, set_class
@@ -133,12 +134,16 @@ class Sharding:
                     f"--zero-stage cannot shard the sparse gradient of "
                     f"'{_path(variables[index])}' (an embedding's) exactly: Keras' optimizers "
                     "apply its rows one by one; use --zero-stage 0 for this model")
+        previous: list[Any] = []
         for bucket in self.reduction.buckets([gradients[i] for i in present]):
             members = [present[i] for i in bucket]
             wire = [self.pieces[id(variables[i])].padded(gradients[i]) for i in members]
             if reduction.fp16:
                 wire = [tf.cast(t, tf.float16) if t.dtype == tf.float32 else t for t in wire]
-            for index, part in zip(members, self.collectives.reduce_scatter_sum(wire)):
+            if reduction.in_issue_order:
+                wire = submitted_after(previous, wire)
+            previous = self.collectives.reduce_scatter_sum(wire)
+            for index, part in zip(members, previous):
                 part = tf.cast(part, gradients[index].dtype)
                 pieces[index] = part * scale if scale != 1.0 else part
         return pieces

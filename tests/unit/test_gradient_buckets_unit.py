@@ -51,3 +51,50 @@ def test_bucket_mib_becomes_bytes_and_a_negative_size_is_refused():
     assert OptimConfig(bucket_mib=0).bucket_bytes == 0
     with pytest.raises(ValueError, match="bucket_bytes"):
         GradientReduction(bucket_bytes=-1)
+
+
+SUBMISSION_ORDER = """
+import tensorflow as tf
+from hvdtrain.collectives import GradientReduction
+from hvdtrain.collectives.horovod_backend import HorovodCollectives
+
+collectives = HorovodCollectives()                  # a world of one: Horovod without a launcher
+sizes = [300, 10, 1000, 5, 200]                     # buckets of 800 bytes: [4], [2, 3], [0, 1]
+for in_issue_order in (False, True):
+    reduce = tf.function(lambda *grads: collectives.reduce_gradients(
+        list(grads), GradientReduction(bucket_bytes=800, in_issue_order=in_issue_order)))
+    graph = reduce.get_concrete_function(
+        *[tf.TensorSpec([n], tf.float32) for n in sizes]).graph
+    producer = {output.name: op for op in graph.get_operations() for output in op.outputs}
+
+    def upstream(op, seen):
+        for parent in [producer[t.name] for t in op.inputs] + list(op.control_inputs):
+            if parent.name not in seen:
+                seen.add(parent.name)
+                upstream(parent, seen)
+        return seen
+
+    groups = [op for op in graph.get_operations() if op.type == "HorovodGroupedAllreduce"]
+    print([len(op.inputs) for op in groups])
+    print([[other.name in upstream(op, set()) for other in groups] for op in groups])
+"""
+
+
+def test_issue_order_submits_each_bucket_after_the_one_before_has_completed():
+    """``--bucket-order issued``: on the Horovod backend each bucket's grouped allreduce depends
+    on the previous bucket's (control dependencies), so every rank submits a step's buckets in
+    the order they are issued, the last layers' first; the first depends on none. The default
+    (``ready``) adds no dependency: each bucket leaves once its own gradients exist."""
+    import subprocess
+
+    from conftest import BIN, REPO, RUN_TIMEOUT, rank_env
+
+    result = subprocess.run([str(BIN / "python"), "-c", SUBMISSION_ORDER], cwd=REPO,
+                            env=rank_env(), capture_output=True, text=True, timeout=RUN_TIMEOUT)
+    assert result.returncode == 0, result.stderr[-2000:]
+    ready_sizes, ready, issued_sizes, issued = result.stdout.strip().splitlines()[-4:]
+    assert ready_sizes == issued_sizes == "[1, 2, 2]"
+    assert ready == "[[False, False, False], [False, False, False], [False, False, False]]"
+    assert issued == "[[False, False, False], [True, False, False], [True, True, False]]"
+    line = GradientReduction(bucket_bytes=800, in_issue_order=True).describe(floats(300, 200))
+    assert "each sent once the one before has completed (one order on every rank)" in line
