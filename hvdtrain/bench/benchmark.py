@@ -13,6 +13,7 @@ import argparse
 import json
 import statistics
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -82,19 +83,52 @@ def build_benchmark_model(name: str, shape: tuple[int, ...], classes: int):
     return build_model(ModelConfig(model=name), shape, classes)
 
 
-def time_steps(run_step, batch, warmup: int, steps: int, repeats: int) -> list[float]:
-    """Seconds per step for each repeat (one host sync per repeat, not per step)."""
+def host_cpu_jiffies(stat: str | None = None) -> tuple[int, int] | None:
+    """(busy, total) time of this host's CPUs since boot, from the first line of /proc/stat
+    (``stat``: its text, for tests): every process and the kernel's own work (network
+    interrupts, a traffic shaper) included, idle and I/O wait not busy. None off Linux."""
+    try:
+        text = Path("/proc/stat").read_text() if stat is None else stat
+        fields = [int(value) for value in text.split("\n", 1)[0].split()[1:9]]
+    except (OSError, ValueError):
+        return None
+    if len(fields) < 5:
+        return None
+    total = sum(fields)          # user nice system idle iowait irq softirq steal
+    return total - fields[3] - fields[4], total
+
+
+def busy_fraction(before: tuple[int, int] | None, after: tuple[int, int] | None) -> float | None:
+    """The fraction of the host's CPU time that was busy between two ``host_cpu_jiffies``."""
+    if before is None or after is None or after[1] <= before[1]:
+        return None
+    return (after[0] - before[0]) / (after[1] - before[1])
+
+
+@dataclass(frozen=True)
+class Timing:
+    """Seconds per step for each repeat, and the fraction of this host's CPU time that was
+    busy over the repeats (None where /proc/stat is not there)."""
+
+    seconds: list[float]
+    host_cpu_busy: float | None
+
+
+def time_steps(run_step, batch, warmup: int, steps: int, repeats: int) -> Timing:
+    """Time ``repeats`` runs of ``steps`` steps after ``warmup`` (one host sync per repeat, not
+    per step)."""
     for _ in range(warmup):
         run_step(*batch)
     float(run_step(*batch)["loss"])
     times = []
+    before = host_cpu_jiffies()
     for _ in range(repeats):
         started = time.perf_counter()
         for _ in range(steps):
             logs = run_step(*batch)
         float(logs["loss"])                      # wait for the last step to finish
         times.append((time.perf_counter() - started) / steps)
-    return times
+    return Timing(times, busy_fraction(before, host_cpu_jiffies()))
 
 
 def _exchange_step(step):
@@ -156,9 +190,10 @@ def run(args: argparse.Namespace) -> tuple[bool, dict[str, Any]]:
         run_step = (_fit_step(step, batch) if args.loop == "fit" else
                     _exchange_step(step) if args.loop == "exchange" else
                     tf.function(step.train_step, jit_compile=False))
-        times = time_steps(run_step, batch, args.warmup_steps, args.steps, args.repeats)
-    rank_result = {"rank": world.rank, "step_seconds": times,
-                   "examples_per_second": args.batch_size / statistics.median(times)}
+        timing = time_steps(run_step, batch, args.warmup_steps, args.steps, args.repeats)
+    rank_result = {"rank": world.rank, "step_seconds": timing.seconds,
+                   "examples_per_second": args.batch_size / statistics.median(timing.seconds),
+                   "host_cpu_busy": timing.host_cpu_busy}
     everyone = collectives.allgather_object(rank_result)
     medians = [statistics.median(r["step_seconds"]) for r in everyone]
     return world.is_chief, {
@@ -173,6 +208,9 @@ def run(args: argparse.Namespace) -> tuple[bool, dict[str, Any]]:
         "step_seconds_spread": max(max(r["step_seconds"]) - min(r["step_seconds"])
                                    for r in everyone),
         "examples_per_second_total": args.batch_size * world.size / max(medians),
+        # Rank 0's host's CPUs while the steps were timed: where ranks share a machine, what
+        # its cores had left for communication to overlap with compute.
+        "host_cpu_busy": timing.host_cpu_busy,
         "per_rank": everyone,
     }
 

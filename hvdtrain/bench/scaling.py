@@ -122,6 +122,9 @@ def summarize(results: dict[str, dict[str, list[dict]]], ranks: int,
             row = {"model": model, "variant": name, "parameters": parameters,
                    "step_seconds": step, "examples_per_second":
                    statistics.median(r["examples_per_second_total"] for r in rounds)}
+            busy = [r["host_cpu_busy"] for r in rounds if r.get("host_cpu_busy") is not None]
+            if busy:
+                row["host_cpu_busy"] = statistics.median(busy)
             if name not in ("single", "concurrent"):
                 wire_bytes = parameters * (2 if name == "hvdtrain-fp16" else 4)
                 exchange = step if name == "exchange" else step - floor
@@ -139,8 +142,8 @@ def summarize(results: dict[str, dict[str, list[dict]]], ranks: int,
 
 def print_table(rows: list[dict]) -> None:
     print("| model | variant | step ms | examples/s | communication share | bus GB/s "
-          "(of link) | step / max(floor, exchange) |")
-    print("|---|---|---|---|---|---|---|")
+          "(of link) | step / max(floor, exchange) | first node's CPUs busy |")
+    print("|---|---|---|---|---|---|---|---|")
     for row in rows:
         share = (f"{row['communication_share']:.0%}" if "communication_share" in row else "")
         bus = row.get("bus_gbytes_per_second")
@@ -148,8 +151,9 @@ def print_table(rows: list[dict]) -> None:
         if "fraction_of_link" in row:
             bus_text += f" ({row['fraction_of_link']:.0%})"
         bound = f"{row['step_over_bound']:.2f}" if "step_over_bound" in row else ""
+        busy = f"{row['host_cpu_busy']:.0%}" if "host_cpu_busy" in row else ""
         print(f"| {row['model']} | {row['variant']} | {row['step_seconds'] * 1e3:,.0f} | "
-              f"{row['examples_per_second']:,.1f} | {share} | {bus_text} | {bound} |")
+              f"{row['examples_per_second']:,.1f} | {share} | {bus_text} | {bound} | {busy} |")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -42,13 +42,13 @@ def main(argv: list[str] | None = None) -> int:
         optimizer.apply(grads, model.trainable_variables)
         return {"loss": loss}
 
-    times = time_steps(step, batch, args.warmup_steps, args.steps, args.repeats)
-    medians = hvd.allgather_object(statistics.median(times))
+    timing = time_steps(step, batch, args.warmup_steps, args.steps, args.repeats)
+    medians = hvd.allgather_object(statistics.median(timing.seconds))
     if hvd.rank() == 0 and args.output:
         args.output.write_text(json.dumps({
             "step_seconds_median": max(medians), "world_size": hvd.size(),
             "examples_per_second_total": args.batch_size * hvd.size() / max(medians),
-        }) + "\n")
+            "host_cpu_busy": timing.host_cpu_busy}) + "\n")
     return 0
 
 

@@ -48,12 +48,13 @@ def main(argv: list[str] | None = None) -> int:
         losses = strategy.run(replica_step, args=(x, y))
         return {"loss": strategy.reduce(tf.distribute.ReduceOp.SUM, losses, axis=None)}
 
-    times = time_steps(step, batch, args.warmup_steps, args.steps, args.repeats)
-    median = statistics.median(times)
+    timing = time_steps(step, batch, args.warmup_steps, args.steps, args.repeats)
+    median = statistics.median(timing.seconds)
     if task == 0 and args.output:
         args.output.write_text(json.dumps({
             "step_seconds_median": median, "world_size": workers,
-            "examples_per_second_total": global_batch / median}) + "\n")
+            "examples_per_second_total": global_batch / median,
+            "host_cpu_busy": timing.host_cpu_busy}) + "\n")
     return 0
 
 

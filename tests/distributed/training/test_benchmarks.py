@@ -197,6 +197,30 @@ def test_scaling_rows_measure_the_step_against_the_exchange_alone():
     assert by_name["small", "hvdtrain"]["step_over_bound"] == pytest.approx(0.55 / 0.5)
 
 
+def test_host_cpu_busy_is_the_busy_share_of_the_cpu_time_between_two_readings():
+    """/proc/stat's first line: user nice system idle iowait irq softirq steal (guest and
+    guest_nice, already in user, are not counted twice); idle and I/O wait are not busy."""
+    from hvdtrain.bench.benchmark import busy_fraction, host_cpu_jiffies
+    from hvdtrain.bench.scaling import summarize
+
+    before = host_cpu_jiffies("cpu  100 0 50 800 50 0 0 0 7 7\ncpu0 1 2 3 4 5\n")
+    after = host_cpu_jiffies("cpu  400 0 150 900 50 20 30 0 9 9\n")
+    assert before == (150, 1000) and after == (600, 1550)
+    assert busy_fraction(before, after) == pytest.approx(450 / 550)
+    assert busy_fraction(None, after) is None and busy_fraction(after, after) is None
+    assert host_cpu_jiffies("not a stat file") is None
+
+    def result(step: float, busy: float | None) -> dict:
+        return {"step_seconds_median": step, "examples_per_second_total": 64 / step,
+                "parameters": 1000, "host_cpu_busy": busy}
+
+    rows = summarize({"m": {"single": [result(0.2, 0.5), result(0.2, 0.7), result(0.2, None)],
+                            "minimal": [{"step_seconds_median": 0.4, "parameters": 1000,
+                                         "examples_per_second_total": 160}]}},
+                     ranks=2, link_gbit=None)
+    assert rows[0]["host_cpu_busy"] == pytest.approx(0.6) and "host_cpu_busy" not in rows[1]
+
+
 def test_scaling_refuses_an_unknown_variant_with_one_line(capsys):
     from hvdtrain.bench.scaling import main
 
