@@ -157,9 +157,9 @@ class OptimConfig:
                                            "after the whole backward pass)", minimum=0.0)
     bucket_order: str = option("ready", "when each bucket's allreduce is submitted: ready (as "
                                         "soon as its own gradients exist) or issued (once the "
-                                        "bucket before it has completed: one order on every "
-                                        "rank, no rank waits for another's submission; the "
-                                        "TensorFlow backend always submits so)",
+                                        "bucket before it has completed, so every rank submits "
+                                        "them in one order; the TensorFlow backend always "
+                                        "submits so)",
                                choices=("ready", "issued"))
     accumulation_steps: int = option(1, "local steps whose gradients are accumulated before one "
                                         "allreduce and update", minimum=1)

@@ -15,8 +15,8 @@
 #                            passes it
 #
 # Environment: PYTHON (interpreter for the venv, default python3), HVDTRAIN_VENV (default
-# <repo>/.venv), HVDTRAIN_CACHE_DIR (where built Horovod wheels are cached, default
-# ~/.cache/hvdtrain), HVDTRAIN_GPU=1 (same as --gpu).
+# <repo>/.venv), HVDTRAIN_CACHE_DIR (where the Horovod and mpi4py wheels built here are cached,
+# default ~/.cache/hvdtrain), HVDTRAIN_GPU=1 (same as --gpu).
 set -euo pipefail
 
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -136,23 +136,33 @@ sys.exit("manylinux" not in (d("mpi4py").read_text("WHEEL") or ""))' >/dev/null 
 }
 # mpi4py built from source takes minutes on 2 cores (one large C file), so its wheel is kept
 # beside the Horovod wheels (HVDTRAIN_CACHE_DIR, as hvdtrain.install.horovod_build resolves it),
-# keyed by the interpreter, the machine and the Open MPI it was compiled against. A cache that
-# is not writable (a container build mounts the host's read-only) is used when it fits and
-# otherwise left alone: the wheel is then built in a temporary directory.
+# keyed by the interpreter, the machine and the MPI version it was compiled against. The wheel
+# is built in a temporary directory and moved into the cache whole, so an interrupted build
+# leaves nothing there. A cache that is not writable (a container build mounts the host's
+# read-only) is used when it holds a fitting wheel and is otherwise left alone.
 install_mpi4py_from_source() {
   local cache_dir="${HVDTRAIN_CACHE_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/hvdtrain}"
-  local key slot
+  local key mpi slot build
   key="$("$vpy" -c 'import platform, sys; print(f"cp{sys.version_info[0]}{sys.version_info[1]}-{platform.machine()}")')"
-  key+="-$(mpirun --version 2>/dev/null | head -n1 | tr -cs 'A-Za-z0-9.' '-' | sed 's/^mpirun-//; s/-*$//')"
-  slot="$cache_dir/mpi4py-$key"
+  # The first line of `mpirun --version` that holds a version number (Open MPI: its first).
+  mpi="$(mpirun --version 2>/dev/null | grep -m1 -E '[0-9]+\.[0-9]+' || true)"
+  mpi="$(printf '%s' "${mpi:-unknown}" | tr -cs 'A-Za-z0-9.' '-' | sed 's/^-*//; s/^mpirun-//; s/-*$//')"
+  slot="$cache_dir/mpi4py-$key-$mpi"
   if ! compgen -G "$slot/mpi4py-*.whl" >/dev/null; then
-    mkdir -p "$slot" 2>/dev/null && [ -w "$slot" ] || slot="$(mktemp -d)"
-    say "building mpi4py against the system Open MPI (minutes, once: kept in $slot)"
-    "$vpy" -m pip wheel "${pip_quiet[@]}" --no-deps --no-binary mpi4py --wheel-dir "$slot" \
+    build="$(mktemp -d)"
+    say "building mpi4py against the system MPI (minutes, once per machine)"
+    "$vpy" -m pip wheel "${pip_quiet[@]}" --no-deps --no-binary mpi4py --wheel-dir "$build" \
       "mpi4py>=3.1,<5"
+    if mkdir -p "$slot" 2>/dev/null && [ -w "$slot" ]; then
+      mv "$build"/mpi4py-*.whl "$slot"/ && rmdir "$build"
+      say "kept the mpi4py wheel in $slot"
+    else
+      slot="$build"         # the cache cannot be written: installed from here, then removed
+    fi
   fi
-  say "installing mpi4py (built against the system Open MPI) from $slot"
+  say "installing mpi4py (built against the system MPI) from $slot"
   "$vpy" -m pip install "${pip_quiet[@]}" --no-index --find-links "$slot" "mpi4py>=3.1,<5"
+  [ -z "${build:-}" ] || [ "$slot" != "$build" ] || rm -rf "$build"
 }
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$wanted" ]; then
   say "Python packages up to date in $venv ($variant)"

@@ -86,15 +86,16 @@ def build_benchmark_model(name: str, shape: tuple[int, ...], classes: int):
 def host_cpu_jiffies(stat: str | None = None) -> tuple[int, int] | None:
     """(busy, total) time of this host's CPUs since boot, from the first line of /proc/stat
     (``stat``: its text, for tests): every process and the kernel's own work (network
-    interrupts, a traffic shaper) included, idle and I/O wait not busy. None off Linux."""
+    interrupts, a traffic shaper) included, idle and I/O wait not busy; time a hypervisor gave
+    to other guests (steal) is in neither. None off Linux."""
     try:
         text = Path("/proc/stat").read_text() if stat is None else stat
-        fields = [int(value) for value in text.split("\n", 1)[0].split()[1:9]]
+        fields = [int(value) for value in text.split("\n", 1)[0].split()[1:8]]
     except (OSError, ValueError):
         return None
     if len(fields) < 5:
         return None
-    total = sum(fields)          # user nice system idle iowait irq softirq steal
+    total = sum(fields)          # user nice system idle iowait irq softirq
     return total - fields[3] - fields[4], total
 
 

@@ -101,8 +101,10 @@ def run_concurrent_singles(common: list[str], hosts: list[str], env: dict[str, s
     """The concurrent compute floor: one ``hvdtrain benchmark`` per entry of ``hosts``, each a
     world of one (no launcher, no communication), all started at once, so each computes while
     the others do, as the ranks of a job do (on one machine they share its cores and memory
-    bandwidth). ``output`` gets the slowest one's result (a synchronous step waits for it),
-    the examples/s of all of them together, and each one's step."""
+    bandwidth; the one started over ssh begins its timed steps after its connection, well
+    inside the other's warm-up). ``output`` gets the slowest one's step (a synchronous step
+    waits for it), the examples/s of all of them together, each one's step, and the first
+    host's CPU figure."""
     parts = [output.with_name(f"{output.stem}-host{index}.json") for index in range(len(hosts))]
     wait_all([start_on(host, [python(), "-m", "hvdtrain", "benchmark", *common, "--output",
                               str(part)], env, ssh) for host, part in zip(hosts, parts)],
@@ -110,7 +112,7 @@ def run_concurrent_singles(common: list[str], hosts: list[str], env: dict[str, s
     results = [json.loads(part.read_text()) for part in parts]
     slowest = max(results, key=lambda result: result["step_seconds_median"])
     output.write_text(json.dumps({
-        **slowest, "examples_per_second_total": sum(r["examples_per_second_total"]
-                                                    for r in results),
+        **slowest, "host_cpu_busy": results[0].get("host_cpu_busy"),
+        "examples_per_second_total": sum(r["examples_per_second_total"] for r in results),
         "per_process_step_seconds": [r["step_seconds_median"] for r in results]}, indent=2)
         + "\n")

@@ -216,6 +216,21 @@ def check_build(gpu: bool) -> None:
         raise BuildError("Horovod was built without: " + ", ".join(missing))
 
 
+def writable_slot(slot: Path) -> Path:
+    """``slot``, or a new temporary directory where the cache cannot be written (a container
+    build mounts the host's cache read-only: a wheel that fits is used from it, and one that
+    does not is built beside it)."""
+    try:
+        slot.mkdir(parents=True, exist_ok=True)
+        if os.access(slot, os.W_OK):
+            return slot
+    except OSError:
+        pass
+    fallback = Path(tempfile.mkdtemp(prefix="hvdtrain-horovod-wheel-"))
+    _say(f"cannot write the cache {slot}: building into {fallback}")
+    return fallback
+
+
 def ensure_horovod(gpu: bool, cache_dir: Path, rebuild: bool = False) -> None:
     """Install a Horovod that matches this TensorFlow, building it only when no cache fits."""
     switches = build_switches(gpu)
@@ -232,7 +247,7 @@ def ensure_horovod(gpu: bool, cache_dir: Path, rebuild: bool = False) -> None:
             wheel = wheels[0]
         else:
             _say(f"no cached wheel for {key}: building")
-            wheel = build_wheel(switches, slot)
+            wheel = build_wheel(switches, writable_slot(slot))
         _run([sys.executable, "-m", "pip", "install", *HOROVOD_RUNTIME_DEPENDENCIES])
         _run([sys.executable, "-m", "pip", "install", "--no-deps", "--force-reinstall",
               str(wheel)])

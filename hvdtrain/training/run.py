@@ -231,11 +231,13 @@ class Run:
         if world.size > 1 and optim.reduction != "adasum":
             all_at_once = ("accumulated over micro-steps" if optim.accumulation_steps > 1 else
                            "computed by one XLA cluster" if asks_xla and not own_step else "")
-            # TensorFlow's collectives run in program order (the group's ordering token).
-            in_order = optim.bucket_order == "issued" or collectives.backend == "tensorflow"
-            logger.info(GradientReduction(bucket_bytes=optim.bucket_bytes,
-                                          in_issue_order=in_order).describe(
-                trainable.model.trainable_variables, all_at_once))
+            reduction = step.reduction
+            if collectives.backend == "tensorflow":   # program order (the ordering token)
+                reduction = dataclasses.replace(reduction, in_issue_order=True)
+            logger.info(reduction.describe(trainable.model.trainable_variables, all_at_once))
+        elif world.size > 1 and optim.bucket_order == "issued":
+            logger.warning("--bucket-order issued does not apply to --reduction adasum: Adasum "
+                           "sends each gradient in an allreduce of its own, in no bucket")
         if optim.zero_stage:
             for optimizer in step.optimizers.values():
                 check_shardable(optimizer)

@@ -43,6 +43,8 @@ class TrainingStep(Protocol):
     callback_stop_votes: tf.Variable
     # False when the update of a step whose loss is not finite has already been applied.
     skips_non_finite_updates: bool
+    # How the step's gradients travel (buckets, their order, compression).
+    reduction: GradientReduction
 
     def keras_step(self, data: Any) -> dict[str, Any]:
         """One step on one dataset element (graph-safe): Keras ``fit`` runs it as the model's
@@ -124,6 +126,7 @@ class StepMath:
         self.train_metrics = train_metrics or objective.new_metrics()
         self.loss_scaling = isinstance(optimizer, keras.optimizers.LossScaleOptimizer)
         self.skips_non_finite_updates = True
+        self.reduction = options.reduction(collectives.world.size)
         (self.global_loss, self.stop_vote, self.stop_votes, self.callback_stop_vote,
          self.callback_stop_votes) = vote_variables()
         self._forward_backward = (tf.function(self.forward_backward, jit_compile=True)
@@ -131,8 +134,7 @@ class StepMath:
         self.sharding: Sharding | None = None
         shapes = [v.shape for v in model.trainable_variables]
         if options.zero_stage:
-            self.sharding = Sharding(collectives, options.zero_stage,
-                                     options.reduction(collectives.world.size))
+            self.sharding = Sharding(collectives, options.zero_stage, self.reduction)
             self.sharding.register(model.trainable_variables)
             if options.zero_stage == 2:    # only this rank's pieces are summed
                 shapes = self.sharding.piece_shapes(model.trainable_variables)
@@ -147,7 +149,7 @@ class StepMath:
         collective; with fp16 compression or Adasum they travel in a separate allreduce, as
         they must neither be rounded to float16 nor Adasum-combined. ``hvdtrain benchmark
         --loop exchange`` times this alone."""
-        reduction = self.options.reduction(self.collectives.world.size)
+        reduction = self.reduction
         if self.options.adasum or self.options.fp16_compression:
             summed = self.collectives.allreduce_sum(scalars)
             return self.collectives.reduce_gradients(gradients, reduction), summed

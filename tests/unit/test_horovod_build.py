@@ -92,6 +92,17 @@ def test_cache_dir_prefers_the_explicit_override(monkeypatch, tmp_path):
     assert hb.default_cache_dir() == tmp_path / "xdg" / "hvdtrain"
 
 
+def test_a_cache_that_cannot_be_written_builds_into_a_temporary_directory(tmp_path, capsys):
+    """A container build mounts the host's cache read-only: a slot that cannot be made there
+    (here: under a file) gives a fresh temporary directory instead of a failed build."""
+    assert hb.writable_slot(tmp_path / "slot") == tmp_path / "slot"
+    (tmp_path / "file").write_text("")
+    fallback = hb.writable_slot(tmp_path / "file" / "slot")
+    assert fallback.is_dir() and fallback.name.startswith("hvdtrain-horovod-wheel-")
+    assert "cannot write the cache" in capsys.readouterr().out
+    fallback.rmdir()
+
+
 def test_safe_extract_unpacks_and_refuses_escaping_members(tmp_path):
     import io
     import tarfile

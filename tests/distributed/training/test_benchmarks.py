@@ -198,13 +198,14 @@ def test_scaling_rows_measure_the_step_against_the_exchange_alone():
 
 
 def test_host_cpu_busy_is_the_busy_share_of_the_cpu_time_between_two_readings():
-    """/proc/stat's first line: user nice system idle iowait irq softirq steal (guest and
-    guest_nice, already in user, are not counted twice); idle and I/O wait are not busy."""
+    """/proc/stat's first line: user nice system idle iowait irq softirq (steal, another
+    guest's time, and guest and guest_nice, already in user, are left out); idle and I/O wait
+    are not busy."""
     from hvdtrain.bench.benchmark import busy_fraction, host_cpu_jiffies
     from hvdtrain.bench.scaling import summarize
 
-    before = host_cpu_jiffies("cpu  100 0 50 800 50 0 0 0 7 7\ncpu0 1 2 3 4 5\n")
-    after = host_cpu_jiffies("cpu  400 0 150 900 50 20 30 0 9 9\n")
+    before = host_cpu_jiffies("cpu  100 0 50 800 50 0 0 40 7 7\ncpu0 1 2 3 4 5\n")
+    after = host_cpu_jiffies("cpu  400 0 150 900 50 20 30 90 9 9\n")
     assert before == (150, 1000) and after == (600, 1550)
     assert busy_fraction(before, after) == pytest.approx(450 / 550)
     assert busy_fraction(None, after) is None and busy_fraction(after, after) is None
