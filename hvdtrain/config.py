@@ -210,7 +210,8 @@ class TrainConfig:
                                          minimum=0)
     keep_checkpoints: int = option(3, "checkpoints kept on disk (newest first)", minimum=1)
     deterministic: bool = option(False, "enable TensorFlow op determinism (slower)")
-    threads: int | None = option(None, "CPU threads per rank (default: cores / local ranks)",
+    threads: int | None = option(None, "CPU threads per rank (default: TF_NUM_INTRAOP_THREADS "
+                                       "where set, else cores / local ranks)",
                                  minimum=1)
     backend: str = option("auto", "the collectives: horovod, tensorflow (TensorFlow's own "
                                   "collective ops, no Horovod; launch with mpirun or srun) or "

@@ -47,6 +47,34 @@ def cpu_threads_per_rank(local_size: int, affinity: int, cores: int) -> int:
     return max(1, cores // max(1, local_size))
 
 
+def positive_int(text: str | None) -> int | None:
+    """``text`` as a whole number of at least 1, or None (unset, empty or not one)."""
+    try:
+        value = int(text or "")
+    except ValueError:
+        return None
+    return value if value >= 1 else None
+
+
+def cpu_thread_pools(threads: int | None, local_size: int, affinity: int, cores: int,
+                     environ: dict[str, str] | None = None) -> tuple[int, int, str]:
+    """(intra-op threads, inter-op threads, where the count came from) for a CPU rank:
+    ``threads`` (``--threads``) when given; else TensorFlow's own ``TF_NUM_INTRAOP_THREADS`` and
+    ``TF_NUM_INTEROP_THREADS`` where the user set them (TensorFlow reads them, and sizing its
+    pools here would silently replace them); else an equal share of the node's cores
+    (``cpu_threads_per_rank``). Inter-op: the variable, else min(2, intra-op)."""
+    environ = os.environ if environ is None else environ
+    from_env = positive_int(environ.get("TF_NUM_INTRAOP_THREADS"))
+    if threads:
+        intra, why = threads, "--threads"
+    elif from_env:
+        intra, why = from_env, "TF_NUM_INTRAOP_THREADS"
+    else:
+        intra, why = cpu_threads_per_rank(local_size, affinity, cores), "a share of the cores"
+    inter = positive_int(environ.get("TF_NUM_INTEROP_THREADS")) or min(2, intra)
+    return intra, inter, why
+
+
 # This process's placement, once made (TensorFlow keeps it for the process's lifetime).
 _placed: list[str] = []
 
@@ -70,12 +98,12 @@ def place_devices(world: World, threads: int | None = None) -> str:
             _placed.append(f"GPU {gpu.name} (local rank {world.local_rank} of {len(gpus)} "
                            "GPUs)")
         else:
-            affinity = len(os.sched_getaffinity(0))
-            count = threads or cpu_threads_per_rank(world.local_size, affinity,
-                                                    os.cpu_count() or 1)
-            tf.config.threading.set_intra_op_parallelism_threads(count)
-            tf.config.threading.set_inter_op_parallelism_threads(min(2, count))
-            _placed.append(f"CPU, {count} thread(s) for this rank")
+            intra, inter, why = cpu_thread_pools(threads, world.local_size,
+                                                 len(os.sched_getaffinity(0)),
+                                                 os.cpu_count() or 1)
+            tf.config.threading.set_intra_op_parallelism_threads(intra)
+            tf.config.threading.set_inter_op_parallelism_threads(inter)
+            _placed.append(f"CPU, {intra} thread(s) for this rank ({why})")
         return _placed[-1]
     except RuntimeError:
         if _placed:   # a second run in the same process (a notebook, a test)

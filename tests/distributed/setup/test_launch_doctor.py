@@ -68,6 +68,25 @@ def test_cpu_threads_share_the_node_or_respect_binding():
     assert World(rank=0).is_chief and not World(rank=1, size=2).is_chief
 
 
+def test_tensorflows_own_thread_variables_are_honoured_unless_threads_is_given():
+    """A user's TF_NUM_INTRAOP_THREADS / TF_NUM_INTEROP_THREADS size the pools (TensorFlow
+    reads them; replacing them would ignore the user); --threads wins over them; without
+    either, the rank takes its share of the cores and at most 2 inter-op threads."""
+    from hvdtrain.collectives.world import cpu_thread_pools
+
+    assert cpu_thread_pools(None, 1, 2, 2, {}) == (2, 2, "a share of the cores")
+    assert cpu_thread_pools(None, 4, 16, 16, {}) == (4, 2, "a share of the cores")
+    assert cpu_thread_pools(None, 1, 2, 2, {"TF_NUM_INTRAOP_THREADS": "1"}) == (
+        1, 1, "TF_NUM_INTRAOP_THREADS")
+    assert cpu_thread_pools(None, 1, 8, 8, {"TF_NUM_INTRAOP_THREADS": "3",
+                                            "TF_NUM_INTEROP_THREADS": "4"}) == (
+        3, 4, "TF_NUM_INTRAOP_THREADS")
+    assert cpu_thread_pools(2, 1, 8, 8, {"TF_NUM_INTRAOP_THREADS": "6"}) == (2, 2, "--threads")
+    assert cpu_thread_pools(None, 2, 8, 8, {"TF_NUM_INTRAOP_THREADS": "0",
+                                            "TF_NUM_INTEROP_THREADS": "x"}) == (
+        4, 2, "a share of the cores")
+
+
 def test_doctor_says_how_to_keep_a_bare_launcher_from_outliving_a_lost_node():
     from hvdtrain.install.doctor import launcher_notes
     from hvdtrain.launchers import launcher_defaults
