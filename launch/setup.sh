@@ -135,19 +135,22 @@ mpi4py_is_prebuilt() {
 sys.exit("manylinux" not in (d("mpi4py").read_text("WHEEL") or ""))' >/dev/null 2>&1
 }
 # mpi4py built from source takes minutes on 2 cores (one large C file), so its wheel is kept
-# beside the Horovod wheels (HVDTRAIN_CACHE_DIR, as hvdtrain.install.horovod_build resolves it),
+# beside the Horovod wheels (hvdtrain.install.horovod_build.default_cache_dir),
 # keyed by the interpreter, the machine and the MPI version it was compiled against. The wheel
 # is built in a temporary directory and moved into the cache whole, so an interrupted build
 # leaves nothing there. A cache that is not writable (a container build mounts the host's
 # read-only) is used when it holds a fitting wheel and is otherwise left alone.
 install_mpi4py_from_source() {
-  local cache_dir="${HVDTRAIN_CACHE_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/hvdtrain}"
-  local key mpi slot build
-  key="$("$vpy" -c 'import platform, sys; print(f"cp{sys.version_info[0]}{sys.version_info[1]}-{platform.machine()}")')"
+  local prefix mpi slot build
+  # The cache directory as Horovod's build resolves it (stdlib only: nothing installed yet).
+  prefix="$("$vpy" -c 'import platform, sys; sys.path.insert(0, sys.argv[1])
+from hvdtrain.install.horovod_build import default_cache_dir
+v = sys.version_info
+print(default_cache_dir() / f"mpi4py-cp{v[0]}{v[1]}-{platform.machine()}")' "$repo")"
   # The first line of `mpirun --version` that holds a version number (Open MPI: its first).
   mpi="$(mpirun --version 2>/dev/null | grep -m1 -E '[0-9]+\.[0-9]+' || true)"
   mpi="$(printf '%s' "${mpi:-unknown}" | tr -cs 'A-Za-z0-9.' '-' | sed 's/^-*//; s/^mpirun-//; s/-*$//')"
-  slot="$cache_dir/mpi4py-$key-$mpi"
+  slot="$prefix-$mpi"
   if ! compgen -G "$slot/mpi4py-*.whl" >/dev/null; then
     build="$(mktemp -d)"
     say "building mpi4py against the system MPI (minutes, once per machine)"

@@ -68,6 +68,11 @@ class GradientReduction:
             found.append(current)
         return found
 
+    def submitted(self, previous: Sequence[Any], tensors: Sequence[Any]) -> list[Any]:
+        """``tensors`` as the next bucket's collective takes them: after ``previous`` (the
+        results of the bucket issued before) when ``in_issue_order``, as they are otherwise."""
+        return submitted_after(previous, tensors) if self.in_issue_order else list(tensors)
+
     def describe(self, variables: Sequence[Any], all_at_once: str = "") -> str:
         """One line for the run's log: how the gradients of ``variables`` will travel;
         ``all_at_once``: why every gradient exists before the first bucket leaves (summed over

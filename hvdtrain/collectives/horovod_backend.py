@@ -10,8 +10,7 @@ import os
 from types import ModuleType
 from typing import Any, Callable, Iterator, Sequence
 
-from hvdtrain.collectives.base import (GradientReduction, scaled_rows, submitted_after,
-                                       tf_variables)
+from hvdtrain.collectives.base import GradientReduction, scaled_rows, tf_variables
 from hvdtrain.collectives.world import World, gpus_visible
 from hvdtrain.launchers import MPI_LAUNCHER_VARIABLES, apply_runtime_defaults
 
@@ -93,10 +92,9 @@ class HorovodCollectives:
             previous: list[Any] = []
             for bucket in reduction.buckets([reduced[i] for i in dense]):
                 members = [dense[i] for i in bucket]
-                inputs = [reduced[i] for i in members]
                 combined = hvd.grouped_allreduce(
-                    submitted_after(previous, inputs) if reduction.in_issue_order else inputs,
-                    op=op, compression=compression, prescale_factor=reduction.prescale,
+                    reduction.submitted(previous, [reduced[i] for i in members]), op=op,
+                    compression=compression, prescale_factor=reduction.prescale,
                     postscale_factor=reduction.postscale)
                 for index, tensor in zip(members, combined):
                     reduced[index] = tensor

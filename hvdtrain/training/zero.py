@@ -28,7 +28,6 @@ import tensorflow as tf
 
 from hvdtrain.checkpoint import drain
 from hvdtrain.collectives import Collectives, GradientReduction, static_bytes
-from hvdtrain.collectives.base import submitted_after
 from hvdtrain.errors import (AgreedError, CheckpointWriteFailed, StoppedBySignal,
                              TrainingDiverged, UserError)
 from hvdtrain.keras_internals import config_at_a_constant_rate, resize_variable, set_class
@@ -140,9 +139,7 @@ class Sharding:
             wire = [self.pieces[id(variables[i])].padded(gradients[i]) for i in members]
             if reduction.fp16:
                 wire = [tf.cast(t, tf.float16) if t.dtype == tf.float32 else t for t in wire]
-            if reduction.in_issue_order:
-                wire = submitted_after(previous, wire)
-            previous = self.collectives.reduce_scatter_sum(wire)
+            previous = self.collectives.reduce_scatter_sum(reduction.submitted(previous, wire))
             for index, part in zip(members, previous):
                 part = tf.cast(part, gradients[index].dtype)
                 pieces[index] = part * scale if scale != 1.0 else part
