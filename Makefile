@@ -1,7 +1,8 @@
 # The two commands a new user needs; each runs the (idempotent) setup first.
 #   make train   set up, then train the embedded default on 2 ranks
 #   make test    set up (with --with-test-systems: the Debian packages of the Slurm, podman
-#                and multi-node tests), then run the whole test suite
+#                and multi-node tests; with --with mlflow: the MLflow client and a server for
+#                the tracking tests), then run the whole test suite
 #   (make test-fast: the single-process tests only, while you work)
 # Without Horovod or a compiler: make setup SETUP_ARGS=--no-horovod (or export SETUP_ARGS, so
 # every target sets up that way; launch/setup.sh --help lists the options). train and doctor
@@ -17,7 +18,7 @@ setup:
 	bash launch/setup.sh $(SETUP_ARGS)
 
 setup-tests:
-	bash launch/setup.sh $(SETUP_ARGS) --with-test-systems
+	bash launch/setup.sh $(SETUP_ARGS) --with-test-systems --with mlflow
 
 train: setup
 	PATH="$(CURDIR)/$(BIN):$$PATH" horovodrun -np $(NP) python -m hvdtrain $(ARGS)

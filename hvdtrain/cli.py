@@ -1,4 +1,4 @@
-"""Command line: ``hvdtrain [train] [options]``, ``hvdtrain doctor``, ``hvdtrain --version``.
+"""Command line: ``hvdtrain [train] [options]``, ``hvdtrain doctor``, ``hvdtrain track``, ...
 
 With no subcommand, ``hvdtrain`` (and ``python -m hvdtrain``) trains, so the README's
 ``horovodrun -np 2 python -m hvdtrain`` runs the embedded default job. A user mistake ends with
@@ -25,6 +25,7 @@ from hvdtrain.config import add_arguments, config_from_args
 from hvdtrain.data import convert
 from hvdtrain.errors import PeerFailed, UserError
 from hvdtrain.startup import hide_native_notices
+from hvdtrain.tracking import upload
 
 # A rank whose collective failed because another rank left waits this long before it exits.
 AFTER_ANOTHER_RANK_S = 1.0
@@ -98,6 +99,10 @@ COMMANDS = {
     "benchmark": Command("training throughput on synthetic data",
                          "Time hvdtrain's training step on synthetic data, warm-up excluded.",
                          benchmark.add_arguments, benchmark.main),
+    "track": Command("send a run directory to MLflow",
+                     "Send a run directory's params, epoch metrics and final files to an MLflow "
+                     "run (continuing the one it was tracked in), e.g. after the server was "
+                     "down.", upload.add_arguments, upload.track),
     "convert": Command("write a .npz or an image folder as sharded TFRecord files",
                        "Convert data into sharded TFRecord files for --dataset tfrecord.",
                        convert.add_arguments, convert.main),

@@ -245,11 +245,28 @@ class TrainConfig:
     debug: bool = option(False, "show full tracebacks for errors")
 
 
+@dataclass
+class TrackingConfig:
+    tracking: str = option("none", "experiment tracking: mlflow (rank 0 sends this job's params, "
+                                   "exact epoch metrics, world and final files to one MLflow "
+                                   "run; needs pip install 'hvdtrain[mlflow]'), auto (mlflow "
+                                   "where MLflow's MLFLOW_TRACKING_URI is set) or none",
+                           choices=("none", "mlflow", "auto"))
+    tracking_uri: str | None = option(None, "the MLflow tracking server (http://HOST:PORT) or "
+                                            "store (file:DIR) (default: MLflow's "
+                                            "MLFLOW_TRACKING_URI; one of them is needed)")
+    experiment: str | None = option(None, "MLflow experiment of the run (default: MLflow's "
+                                          "MLFLOW_EXPERIMENT_NAME, else its Default)")
+    track_every_steps: int = option(0, "also send the global-batch loss every N training steps "
+                                       "(metric step_loss; 0: epochs only)", minimum=0)
+
+
 SECTIONS: dict[str, type] = {
     "data": DataConfig,
     "model": ModelConfig,
     "optim": OptimConfig,
     "train": TrainConfig,
+    "tracking": TrackingConfig,
 }
 
 
@@ -259,6 +276,7 @@ class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    tracking: TrackingConfig = field(default_factory=TrackingConfig)
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
         return dataclasses.asdict(self)

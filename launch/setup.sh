@@ -13,26 +13,38 @@
 #                            (munge slurmctld slurmd slurm-client, podman runc debootstrap uidmap,
 #                            openssh-server iproute2; as root, else those tests skip); make test
 #                            passes it
+#   launch/setup.sh --with mlflow
+#                            also the MLflow client (hvdtrain[mlflow], for --tracking mlflow) in
+#                            the venv, and an MLflow server in its own venv, .venv-mlflow (start
+#                            it with .venv-mlflow/bin/mlflow server); make test passes it
 #
 # Environment: PYTHON (interpreter for the venv, default python3), HVDTRAIN_VENV (default
 # <repo>/.venv), HVDTRAIN_CACHE_DIR (where the Horovod and mpi4py wheels built here are cached,
-# default ~/.cache/hvdtrain), HVDTRAIN_GPU=1 (same as --gpu).
+# default ~/.cache/hvdtrain), HVDTRAIN_GPU=1 (same as --gpu), HVDTRAIN_MLFLOW_VENV (the MLflow
+# server's venv, default <repo>/.venv-mlflow).
 set -euo pipefail
 
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 venv="${HVDTRAIN_VENV:-$repo/.venv}"
 python="${PYTHON:-python3}"
 gpu="${HVDTRAIN_GPU:-0}"
+mlflow_venv="${HVDTRAIN_MLFLOW_VENV:-$repo/.venv-mlflow}"
 horovod=1
 test_systems=0
-for arg in "$@"; do
-  case "$arg" in
+with_mlflow=0
+while [ "$#" -gt 0 ]; do
+  case "$1" in
     --gpu) gpu=1 ;;
     --no-horovod) horovod=0 ;;
     --with-test-systems) test_systems=1 ;;
-    -h|--help) sed -n '2,19p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 0 ;;
-    *) echo "setup.sh: unknown argument '$arg' (try --help)" >&2; exit 2 ;;
+    --with=mlflow) with_mlflow=1 ;;
+    --with)
+      [ "${2:-}" = mlflow ] || { echo "setup.sh: --with takes 'mlflow' (try --help)" >&2; exit 2; }
+      with_mlflow=1; shift ;;
+    -h|--help) sed -n '2,24p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    *) echo "setup.sh: unknown argument '$1' (try --help)" >&2; exit 2 ;;
   esac
+  shift
 done
 
 say() { printf '[setup] %s\n' "$*"; }
@@ -192,6 +204,26 @@ else
   say "installing TensorFlow ($flavour), hvdtrain (editable) and test tools"
   "$vpy" -m pip install "${pip_quiet[@]}" -e "$repo[$flavour,test]"
   echo "$wanted" > "$stamp"
+fi
+
+# --- 2b (--with mlflow). The MLflow client in the venv; a server in a venv of its own -------
+# The training venv gets only the client (mlflow-skinny, the extra hvdtrain[mlflow]): what a
+# rank needs to talk to a team's server. The server (mlflow, with its SQL store, web UI and
+# their dependencies) lives apart, as it would on its own host.
+if [ "$with_mlflow" = 1 ]; then
+  mlflow_stamp="$venv/hvdtrain-mlflow.sha256"
+  mlflow_server="mlflow>=3,<4"
+  if [ -f "$mlflow_stamp" ] && [ "$(cat "$mlflow_stamp")" = "$wanted" ] \
+      && [ -x "$mlflow_venv/bin/mlflow" ]; then
+    say "MLflow client and server present ($mlflow_venv)"
+  else
+    say "installing the MLflow client (hvdtrain[mlflow]) in $venv"
+    "$vpy" -m pip install "${pip_quiet[@]}" -e "$repo[mlflow]"
+    [ -x "$mlflow_venv/bin/python" ] || "$python" -m venv "$mlflow_venv"
+    say "installing an MLflow server ($mlflow_server) in $mlflow_venv"
+    "$mlflow_venv/bin/python" -m pip install "${pip_quiet[@]}" "$mlflow_server"
+    echo "$wanted" > "$mlflow_stamp"
+  fi
 fi
 
 # --- 3 (--no-horovod). Check which MPI library mpi4py loads, and stop there ---------------

@@ -277,7 +277,8 @@ class Progress(keras.callbacks.Callback):
 @dataclass(frozen=True)
 class Reporting:
     """What rank 0 reports: the run directory's metrics files (and TensorBoard events), the
-    progress lines, and when the first step ended."""
+    progress lines, when the first step ended, and what the tracker is handed (``tracking``:
+    ``tracking.live``'s callback, after the metrics files, so a row is on disk first)."""
 
     run_dir: Path
     global_batch: int
@@ -285,6 +286,7 @@ class Reporting:
     interactive: bool = False
     tensorboard: bool = False
     first_step: FirstStepClock | None = None
+    tracking: keras.callbacks.Callback | None = None
 
 
 @dataclass(frozen=True)

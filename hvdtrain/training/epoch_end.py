@@ -154,6 +154,8 @@ def standard_callbacks(hooks: RunHooks) -> CallbackGroups:
             after.append(RunFileWriter(
                 lambda: TensorBoardEvents(run_dir / "tensorboard", columns), run_dir,
                 "TensorBoard events"))
+        if report.tracking is not None:
+            after.append(report.tracking)
         after.append(Progress(throughput, columns, report.show_progress, report.interactive))
     end = EpochEnd(hooks.step, hooks.collectives, checkpointing, liveness, hooks.evaluate,
                    hooks.validation_freq, batch_norm_statistics(model))

@@ -44,6 +44,9 @@ class RunSummary:
     validation_epoch: int | None = None
     # Every rank's ``HeldMemory`` as the loop ended (None for a rank of an elastic run).
     memory: list[dict[str, Any] | None] = dataclasses.field(default_factory=list)
+    # The collectives ("horovod" or "tensorflow") and rank 0's device, in place_devices' words.
+    backend: str = ""
+    device: str = ""
 
 
 # The members of a .keras archive, in the order Keras writes them; then the assets folder.

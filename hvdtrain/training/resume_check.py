@@ -28,7 +28,8 @@ OPERATIONAL = ("epochs", "run_dir", "resume", "accept_changes", "progress", "deb
                "tensorboard", "keep_checkpoints", "checkpoint_every_steps", "stall_timeout",
                "threads", "deterministic", "loop", "callbacks", "validation_freq",
                "initial_epoch", "commit_every", "cache", "data_dir", "steps_per_epoch",
-               "elastic", "dataset", "model", "optimizer", "backend", "zero_stage")
+               "elastic", "dataset", "model", "optimizer", "backend", "zero_stage",
+               "tracking", "tracking_uri", "experiment", "track_every_steps")
 
 
 class MixedRuns(UserError):

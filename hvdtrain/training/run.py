@@ -9,6 +9,7 @@ leaves the collectives so no peer waits for it.
 from __future__ import annotations
 
 import dataclasses
+import os
 import sys
 import time
 from dataclasses import dataclass
@@ -52,6 +53,7 @@ from hvdtrain.training.step import StepMath, StepOptions, TrainingStep, xla_line
 from hvdtrain.training.trainable import Trainable, own_step_reason, prepare, probe_trainable
 from hvdtrain.training.zero import check_shardable, saved_from_pieces
 from hvdtrain.training.zero import describe as describe_sharding
+from hvdtrain.tracking import check_tracking, start_tracking
 
 
 ModelFactory = Callable[[Any, "int | None"], keras.Model]
@@ -99,6 +101,10 @@ class Prepared:
     validated: tuple[int, str, dict[str, float]] | None = None
     # What this rank held for training, measured as the loop ended (None: elastic).
     memory: HeldMemory | None = None
+    # Where this rank computes (``place_devices``' words).
+    device: str = ""
+    # Rank 0's ``tracking.live.Tracker`` of a tracked job (None: not tracked, other ranks).
+    tracker: Any = None
 
     @property
     def spec(self) -> ShardSpec:
@@ -175,10 +181,7 @@ class Run:
             prepared = self._setup(collectives, device, launched)
             if self.config.train.autotune:
                 return self._autotune(prepared)
-            start = self._restore(prepared)
-            started = time.perf_counter()
-            history = self._train(prepared, start)
-            return self._finish(prepared, start, history, started)
+            return self._tracked(prepared)
         except BaseException as error:
             peer_failed = ended_by_another_rank(error)
             leave = peer_failed or (raised_here(error) and not self.process_ends_with_run)
@@ -191,6 +194,27 @@ class Run:
                                  "this rank stopped with it") from error
             raise
 
+    def _tracked(self, run: Prepared) -> RunResult:
+        """Restore, train and finish, followed by rank 0's tracker (if the job is tracked),
+        which ends its run as finished, stopped or failed."""
+        world = run.collectives.world
+        if world.is_chief:
+            run.tracker = start_tracking(self.config, run.run_dir, world.size, world.cross_size,
+                                         run.collectives.backend, run.device, run.run_columns,
+                                         os.environ)
+        try:
+            start = self._restore(run)
+            started = time.perf_counter()
+            history = self._train(run, start)
+            result = self._finish(run, start, history, started)
+        except BaseException as error:
+            if run.tracker is not None:
+                run.tracker.close(error)
+            raise
+        if run.tracker is not None:
+            run.tracker.close(None)
+        return result
+
     # --- setup -------------------------------------------------------------------------------
 
     def _setup(self, collectives: Collectives, device: str, launched: float) -> Prepared:
@@ -200,6 +224,7 @@ class Run:
         config, world = self.config, collectives.world
         check_backend(config, collectives)
         check_world(config, world)
+        check_tracking(config, os.environ)
         seed_alike(config.train.seed)
         run_dir, resuming = open_run_dir(config, collectives)
         if world.is_chief:
@@ -263,7 +288,8 @@ class Run:
         return Prepared(collectives, run_dir, resuming, data, trainable, step, plan,
                         lambda spec: evaluate_dataset(data.val.dataset(spec)), plateau,
                         user_callbacks,
-                        CheckpointStore(run_dir, config.train.keep_checkpoints), state, launched)
+                        CheckpointStore(run_dir, config.train.keep_checkpoints), state, launched,
+                        device=device)
 
     def _callbacks(self) -> list[keras.callbacks.Callback]:
         """The user's callbacks: from the Python API and from ``--callbacks module:fn``."""
@@ -359,7 +385,9 @@ class Run:
             reporting=Reporting(run.run_dir, run.plan.global_batch(run.data.train)[0],
                                 config.train.progress,
                                 sys.stdout.isatty() and world.size == 1,
-                                config.train.tensorboard, run.first_step),
+                                config.train.tensorboard, run.first_step,
+                                None if run.tracker is None else run.tracker.callback(
+                                    lambda: float(run.step.global_loss.numpy()))),
             liveness=self.liveness, passes=run.plan.passes,
             evaluate=None if run.data.val is None else validate_epoch,
             validation_freq=self.validation_freq, plateau=run.plateau,
@@ -414,11 +442,14 @@ class Run:
                                      None if run.data.val is None else run.data.val.num_examples,
                                      [facts for _, facts, _, _ in gathered],
                                      None if epoch is None else epoch + 1,
-                                     [held for _, _, _, held in gathered])
+                                     [held for _, _, _, held in gathered],
+                                     collectives.backend, run.device)
                 final = float32_copy(model, self.config.train.precision,
                                      lambda: self.model_factory(run.data.input_shape,
                                                                 run.data.num_classes))
                 write_outputs(run.run_dir, final, summary)
+                if run.tracker is not None:
+                    run.tracker.files_written()
         return RunResult(run.run_dir, metrics, fingerprints, model, history,
                          list(run.run_columns.rows))
 

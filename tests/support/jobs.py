@@ -3,10 +3,13 @@ shared by the rank-failure, checkpoint and stop tests."""
 
 from __future__ import annotations
 
+import os
+import signal
 import subprocess
 from pathlib import Path
 
-from conftest import BIN, REPO, processes_mentioning, rank_env, wait_for
+from conftest import BIN, REPO, SLOW_CYCLE_MS, processes_mentioning, rank_env, wait_for
+from hvdtrain.checkpoint import Checkpoint, CheckpointStore
 
 # A killed rank must end the whole job within this many seconds (measured: a few seconds).
 ABORT_BOUND_S = 30
@@ -42,3 +45,51 @@ def flip_a_byte(path: Path) -> None:
     data = bytearray(path.read_bytes())
     data[len(data) // 2] ^= 0xFF
     path.write_bytes(bytes(data))
+
+
+# --- a job stopped by a signal to its launcher -----------------------------------------------
+
+def start_wrapper(wrapper: str, run_dir: Path, *args: str, slow: bool = True,
+                  **env: str) -> subprocess.Popen:
+    """A 2-rank job through launch/<wrapper>, in its own session (so signals reach only it);
+    ``slow``: its steps slowed to ``SLOW_CYCLE_MS``, for a job the test interrupts."""
+    if slow:
+        env = {"HOROVOD_CYCLE_TIME": SLOW_CYCLE_MS, **env}
+    return subprocess.Popen([str(REPO / "launch" / wrapper), "-np", "2", "--", "--run-dir",
+                             str(run_dir), "--no-progress", *args],
+                            env=rank_env(**env), cwd=run_dir.parent, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, stdin=subprocess.DEVNULL,
+                            start_new_session=True)
+
+
+def newest_checkpoint(run_dir: Path) -> Checkpoint | None:
+    return CheckpointStore(run_dir, 1).latest()
+
+
+def step_checkpoint_after(run_dir: Path, name: str = "") -> Checkpoint | None:
+    """The newest checkpoint if it is a mid-epoch one newer than ``name``."""
+    newest = newest_checkpoint(run_dir)
+    if newest is not None and "-step-" in newest.name and newest.name > name:
+        return newest
+    return None
+
+
+def finish(job: subprocess.Popen, timeout: float) -> tuple[int, str]:
+    try:
+        output, _ = job.communicate(timeout=timeout)
+    finally:
+        if job.poll() is None:
+            os.killpg(job.pid, signal.SIGKILL)
+    return job.returncode, output
+
+
+def stop_after_a_step_checkpoint(run_dir: Path, *args: str, **env: str) -> tuple[int, str]:
+    """Start a 2-rank mpirun.sh job, SIGTERM it once it has written a mid-epoch checkpoint;
+    its (exit code, output)."""
+    job = start_wrapper("mpirun.sh", run_dir, *args, **env)
+    try:
+        wait_for(lambda: step_checkpoint_after(run_dir) or job.poll() is not None, 240)
+        os.kill(job.pid, signal.SIGTERM)
+    finally:
+        code, output = finish(job, 120)
+    return code, output

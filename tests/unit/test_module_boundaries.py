@@ -145,3 +145,13 @@ def test_no_module_of_the_package_needs_itself_through_others():
     modules = package_modules()
     assert import_cycle({module: module_edges(module, modules) for module in modules}) == []
     assert import_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == ["a", "b", "c", "a"]
+
+
+def test_mlflow_is_imported_in_one_place_and_not_by_training():
+    """The optional client: only ``tracking.mlflow_run`` names it, and the trainer's own
+    modules load without it (an untracked job and every rank but a tracked job's 0)."""
+    importers = [module for module in package_modules()
+                 if under(imports_in(module), "mlflow")]
+    assert importers == ["hvdtrain.tracking.mlflow_run"]
+    [loaded] = loaded_after("hvdtrain.training.run")
+    assert "hvdtrain.tracking" in loaded and not under(loaded, "mlflow")

@@ -25,10 +25,12 @@ def test_setup_help_names_the_option_and_make_test_alone_passes_it():
     shown = subprocess.run(["bash", str(SETUP), "--help"], text=True, capture_output=True,
                            timeout=30, stdin=subprocess.DEVNULL)
     assert shown.returncode == 0 and "--with-test-systems" in shown.stdout
+    assert "launch/setup.sh --with mlflow" in shown.stdout
     dry = {target: subprocess.run(["make", "-n", "-C", str(REPO), target], text=True,
                                   capture_output=True, timeout=30).stdout
            for target in ("test", "train", "test-fast")}
     assert "launch/setup.sh" in dry["test"] and "--with-test-systems" in dry["test"]
+    assert "--with mlflow" in dry["test"] and "--with mlflow" not in dry["train"]
     assert "launch/setup.sh" in dry["train"] and "--with-test-systems" not in dry["train"]
     assert "--with-test-systems" not in dry["test-fast"]
 

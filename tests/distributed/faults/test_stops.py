@@ -27,8 +27,9 @@ import pytest
 from conftest import (BACKENDS, RANKS, RANK_PYTHONPATH, REPO, SLOW_CYCLE_MS, assert_same_weights,
                       final_weights, launch, processes_mentioning, rank_env, rank_pid, read_metrics,
                       read_summary, run, train, wait_for)
-from hvdtrain.checkpoint import Checkpoint, CheckpointStore
-from jobs import assert_nothing_left, flip_a_byte
+from hvdtrain.checkpoint import Checkpoint
+from jobs import (assert_nothing_left, finish, flip_a_byte, start_wrapper,
+                  step_checkpoint_after, stop_after_a_step_checkpoint)
 
 # Short deterministic epochs (45 steps of 2 x 16 digits): long enough to stop mid-run, a step
 # checkpoint every 5 steps.
@@ -36,31 +37,6 @@ ARGS = ["--epochs", "8", "--deterministic", "--hidden-units", "64", "--seed", "5
         "--batch-size", "16", "--checkpoint-every-steps", "5", "--no-tensorboard"]
 STOPPED = 75
 WRAPPERS = {"horovodrun.sh": "fit", "mpirun.sh": "custom"}
-
-
-def start_wrapper(wrapper: str, run_dir: Path, *args: str, slow: bool = True,
-                  **env: str) -> subprocess.Popen:
-    """A 2-rank job through launch/<wrapper>, in its own session (so signals reach only it);
-    ``slow``: its steps slowed to ``SLOW_CYCLE_MS``, for a job the test interrupts."""
-    if slow:
-        env = {"HOROVOD_CYCLE_TIME": SLOW_CYCLE_MS, **env}
-    return subprocess.Popen([str(REPO / "launch" / wrapper), "-np", "2", "--", "--run-dir",
-                             str(run_dir), "--no-progress", *args],
-                            env=rank_env(**env), cwd=run_dir.parent, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, stdin=subprocess.DEVNULL,
-                            start_new_session=True)
-
-
-def newest_checkpoint(run_dir: Path) -> Checkpoint | None:
-    return CheckpointStore(run_dir, 1).latest()
-
-
-def step_checkpoint_after(run_dir: Path, name: str = "") -> Checkpoint | None:
-    """The newest checkpoint if it is a mid-epoch one newer than ``name``."""
-    newest = newest_checkpoint(run_dir)
-    if newest is not None and "-step-" in newest.name and newest.name > name:
-        return newest
-    return None
 
 
 def lock_is_held(run_dir: Path) -> bool:
@@ -85,27 +61,6 @@ def holding_the_lock(run_dir: Path):
         yield
     finally:
         os.close(fd)
-
-
-def finish(job: subprocess.Popen, timeout: float) -> tuple[int, str]:
-    try:
-        output, _ = job.communicate(timeout=timeout)
-    finally:
-        if job.poll() is None:
-            os.killpg(job.pid, signal.SIGKILL)
-    return job.returncode, output
-
-
-def stop_after_a_step_checkpoint(run_dir: Path, *args: str, **env: str) -> tuple[int, str]:
-    """Start a 2-rank mpirun.sh job, SIGTERM it once it has written a mid-epoch checkpoint;
-    its (exit code, output)."""
-    job = start_wrapper("mpirun.sh", run_dir, *args, **env)
-    try:
-        wait_for(lambda: step_checkpoint_after(run_dir) or job.poll() is not None, 240)
-        os.kill(job.pid, signal.SIGTERM)
-    finally:
-        code, output = finish(job, 120)
-    return code, output
 
 
 def assert_same_run(straight: Path, resumed: Path) -> None:

@@ -1,0 +1,52 @@
+"""Experiment tracking (``--tracking``): rank 0 alone sends one job to one MLflow run, the other
+ranks never talk to the tracker. ``mlflow_run`` is the only module that imports MLflow (an
+optional extra: ``pip install 'hvdtrain[mlflow]'``), and only on rank 0 of a tracked job;
+``live`` sends off the training step's path; ``upload`` is ``hvdtrain track RUN_DIR``."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+from typing import Mapping
+
+from hvdtrain.config import Config, ConfigError, TrackingConfig
+
+INSTALL = "pip install 'hvdtrain[mlflow]' (or launch/setup.sh --with mlflow)"
+
+
+def wanted(tracking: TrackingConfig, environ: Mapping[str, str]) -> bool:
+    """Whether this job is tracked: ``mlflow``, or ``auto`` where MLFLOW_TRACKING_URI is set."""
+    return tracking.tracking == "mlflow" or (tracking.tracking == "auto"
+                                             and bool(environ.get("MLFLOW_TRACKING_URI")))
+
+
+def check_tracking(config: Config, environ: Mapping[str, str]) -> None:
+    """Refuse, in one line, a tracked job that cannot be: no MLflow client, no server named, an
+    elastic job (whose rank 0 may change)."""
+    tracking = config.tracking
+    if not wanted(tracking, environ):
+        return
+    if importlib.util.find_spec("mlflow") is None:
+        raise ConfigError(f"--tracking {tracking.tracking} needs the MLflow client: {INSTALL}")
+    if not (tracking.tracking_uri or environ.get("MLFLOW_TRACKING_URI")):
+        raise ConfigError("--tracking mlflow needs the server: --tracking-uri "
+                          "http://HOST:PORT, or MLflow's MLFLOW_TRACKING_URI")
+    if config.train.autotune and tracking.tracking == "mlflow":
+        raise ConfigError("--autotune trains nothing to track; leave out --tracking mlflow")
+    if config.train.elastic:
+        raise ConfigError("--tracking cannot follow an --elastic job (its rank 0 may change); "
+                          "send its run directory after it ends: hvdtrain track RUN_DIR")
+
+
+def start_tracking(config: Config, run_dir: Path, ranks: int, nodes: int, backend: str,
+                   device: str, columns, environ: Mapping[str, str]):
+    """Rank 0's ``live.Tracker`` for a tracked job (checked by ``check_tracking``), else None."""
+    if not wanted(config.tracking, environ) or config.train.autotune:
+        return None
+    from hvdtrain.tracking.content import job_facts
+    from hvdtrain.tracking.live import Tracker
+
+    tracking = config.tracking
+    facts = job_facts(run_dir, config.to_dict(), ranks, nodes, backend, device)
+    return Tracker(run_dir, tracking.tracking_uri, tracking.experiment, facts, columns,
+                   tracking.track_every_steps)
