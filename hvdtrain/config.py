@@ -250,11 +250,12 @@ class TrackingConfig:
     tracking: str = option("none", "experiment tracking: mlflow (rank 0 sends this job's params, "
                                    "exact epoch metrics, world and final files to one MLflow "
                                    "run; needs pip install 'hvdtrain[mlflow]'), auto (mlflow "
-                                   "where MLflow's MLFLOW_TRACKING_URI is set) or none",
+                                   "where a server is named, --tracking-uri or MLflow's "
+                                   "MLFLOW_TRACKING_URI; not for --elastic) or none",
                            choices=("none", "mlflow", "auto"))
-    tracking_uri: str | None = option(None, "the MLflow tracking server (http://HOST:PORT) or "
-                                            "store (file:DIR) (default: MLflow's "
-                                            "MLFLOW_TRACKING_URI; one of them is needed)")
+    tracking_uri: str | None = option(None, "the MLflow tracking server, http://HOST:PORT "
+                                            "(default: MLflow's MLFLOW_TRACKING_URI; one of "
+                                            "them is needed)")
     experiment: str | None = option(None, "MLflow experiment of the run (default: MLflow's "
                                           "MLFLOW_EXPERIMENT_NAME, else its Default)")
     track_every_steps: int = option(0, "also send the global-batch loss every N training steps "

@@ -14,7 +14,7 @@
 #   --command CMD     run CMD on every rank instead of 'python -m hvdtrain'
 #
 # Adds: --bind-to none --map-by slot (Horovod manages its own threads), -x for the environment
-# Horovod and TensorFlow read, --allow-run-as-root when run as root (containers, CI), which
+# Horovod, TensorFlow and MLflow read, --allow-run-as-root when run as root (containers, CI), which
 # Open MPI otherwise refuses, and TCP keep-alive between mpirun and its daemons, so that a lost
 # node ends the job within a minute (export_launcher_defaults in common.sh). SIGTERM, SIGINT or SIGUSR1 to this script stops the job cleanly
 # (every rank at one step, a checkpoint, exit 75); see run_relaying_stops in common.sh.
@@ -46,7 +46,7 @@ args=(-np "$np" --bind-to none --map-by slot -mca pml ob1 -mca btl ^openib)
                           -x NCCL_SOCKET_IFNAME="$iface")
 [ -n "$ssh_agent" ] && args+=(-mca plm_rsh_agent "$ssh_agent")
 # Only variables that are set: mpirun warns about every -x name it cannot find.
-for var in $(compgen -e | grep -E '^(HOROVOD_|HVDTRAIN_|NCCL_|TF_|OMPI_MCA_|CUDA_VISIBLE_DEVICES$|LD_LIBRARY_PATH$|PATH$|PYTHONPATH$)' || true); do
+for var in $(compgen -e | grep -E '^(HOROVOD_|HVDTRAIN_|MLFLOW_|NCCL_|TF_|OMPI_MCA_|CUDA_VISIBLE_DEVICES$|LD_LIBRARY_PATH$|PATH$|PYTHONPATH$)' || true); do
   args+=(-x "$var")
 done
 

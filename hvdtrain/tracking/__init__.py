@@ -10,25 +10,34 @@ from pathlib import Path
 from typing import Mapping
 
 from hvdtrain.config import Config, ConfigError, TrackingConfig
+from hvdtrain.log import logger
 
 INSTALL = "pip install 'hvdtrain[mlflow]' (or launch/setup.sh --with mlflow)"
 
 
-def wanted(tracking: TrackingConfig, environ: Mapping[str, str]) -> bool:
-    """Whether this job is tracked: ``mlflow``, or ``auto`` where MLFLOW_TRACKING_URI is set."""
-    return tracking.tracking == "mlflow" or (tracking.tracking == "auto"
-                                             and bool(environ.get("MLFLOW_TRACKING_URI")))
+def server(tracking: TrackingConfig, environ: Mapping[str, str]) -> str | None:
+    """The server named by ``--tracking-uri`` or MLflow's MLFLOW_TRACKING_URI."""
+    return tracking.tracking_uri or environ.get("MLFLOW_TRACKING_URI") or None
+
+
+def wanted(config: Config, environ: Mapping[str, str]) -> bool:
+    """Whether this job is tracked: ``mlflow``, or ``auto`` where a server is named (and the job
+    is not elastic)."""
+    tracking = config.tracking
+    return tracking.tracking == "mlflow" or (tracking.tracking == "auto" and not
+                                             config.train.elastic and bool(server(tracking,
+                                                                                  environ)))
 
 
 def check_tracking(config: Config, environ: Mapping[str, str]) -> None:
     """Refuse, in one line, a tracked job that cannot be: no MLflow client, no server named, an
     elastic job (whose rank 0 may change)."""
     tracking = config.tracking
-    if not wanted(tracking, environ):
+    if not wanted(config, environ):
         return
     if importlib.util.find_spec("mlflow") is None:
         raise ConfigError(f"--tracking {tracking.tracking} needs the MLflow client: {INSTALL}")
-    if not (tracking.tracking_uri or environ.get("MLFLOW_TRACKING_URI")):
+    if not server(tracking, environ):
         raise ConfigError("--tracking mlflow needs the server: --tracking-uri "
                           "http://HOST:PORT, or MLflow's MLFLOW_TRACKING_URI")
     if config.train.autotune and tracking.tracking == "mlflow":
@@ -40,8 +49,14 @@ def check_tracking(config: Config, environ: Mapping[str, str]) -> None:
 
 def start_tracking(config: Config, run_dir: Path, ranks: int, nodes: int, backend: str,
                    device: str, columns, environ: Mapping[str, str]):
-    """Rank 0's ``live.Tracker`` for a tracked job (checked by ``check_tracking``), else None."""
-    if not wanted(config.tracking, environ) or config.train.autotune:
+    """Rank 0's ``live.Tracker`` for a tracked job (checked by ``check_tracking``), else None
+    (said in one line where a server was named for an untracked job)."""
+    if not wanted(config, environ):
+        if config.tracking.tracking_uri:
+            logger.warning(f"--tracking-uri {config.tracking.tracking_uri} is not used: "
+                           f"--tracking is {config.tracking.tracking}"
+                           + (" and the job is elastic" if config.train.elastic else "")
+                           + "; add --tracking mlflow to track the job")
         return None
     from hvdtrain.tracking.content import job_facts
     from hvdtrain.tracking.live import Tracker

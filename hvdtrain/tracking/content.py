@@ -31,12 +31,15 @@ def param_text(value: Any) -> str:
 
 def job_facts(run_dir: Path, config: dict[str, dict[str, Any]], ranks: int, nodes: int,
               backend: str, device: str) -> JobFacts:
-    """``config``: the resolved config by section (``Config.to_dict``, or ``config.yaml``)."""
+    """``config``: the resolved config by section (``Config.to_dict``, or ``config.yaml``); a
+    world fact not known (0 or empty: a run directory whose job has not ended) is left out, so
+    it never replaces a live job's tag."""
     params = {name: param_text(value) for section in config.values()
               for name, value in section.items()}
-    tags = {"hvdtrain.ranks": str(ranks), "hvdtrain.nodes": str(nodes),
-            "hvdtrain.backend": backend, "hvdtrain.device": device,
-            "hvdtrain.version": __version__, "hvdtrain.run_dir": str(run_dir.resolve())}
+    world = {"hvdtrain.ranks": ranks, "hvdtrain.nodes": nodes, "hvdtrain.backend": backend,
+             "hvdtrain.device": device}
+    tags = {"hvdtrain.version": __version__, "hvdtrain.run_dir": str(run_dir.resolve()),
+            **{name: str(value) for name, value in world.items() if value}}
     return JobFacts(run_dir.name, params, tags)
 
 

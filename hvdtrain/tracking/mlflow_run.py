@@ -5,12 +5,17 @@ user's own active run and MLflow's process-wide state stay as they were.
 
 Metrics go as the run directory holds them: ``metrics.jsonl``'s rows at MLflow step = epoch
 (as MLflow's own Keras autologging and hvdtrain's TensorBoard events count), the row's
-``epoch`` among them, which also tells a resumed job which rows the server already has.
+``epoch`` among them. A job that opens the run sends every row the server lacks or holds
+otherwise (``sync_rows``: rows lost to an outage, or epochs trained again after a resume from
+an older checkpoint, whose newest value MLflow then shows). Names MLflow refuses are sent with
+``_`` for each character it does not take; params longer than its limit are cut.
 """
 
 from __future__ import annotations
 
 import json
+import math
+import re
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -25,9 +30,12 @@ from hvdtrain.tracking.content import JobFacts
 
 # Where a run directory keeps its MLflow run's id.
 RECORD = "tracking.json"
-# MLflow's REST limits per logged batch.
+# MLflow's REST limits per logged batch, and on a param's value.
 METRICS_PER_BATCH = 1000
 PARAMS_PER_BATCH = 100
+PARAM_CHARACTERS = 6000
+# What MLflow takes in a metric's name (a Keras metric may be named "precision@0.5").
+REFUSED_IN_NAMES = re.compile(r"[^\w./\- :]")
 # The metric of every epoch row whose history says which epochs the server has.
 EPOCH_KEY = "epoch"
 # The metric sent every --track-every-steps steps.
@@ -36,18 +44,33 @@ STEP_LOSS_KEY = "step_loss"
 
 @dataclass(frozen=True)
 class RunRecord:
-    """``tracking.json``: the MLflow run a run directory's jobs send to."""
+    """The MLflow run a run directory's jobs send to, on one server."""
 
-    tracking_uri: str
     experiment_id: str
     run_id: str
 
 
-def read_record(run_dir: Path) -> RunRecord | None:
+def read_records(run_dir: Path) -> dict[str, RunRecord]:
+    """``tracking.json``: the run directory's run on each server it was sent to."""
     try:
-        return RunRecord(**json.loads((run_dir / RECORD).read_text()))
-    except (OSError, ValueError, TypeError):
-        return None
+        saved = json.loads((run_dir / RECORD).read_text())
+        return {uri: RunRecord(**record) for uri, record in saved.items()}
+    except (OSError, ValueError, TypeError, AttributeError):
+        return {}
+
+
+def _write_record(run_dir: Path, uri: str, record: RunRecord) -> None:
+    records = {**read_records(run_dir), uri: record}
+    atomic_write_text(run_dir / RECORD, json.dumps(
+        {name: asdict(each) for name, each in records.items()}, indent=1) + "\n")
+
+
+def _same(held: float | None, value: float) -> bool:
+    return held is not None and (held == value or (math.isnan(held) and math.isnan(value)))
+
+
+def metric_key(name: str) -> str:
+    return REFUSED_IN_NAMES.sub("_", name)
 
 
 def _now_ms() -> int:
@@ -90,11 +113,7 @@ class MlflowRun:
         ``experiment``), with the job's params and tags; ``say``: a line for the user."""
         client = MlflowClient(tracking_uri)
         uri = client.tracking_uri
-        record = read_record(run_dir)
-        if record is not None and record.tracking_uri != uri:
-            say(f"{run_dir} was tracked in MLflow run {record.run_id} at {record.tracking_uri}; "
-                f"this job sends to {uri}, as a new run")
-            record = None
+        record = read_records(run_dir).get(uri)
         if record is not None:
             client.update_run(record.run_id, status="RUNNING")
             run = cls(client, record.run_id)
@@ -102,8 +121,7 @@ class MlflowRun:
             experiment_id = _experiment_id(client, experiment, environ)
             created = client.create_run(experiment_id, run_name=facts.name)
             run = cls(client, created.info.run_id)
-            atomic_write_text(run_dir / RECORD, json.dumps(asdict(RunRecord(
-                uri, experiment_id, run.run_id))) + "\n")
+            _write_record(run_dir, uri, RunRecord(experiment_id, run.run_id))
         run._log_params(facts.params, say)
         run.client.log_batch(run.run_id, tags=[RunTag(k, v) for k, v in facts.tags.items()])
         return run
@@ -113,11 +131,12 @@ class MlflowRun:
         changed option (``--accept-changes``) is named, not sent."""
         logged = self.client.get_run(self.run_id).data.params
         changed = [f"{name} {logged[name]} -> {value}" for name, value in params.items()
-                   if name in logged and logged[name] != value]
+                   if name in logged and logged[name] != value[:PARAM_CHARACTERS]]
         if changed:
             say(f"MLflow keeps a run's params as first logged; this job's changes are not "
                 f"sent: {', '.join(changed)}")
-        missing = [Param(name, value) for name, value in params.items() if name not in logged]
+        missing = [Param(name, value[:PARAM_CHARACTERS]) for name, value in params.items()
+                   if name not in logged]
         for chunk in _chunks(missing, PARAMS_PER_BATCH):
             self.client.log_batch(self.run_id, params=chunk)
 
@@ -126,11 +145,25 @@ class MlflowRun:
         return max((metric.step for metric in self.client.get_metric_history(self.run_id, key)),
                    default=0)
 
+    def sync_rows(self, rows: list[dict[str, float]]) -> list[dict[str, float]]:
+        """Send the epoch rows the run lacks or holds other values of (its newest value at
+        each step counts); return them."""
+        newest: dict[str, dict[int, float]] = {}
+        for key in {metric_key(name) for row in rows for name in row}:
+            history = sorted(self.client.get_metric_history(self.run_id, key),
+                             key=lambda metric: metric.timestamp)
+            newest[key] = {metric.step: metric.value for metric in history}
+        unsent = [row for row in rows if not all(
+            _same(newest[metric_key(name)].get(int(row[EPOCH_KEY])), float(value))
+            for name, value in row.items() if isinstance(value, (int, float)))]
+        self.log_rows(unsent)
+        return unsent
+
     def log_rows(self, rows: list[dict[str, float]]) -> None:
         """Epoch rows as ``metrics.jsonl`` holds them, each at step = its epoch."""
         now = _now_ms()
-        metrics = [Metric(key, float(value), now, int(row[EPOCH_KEY]))
-                   for row in rows for key, value in row.items()
+        metrics = [Metric(metric_key(name), float(value), now, int(row[EPOCH_KEY]))
+                   for row in rows for name, value in row.items()
                    if isinstance(value, (int, float))]
         for chunk in _chunks(metrics, METRICS_PER_BATCH):
             self.client.log_batch(self.run_id, metrics=chunk)

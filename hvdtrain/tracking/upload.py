@@ -39,7 +39,8 @@ def _read(run_dir: Path) -> tuple[dict, dict]:
 
 
 def track(args: argparse.Namespace) -> int:
-    """Send ``args.run_dir`` to MLflow; print what was sent."""
+    """Send ``args.run_dir`` to MLflow; print what was sent. A server that fails is one line
+    (with MLflow's HTTP settings of a live job: seconds, not minutes of retries)."""
     run_dir = Path(args.run_dir)
     config, summary = _read(run_dir)
     uri = args.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI")
@@ -47,23 +48,29 @@ def track(args: argparse.Namespace) -> int:
         raise UserError("hvdtrain track needs the server: --tracking-uri http://HOST:PORT, or "
                         "MLflow's MLFLOW_TRACKING_URI")
     try:
-        from hvdtrain.tracking.mlflow_run import EPOCH_KEY, MlflowRun
+        from hvdtrain.tracking.mlflow_run import MlflowRun
     except ImportError as error:
         raise UserError(f"hvdtrain track needs the MLflow client: {INSTALL}") from error
     from hvdtrain.tracking.content import final_files, job_facts
+    from hvdtrain.tracking.live import failure_reason, mlflow_environment, restore
     from hvdtrain.writes import json_rows
 
     ranks = summary.get("ranks") or [{}]
     facts = job_facts(run_dir, config, summary.get("world_size", 0),
                       ranks[0].get("cross_size", 0), summary.get("backend", ""),
                       summary.get("device", ""))
-    run = MlflowRun.open(run_dir, uri, args.experiment, facts, dict(os.environ), print)
-    sent = run.last_step(EPOCH_KEY)
-    rows = [row for row in json_rows(run_dir / "metrics.jsonl") if row["epoch"] > sent]
-    run.log_rows(rows)
-    files = final_files(run_dir) if summary else []
-    run.log_files(files)
-    run.end("FINISHED" if summary else "KILLED")
+    saved = mlflow_environment(os.environ)
+    try:
+        run = MlflowRun.open(run_dir, uri, args.experiment, facts, dict(os.environ), print)
+        rows = run.sync_rows(json_rows(run_dir / "metrics.jsonl"))
+        files = final_files(run_dir) if summary else []
+        run.end("FINISHED" if summary else "KILLED")
+        run.log_files(files)
+    except Exception as error:   # MLflow's and the connection's errors alike
+        raise UserError(f"MLflow at {uri} failed ({failure_reason(error)}); nothing is lost: "
+                        "run hvdtrain track again once it answers") from error
+    finally:
+        restore(os.environ, saved)
     print(f"sent {run_dir} to MLflow run {run.run_id} at {uri}: {len(rows)} epoch row(s), "
           f"{len(files)} file(s)" + ("" if summary else "; the job has not finished (no "
                                      "summary.json), so the run is marked stopped"))

@@ -195,15 +195,16 @@ class Run:
             raise
 
     def _tracked(self, run: Prepared) -> RunResult:
-        """Restore, train and finish, followed by rank 0's tracker (if the job is tracked),
-        which ends its run as finished, stopped or failed."""
+        """Restore, then train and finish followed by rank 0's tracker (if the job is tracked:
+        it starts once the run directory is as the resume left it, and ends its MLflow run as
+        finished, stopped or failed)."""
+        start = self._restore(run)
         world = run.collectives.world
         if world.is_chief:
             run.tracker = start_tracking(self.config, run.run_dir, world.size, world.cross_size,
                                          run.collectives.backend, run.device, run.run_columns,
                                          os.environ)
         try:
-            start = self._restore(run)
             started = time.perf_counter()
             history = self._train(run, start)
             result = self._finish(run, start, history, started)
@@ -448,8 +449,6 @@ class Run:
                                      lambda: self.model_factory(run.data.input_shape,
                                                                 run.data.num_classes))
                 write_outputs(run.run_dir, final, summary)
-                if run.tracker is not None:
-                    run.tracker.files_written()
         return RunResult(run.run_dir, metrics, fingerprints, model, history,
                          list(run.run_columns.rows))
 

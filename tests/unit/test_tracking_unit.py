@@ -13,16 +13,18 @@ import pytest
 from hvdtrain.config import ConfigError, build_config
 from hvdtrain.tracking import check_tracking, wanted
 from hvdtrain.tracking.content import job_facts, param_text
-from hvdtrain.tracking.live import HTTP_DEFAULTS, Sender, add_http_defaults
+from hvdtrain.tracking.live import HTTP_DEFAULTS, Sender, mlflow_environment, restore
 
 SERVER = {"MLFLOW_TRACKING_URI": "http://127.0.0.1:5000"}
 
 
-def test_auto_tracks_where_mlflows_uri_is_set_and_mlflow_always():
-    assert not wanted(build_config({}).tracking, SERVER)            # the default: none
-    assert not wanted(build_config({"tracking": "auto"}).tracking, {})
-    assert wanted(build_config({"tracking": "auto"}).tracking, SERVER)
-    assert wanted(build_config({"tracking": "mlflow"}).tracking, {})
+def test_auto_tracks_where_a_server_is_named_and_mlflow_always():
+    assert not wanted(build_config({}), SERVER)            # the default: none
+    assert not wanted(build_config({"tracking": "auto"}), {})
+    assert wanted(build_config({"tracking": "auto"}), SERVER)
+    assert wanted(build_config({"tracking": "auto", "tracking_uri": "http://h:1"}), {})
+    assert not wanted(build_config({"tracking": "auto", "elastic": True, "run_dir": "r"}), SERVER)
+    assert wanted(build_config({"tracking": "mlflow"}), {})
 
 
 @pytest.mark.parametrize("options, environ, message", [
@@ -70,7 +72,7 @@ def test_the_sender_runs_calls_in_order_off_the_callers_thread():
     assert sender.thread.ident != threading.get_ident()
 
 
-def test_after_the_first_failure_one_line_and_nothing_more_is_sent():
+def test_a_failed_call_is_handed_over_and_the_next_one_runs():
     failures, sent = [], []
 
     def fail() -> None:
@@ -82,7 +84,8 @@ def test_after_the_first_failure_one_line_and_nothing_more_is_sent():
     sender.submit(lambda: sent.append(2))
     assert sender.close(10)
     sender.submit(lambda: sent.append(3))       # after close: dropped, never run
-    assert sent == [1] and len(failures) == 1 and sender.failed
+    assert sent == [1, 2] and [str(error) for error in failures] == [
+        "[Errno 111] Connection refused"]
 
 
 def test_a_blocked_server_never_blocks_the_caller(caplog):
@@ -100,9 +103,16 @@ def test_a_blocked_server_never_blocks_the_caller(caplog):
     sender.thread.join(10)
 
 
-def test_http_defaults_fill_only_what_the_user_left_unset():
-    environ = {"MLFLOW_HTTP_REQUEST_TIMEOUT": "300"}
-    added = add_http_defaults(environ)
+def test_mlflows_variables_are_put_back_as_they_were():
+    """The HTTP settings fill only what the user left unset, and MLflow's own variables (its
+    import sets or takes back its telemetry session) end as they began."""
+    environ = {"MLFLOW_HTTP_REQUEST_TIMEOUT": "300", "_MLFLOW_SESSION": "a", "PATH": "/bin"}
+    before = dict(environ)
+    saved = mlflow_environment(environ)
     assert environ["MLFLOW_HTTP_REQUEST_TIMEOUT"] == "300"
-    assert added == ["MLFLOW_HTTP_REQUEST_MAX_RETRIES"]
-    assert environ["MLFLOW_HTTP_REQUEST_MAX_RETRIES"] == HTTP_DEFAULTS[added[0]]
+    assert environ["MLFLOW_HTTP_REQUEST_MAX_RETRIES"] == HTTP_DEFAULTS[
+        "MLFLOW_HTTP_REQUEST_MAX_RETRIES"]
+    del environ["_MLFLOW_SESSION"]
+    environ["_MLFLOW_OTHER"] = "b"
+    restore(environ, saved)
+    assert environ == before

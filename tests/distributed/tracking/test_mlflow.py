@@ -79,7 +79,8 @@ def test_a_stopped_and_resumed_two_rank_job_is_one_exact_run(server, tmp_path):
     assert not re.search(FAILURE_LINE, output), output[-3000:]
     run = the_one_run(client, "resumed")
     assert run.info.status == "FINISHED"
-    assert json.loads((run_dir / "tracking.json").read_text())["run_id"] == run.info.run_id
+    assert json.loads((run_dir / "tracking.json").read_text())[server]["run_id"] == \
+        run.info.run_id
     assert_sent_exactly(client, run, run_dir, 3)
     assert {key: run.data.tags[key] for key in ("hvdtrain.ranks", "hvdtrain.nodes")} == {
         "hvdtrain.ranks": "2", "hvdtrain.nodes": "1"}
@@ -148,12 +149,10 @@ def test_an_unreachable_server_changes_nothing_a_job_computes(tmp_path):
     equal weights and history, one warning line, and the environment as it was."""
     from mlflow_server import free_port
 
-    environment = rank_env()
-    # Set by MLflow in this test process (which imported it) and taken back by MLflow's import
-    # in the child: MLflow's own doing, not the job's.
-    environment.pop("_MLFLOW_TELEMETRY_SESSION_ID", None)
+    # rank_env() carries the telemetry session MLflow set in this process, which MLflow's
+    # import in the child takes back: the job must put it back.
     result = subprocess.run([str(BIN / "python"), "-c", UNREACHABLE, str(tmp_path / "run"),
-                             str(free_port())], cwd=REPO, env=environment, text=True,
+                             str(free_port())], cwd=REPO, env=rank_env(), text=True,
                             capture_output=True, timeout=RUN_TIMEOUT, stdin=subprocess.DEVNULL)
     assert result.returncode == 0 and "same" in result.stdout, result.stdout + result.stderr
     assert len(re.findall(FAILURE_LINE, result.stdout + result.stderr)) == 1, result.stderr
