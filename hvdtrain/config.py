@@ -247,11 +247,9 @@ class TrainConfig:
 
 @dataclass
 class TrackingConfig:
-    tracking: str = option("none", "experiment tracking: mlflow (rank 0 sends this job's params, "
-                                   "exact epoch metrics, world and final files to one MLflow "
-                                   "run; needs pip install 'hvdtrain[mlflow]'), auto (mlflow "
-                                   "where a server is named, --tracking-uri or MLflow's "
-                                   "MLFLOW_TRACKING_URI; not for --elastic) or none",
+    tracking: str = option("none", "experiment tracking: mlflow (rank 0 sends the job to one "
+                                   "MLflow run; pip install 'hvdtrain[mlflow]'), auto (mlflow "
+                                   "where a server is named; not --elastic) or none",
                            choices=("none", "mlflow", "auto"))
     tracking_uri: str | None = option(None, "the MLflow tracking server, http://HOST:PORT "
                                             "(default: MLflow's MLFLOW_TRACKING_URI; one of "

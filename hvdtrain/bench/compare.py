@@ -18,18 +18,30 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Callable
 
 from hvdtrain.bench.variants import (MPIRUN_WRAPPER, python, run_checked, run_multiworker,
                                      variant_env)
 
 
-def launch_to_first_step(horovodrun: list[str], env: dict[str, str], out: Path) -> dict:
+def launcher(name: str, np: int) -> Callable[[list[str]], list[str]]:
+    """The command that runs a program on ``np`` ranks: ``horovodrun`` (the README's), or
+    ``mpirun`` (launch/mpirun.sh: no Horovod build check before every job, seconds each on 2
+    cores; the wrapper splits the program at spaces)."""
+    if name == "horovodrun":
+        return lambda program: [str(Path(python()).with_name("horovodrun")), "-np", str(np),
+                                *program]
+    return lambda program: [str(MPIRUN_WRAPPER), "-np", str(np), "--command", " ".join(program)]
+
+
+def launch_to_first_step(ranks: Callable[[list[str]], list[str]], env: dict[str, str],
+                         out: Path) -> dict:
     """Time the default job from its launch command to the end of its first training step."""
     run_dir = out / "startup-run"
     shutil.rmtree(run_dir, ignore_errors=True)
     launched = time.time()
-    run_checked([*horovodrun, python(), "-m", "hvdtrain", "--epochs", "1", "--run-dir",
-                 str(run_dir)], env)
+    run_checked(ranks([python(), "-m", "hvdtrain", "--epochs", "1", "--run-dir",
+                       str(run_dir)]), env)
     summary = json.loads((run_dir / "summary.json").read_text())
     return {"launch_to_first_step_seconds": summary["first_step_unix_time"] - launched,
             "process_start_to_first_step_seconds": summary["first_step_seconds"],
@@ -85,6 +97,8 @@ def main(argv: list[str] | None = None) -> int:
                              "report the median over rounds")
     parser.add_argument("--comm-repeats", type=int, default=20)
     parser.add_argument("--output-dir", type=Path, default=Path("bench"))
+    parser.add_argument("--launcher", choices=("horovodrun", "mpirun"), default="horovodrun",
+                        help="how the multi-rank variants start (mpirun: launch/mpirun.sh)")
     args = parser.parse_args(argv)
     out = args.output_dir
     out.mkdir(parents=True, exist_ok=True)
@@ -92,22 +106,21 @@ def main(argv: list[str] | None = None) -> int:
     env = variant_env(threads)
     common = ["--model", args.model, "--batch-size", str(args.batch_size), "--steps",
               str(args.steps), "--repeats", str(args.repeats)]
-    horovodrun = [str(Path(python()).with_name("horovodrun")), "-np", str(args.np)]
+    ranks = launcher(args.launcher, args.np)
     print(f"comparing on {args.np} rank(s) x batch {args.batch_size}, {threads} thread(s) "
           f"each, model {args.model}", flush=True)
     for round_ in range(1, args.rounds + 1):
         # Every variant once per round, in the same order: a slow spell of the machine hits
         # all of them alike, and the median over rounds discards it.
         for loop in ("custom", "fit"):
-            run_checked([*horovodrun, python(), "-m", "hvdtrain", "benchmark", *common,
-                         "--loop", loop, "--output", str(out / f"hvdtrain-{loop}-{round_}.json")],
-                        env)
+            run_checked(ranks([python(), "-m", "hvdtrain", "benchmark", *common, "--loop", loop,
+                               "--output", str(out / f"hvdtrain-{loop}-{round_}.json")]), env)
         # The same step on TensorFlow's collectives (--backend tensorflow), no Horovod.
-        run_checked([*horovodrun, python(), "-m", "hvdtrain", "benchmark", *common, "--loop",
-                     "custom", "--output", str(out / f"hvdtrain-tensorflow-{round_}.json")],
+        run_checked(ranks([python(), "-m", "hvdtrain", "benchmark", *common, "--loop", "custom",
+                           "--output", str(out / f"hvdtrain-tensorflow-{round_}.json")]),
                     {**env, "HVDTRAIN_BACKEND": "tensorflow"})
-        run_checked([*horovodrun, python(), "-m", "hvdtrain.bench.baselines.minimal_horovod",
-                     *common, "--output", str(out / f"minimal-{round_}.json")], env)
+        run_checked(ranks([python(), "-m", "hvdtrain.bench.baselines.minimal_horovod", *common,
+                           "--output", str(out / f"minimal-{round_}.json")]), env)
         run_multiworker(common, ["localhost"] * args.np, env, out / f"multiworker-{round_}.json")
         run_checked([python(), "-m", "hvdtrain", "benchmark", *common, "--output",
                      str(out / f"single-{round_}.json")], variant_env(os.cpu_count() or 1))
@@ -115,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
         run_checked([str(MPIRUN_WRAPPER), "-np", str(args.np), "--command",
                      f"{python()} -m hvdtrain.bench.comm --repeats {args.comm_repeats} "
                      f"--backend {backend} --output {out / f'comm-{backend}.json'}"], env)
-    startup = launch_to_first_step(horovodrun, env, out)
+    startup = launch_to_first_step(ranks, env, out)
     report = summarize(out, args, input_pipeline_sweep(args.batch_size), startup)
     (out / "compare.json").write_text(json.dumps(report, indent=2) + "\n")
     draw(report, out / "compare.png")
@@ -138,7 +151,7 @@ def summarize(out: Path, args: argparse.Namespace, pipeline: list[dict],
     rate = {name: over_rounds(name, "examples_per_second_total") for name in names}
     training_rate = rate["hvdtrain-custom"] / args.np     # per rank, what the input must feed
     return {
-        "machine": {"cpus": os.cpu_count(), "np": args.np},
+        "machine": {"cpus": os.cpu_count(), "np": args.np, "launcher": args.launcher},
         "rounds": args.rounds,
         "config": {"model": args.model, "batch_size_per_rank": args.batch_size},
         "examples_per_second": rate,

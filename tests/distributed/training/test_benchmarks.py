@@ -18,7 +18,7 @@ def test_compare_harness_writes_every_field(tmp_path):
     result = subprocess.run(
         [sys.executable, "-m", "hvdtrain.bench.compare", "--model", "mlp", "--batch-size", "8",
          "--steps", "3", "--repeats", "2", "--rounds", "1", "--comm-repeats", "2",
-         "--output-dir", str(out)],
+         "--output-dir", str(out), "--launcher", "mpirun"],
         cwd=REPO, env=rank_env(), text=True, capture_output=True, timeout=900,
         stdin=subprocess.DEVNULL)
     assert result.returncode == 0, result.stdout + result.stderr
@@ -50,6 +50,7 @@ def test_compare_harness_writes_every_field(tmp_path):
     assert (0 < startup["setup_seconds"] < startup["process_start_to_first_step_seconds"]
             < startup["launch_to_first_step_seconds"] < 600)
     assert report["rounds"] == 1     # several rounds' medians: the next test
+    assert report["machine"]["launcher"] == "mpirun"
     hvdtrain = json.loads((out / "hvdtrain-custom-1.json").read_text())
     assert {"step_seconds_median", "step_seconds_spread", "examples_per_second_total",
             "per_rank", "world_size"} <= set(hvdtrain) and hvdtrain["world_size"] == 2
