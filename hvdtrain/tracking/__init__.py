@@ -53,10 +53,10 @@ def start_tracking(config: Config, run_dir: Path, ranks: int, nodes: int, backen
     (said in one line where a server was named for an untracked job)."""
     if not wanted(config, environ):
         if config.tracking.tracking_uri:
-            logger.warning(f"--tracking-uri {config.tracking.tracking_uri} is not used: "
-                           f"--tracking is {config.tracking.tracking}"
-                           + (" and the job is elastic" if config.train.elastic else "")
-                           + "; add --tracking mlflow to track the job")
+            how = ("the job is elastic: send its run directory when it ends with hvdtrain "
+                   "track RUN_DIR" if config.train.elastic else
+                   f"--tracking is {config.tracking.tracking}: add --tracking mlflow")
+            logger.warning(f"--tracking-uri {config.tracking.tracking_uri} is not used: {how}")
         return None
     from hvdtrain.tracking.content import job_facts
     from hvdtrain.tracking.live import Tracker

@@ -118,8 +118,10 @@ class Tracker:
         self.run_dir, self.columns, self.every_steps = run_dir, columns, every_steps
         self.where = tracking_uri or os.environ.get("MLFLOW_TRACKING_URI", "")
         self._reopen = lambda: self._open(tracking_uri, experiment, facts)
-        self.run = None           # the MlflowRun while the server answers
-        self.down = self.warned = False
+        # The sender thread's alone: the MlflowRun while the server answers; whether a failure
+        # was said (and not yet its end); whether the server refused for good.
+        self.run = None
+        self.down = self.warned = self.refused = False
         self.sent_epoch = self.sent_step = 0
         self._saved_environment = mlflow_environment(os.environ)
         self.sender = Sender(self._failed)
@@ -134,7 +136,8 @@ class Tracker:
         rows = json_rows(self.run_dir / "metrics.jsonl")
         run.sync_rows(rows)
         self.sent_epoch = rows[-1]["epoch"] if rows else 0
-        self.sent_step = run.last_step(STEP_LOSS_KEY)
+        if self.sent_step == 0:     # a resumed job: the steps the server has (once)
+            self.sent_step = run.last_step(STEP_LOSS_KEY)
         if self.down:
             logger.warning(f"MLflow tracking at {self.where} is back: run {run.run_id} "
                            "continued, the epochs it missed sent")
@@ -145,12 +148,20 @@ class Tracker:
 
     def _failed(self, error: BaseException) -> None:
         self.run, self.down = None, True
+        # A refusal (a name or value MLflow does not take) would fail the same way again.
+        self.refused = getattr(error, "error_code", None) == "INVALID_PARAMETER_VALUE"
+        again = ("the server refused it, so tracking ends for this job" if self.refused else
+                 "it tries again at each epoch's end")
         if not self.warned:
             logger.warning(f"MLflow tracking at {self.where} stopped ({failure_reason(error)}); "
-                           f"training goes on, it tries again at each epoch's end, and "
-                           f"{self.run_dir} keeps every metric and file (hvdtrain track "
-                           f"{self.run_dir} sends them later)")
+                           f"training goes on, {again}, and {self.run_dir} keeps every metric "
+                           f"and file (hvdtrain track {self.run_dir} sends them later)")
         self.warned = True
+
+    def _reopen_if_down(self) -> None:
+        """After a failure (not a refusal): the run opened again, sending what it missed."""
+        if self.run is None and not self.refused:
+            self._reopen()
 
     def _while_up(self, call: Callable[[], None]) -> Callable[[], None]:
         """``call`` if the run is open when its turn comes; nothing while the server is down."""
@@ -169,8 +180,7 @@ class Tracker:
     def epoch_ended(self, epoch: int, logs: dict) -> None:
         """Epoch ``epoch``'s row, as ``MetricsFiles`` wrote it to ``metrics.jsonl`` (after a
         failure: the run opened again, which sends it with the others missed)."""
-        if self.down:
-            self.sender.submit(self._reopen)
+        self.sender.submit(self._reopen_if_down)
         row = {"epoch": epoch + 1, **epoch_row(epoch, logs, self.columns)}
         self.sender.submit(self._while_up(lambda: self._send_row(row)))
 
@@ -182,8 +192,7 @@ class Tracker:
         sets it running again) or failed, waiting a bounded time for what is queued."""
         status = ("FINISHED" if error is None else
                   "KILLED" if isinstance(error, StoppedBySignal) else "FAILED")
-        if self.down:
-            self.sender.submit(self._reopen)
+        self.sender.submit(self._reopen_if_down)
         self.sender.submit(self._while_up(lambda: self.run.end(status)))
         if error is None:
             self.sender.submit(self._while_up(

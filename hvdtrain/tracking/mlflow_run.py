@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import math
 import re
+import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -66,6 +67,10 @@ def _write_record(run_dir: Path, uri: str, record: RunRecord) -> None:
 
 
 def _same(held: float | None, value: float) -> bool:
+    """Whether the server holds ``value`` (its SQL store keeps an infinity as the largest
+    float; NaN as NaN)."""
+    if math.isinf(value):
+        value = math.copysign(sys.float_info.max, value)
     return held is not None and (held == value or (math.isnan(held) and math.isnan(value)))
 
 
@@ -99,6 +104,16 @@ def _experiment_id(client: MlflowClient, name: str | None, environ: dict[str, st
         return found.experiment_id
 
 
+def _exists(client: MlflowClient, run_id: str) -> bool:
+    """Whether the server has the run, not deleted."""
+    try:
+        return client.get_run(run_id).info.lifecycle_stage != "deleted"
+    except MlflowException as error:
+        if error.error_code == "RESOURCE_DOES_NOT_EXIST":
+            return False
+        raise
+
+
 class MlflowRun:
     """One job's MLflow run: ``open`` creates it or continues the run directory's."""
 
@@ -112,8 +127,12 @@ class MlflowRun:
         """The run directory's run when it was sent to this server, else a new one (in
         ``experiment``), with the job's params and tags; ``say``: a line for the user."""
         client = MlflowClient(tracking_uri)
-        uri = client.tracking_uri
+        uri = client.tracking_uri.rstrip("/")
         record = read_records(run_dir).get(uri)
+        if record is not None and not _exists(client, record.run_id):
+            say(f"MLflow run {record.run_id} of {run_dir} is gone from {uri}; this job starts "
+                "a new one")
+            record = None
         if record is not None:
             client.update_run(record.run_id, status="RUNNING")
             run = cls(client, record.run_id)
@@ -149,7 +168,8 @@ class MlflowRun:
         """Send the epoch rows the run lacks or holds other values of (its newest value at
         each step counts); return them."""
         newest: dict[str, dict[int, float]] = {}
-        for key in {metric_key(name) for row in rows for name in row}:
+        for key in {metric_key(name) for row in rows for name, value in row.items()
+                    if isinstance(value, (int, float))}:
             history = sorted(self.client.get_metric_history(self.run_id, key),
                              key=lambda metric: metric.timestamp)
             newest[key] = {metric.step: metric.value for metric in history}

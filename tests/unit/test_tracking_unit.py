@@ -1,12 +1,18 @@
 """Tracking's parts in one process, no server: which jobs are tracked and which are refused in
-one line, and the background sender (in order, off the caller's path, one line on the first
-failure and nothing sent after it)."""
+one line; the background sender (in order, off the caller's path, a failure handed over); the
+rows a run is sent when it opens (what the server lacks or holds otherwise); and a tracker whose
+server goes away and comes back (one line each way, the rows it missed sent, the run ended),
+against a stand-in for MLflow's client."""
 
 from __future__ import annotations
 
+import json
 import logging
+import math
 import sys
 import threading
+import time
+from types import SimpleNamespace
 
 import pytest
 
@@ -94,9 +100,12 @@ def test_a_blocked_server_never_blocks_the_caller(caplog):
     release = threading.Event()
     sender = Sender(lambda error: None)
     sender.submit(release.wait)
+    caller = threading.Thread(target=lambda: [sender.submit(lambda: None)
+                                              for _ in range(sender.calls.maxsize + 10)])
     with caplog.at_level(logging.WARNING, logger="hvdtrain"):
-        for _ in range(sender.calls.maxsize + 10):
-            sender.submit(lambda: None)
+        caller.start()
+        caller.join(10)
+    assert not caller.is_alive(), "a submission waited for the stuck call"
     assert len([r for r in caplog.records if "too slow" in r.getMessage()]) == 1
     assert not sender.close(0.2)      # still stuck: the end does not wait past its bound
     release.set()
@@ -116,3 +125,113 @@ def test_mlflows_variables_are_put_back_as_they_were():
     environ["_MLFLOW_OTHER"] = "b"
     restore(environ, saved)
     assert environ == before
+
+
+class FakeClient:
+    """MLflow's client as ``MlflowRun`` uses it: metric histories kept in memory."""
+
+    def __init__(self) -> None:
+        self.metrics: list = []
+
+    def get_metric_history(self, run_id: str, key: str) -> list:
+        return [metric for metric in self.metrics if metric.key == key]
+
+    def log_batch(self, run_id: str, metrics=(), params=(), tags=()) -> None:
+        self.metrics += [SimpleNamespace(key=m.key, value=m.value, step=m.step,
+                                         timestamp=m.timestamp) for m in metrics]
+
+
+def test_a_run_is_sent_the_rows_it_lacks_or_holds_otherwise():
+    """Rows the server has (an infinity as its SQL store keeps it, NaN) are not sent again;
+    a missing row and an epoch trained again are; names MLflow refuses travel with _."""
+    pytest.importorskip("mlflow")    # the extra: make test installs it
+    from hvdtrain.tracking.mlflow_run import MlflowRun
+
+    client = FakeClient()
+    run = MlflowRun(client, "run")
+    first = [{"epoch": 1, "loss": math.inf, "precision@0.5": math.nan},
+             {"epoch": 2, "loss": 0.5, "precision@0.5": 0.25}]
+    run.log_rows(first)
+    for metric in client.metrics:      # what the SQL store gives back for an infinity
+        if math.isinf(metric.value):
+            metric.value = sys.float_info.max
+    assert {m.key for m in client.metrics} == {"epoch", "loss", "precision_0.5"}
+    time.sleep(0.002)                  # a later timestamp: the newest value
+    again = [*first, {"epoch": 3, "loss": 0.25, "precision@0.5": 0.5}]
+    assert run.sync_rows(again) == [again[2]]
+    retrained = [first[0], {"epoch": 2, "loss": 0.4, "precision@0.5": 0.25}]
+    assert run.sync_rows(retrained) == [retrained[1]]
+    assert run.sync_rows(retrained) == []          # its newest value at step 2 is now 0.4
+
+
+class FakeRun:
+    """An open MLflow run on a server that answers while ``server["up"]``, recording what it is
+    sent."""
+
+    def __init__(self, server: dict, sent: list) -> None:
+        self.run_id, self.server, self.sent = "run", server, sent
+
+    def _answer(self) -> None:
+        if not self.server["up"]:
+            raise ConnectionError("[Errno 104] Connection reset by peer")
+
+    def sync_rows(self, rows: list) -> list:
+        self.sent.append(("sync", [row["epoch"] for row in rows]))
+        return rows
+
+    def last_step(self, key: str) -> int:
+        return 0
+
+    def log_rows(self, rows: list) -> None:
+        self._answer()
+        self.sent.append(("rows", [row["epoch"] for row in rows]))
+
+    def end(self, status: str) -> None:
+        self.sent.append(("end", status))
+
+    def log_files(self, paths: list) -> None:
+        self.sent.append(("files", sorted(path.name for path in paths)))
+
+
+def test_a_server_that_goes_and_comes_back_costs_a_line_each_way(tmp_path, monkeypatch,
+                                                                 caplog):
+    pytest.importorskip("mlflow")
+    from hvdtrain.tracking import mlflow_run
+    from hvdtrain.tracking.live import Tracker
+    from hvdtrain.training.run_columns import RunColumnsLog
+
+    server, sent = {"up": True}, []
+
+    def open_run(*args, **kwargs):
+        if not server["up"]:
+            raise ConnectionError("[Errno 111] Connection refused")
+        return FakeRun(server, sent)
+
+    monkeypatch.setattr(mlflow_run.MlflowRun, "open", open_run)
+    (tmp_path / "summary.json").write_text("{}")
+
+    def epoch_ends(tracker: Tracker, epoch: int) -> None:
+        """As the run does: MetricsFiles' row on disk, then the tracker's; then wait until
+        the sender has done what was queued."""
+        with open(tmp_path / "metrics.jsonl", "a") as rows:
+            rows.write(json.dumps({"epoch": epoch + 1, "loss": 1.0 / (epoch + 1)}) + "\n")
+        tracker.epoch_ended(epoch, {"loss": 1.0 / (epoch + 1)})
+        done = threading.Event()
+        tracker.sender.submit(done.set)
+        assert done.wait(10)
+
+    with caplog.at_level(logging.INFO, logger="hvdtrain"):
+        tracker = Tracker(tmp_path, "http://127.0.0.1:1", None,
+                          job_facts(tmp_path, {}, 2, 1, "horovod", "CPU"), RunColumnsLog(), 0)
+        epoch_ends(tracker, 0)
+        server["up"] = False
+        epoch_ends(tracker, 1)       # its row fails: one line
+        epoch_ends(tracker, 2)       # tried again at the epoch's end: no second line
+        server["up"] = True
+        tracker.close(None)          # back: the run reopened, its missed rows sent, ended
+    lines = [record.getMessage() for record in caplog.records]
+    assert len([line for line in lines if "stopped ([Errno 104] Connection reset" in line]) == 1
+    assert len([line for line in lines if "stopped" in line]) == 1
+    assert len([line for line in lines if "is back" in line]) == 1
+    assert sent == [("sync", []), ("rows", [1]), ("sync", [1, 2, 3]), ("end", "FINISHED"),
+                    ("files", ["summary.json"])]

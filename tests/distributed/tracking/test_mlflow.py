@@ -117,6 +117,9 @@ def test_a_server_killed_mid_run_costs_one_line_and_track_sends_the_run_after(se
     run = the_one_run(client, "sent-later")
     assert run.info.status == "FINISHED"
     assert_sent_exactly(client, run, run_dir, 2)
+    # One run per server: a later --resume auto to either continues its own.
+    records = json.loads((run_dir / "tracking.json").read_text())
+    assert set(records) == {doomed, server} and records[server]["run_id"] == run.info.run_id
 
 
 UNREACHABLE = """
