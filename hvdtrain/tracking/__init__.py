@@ -47,6 +47,20 @@ def check_tracking(config: Config, environ: Mapping[str, str]) -> None:
                           "send its run directory after it ends: hvdtrain track RUN_DIR")
 
 
+def warn_about_autologging(modules: Mapping[str, object]) -> None:
+    """One line where the program switched on MLflow's Keras autologging (``modules``: the
+    process's ``sys.modules``; MLflow is looked at only where the program imported it)."""
+    if "mlflow" not in modules:
+        return
+    from hvdtrain.tracking.mlflow_run import keras_autologging
+
+    integrations = keras_autologging()
+    if integrations:
+        logger.warning(f"mlflow.{integrations[0]}.autolog() is on: it logs one MLflow run per "
+                       "rank; turn it off (mlflow.autolog(disable=True)) and track the job "
+                       "with --tracking mlflow (tracking='mlflow'), rank 0's one run")
+
+
 def start_tracking(config: Config, run_dir: Path, ranks: int, nodes: int, backend: str,
                    device: str, columns, environ: Mapping[str, str]):
     """Rank 0's ``live.Tracker`` for a tracked job (checked by ``check_tracking``), else None

@@ -104,6 +104,14 @@ def _experiment_id(client: MlflowClient, name: str | None, environ: dict[str, st
         return found.experiment_id
 
 
+def keras_autologging() -> list[str]:
+    """MLflow's autologging integrations switched on in this process that patch Keras' ``fit``
+    (which hvdtrain's fit loop calls on every rank: one MLflow run per rank)."""
+    from mlflow.utils.autologging_utils import autologging_is_disabled
+
+    return [name for name in ("tensorflow", "keras") if not autologging_is_disabled(name)]
+
+
 def _exists(client: MlflowClient, run_id: str) -> bool:
     """Whether the server has the run, not deleted."""
     try:

@@ -53,7 +53,7 @@ from hvdtrain.training.step import StepMath, StepOptions, TrainingStep, xla_line
 from hvdtrain.training.trainable import Trainable, own_step_reason, prepare, probe_trainable
 from hvdtrain.training.zero import check_shardable, saved_from_pieces
 from hvdtrain.training.zero import describe as describe_sharding
-from hvdtrain.tracking import check_tracking, start_tracking
+from hvdtrain.tracking import check_tracking, start_tracking, warn_about_autologging
 
 
 ModelFactory = Callable[[Any, "int | None"], keras.Model]
@@ -201,6 +201,7 @@ class Run:
         start = self._restore(run)
         world = run.collectives.world
         if world.is_chief:
+            warn_about_autologging(sys.modules)
             run.tracker = start_tracking(self.config, run.run_dir, world.size, world.cross_size,
                                          run.collectives.backend, run.device, run.run_columns,
                                          os.environ)

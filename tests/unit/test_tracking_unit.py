@@ -235,3 +235,23 @@ def test_a_server_that_goes_and_comes_back_costs_a_line_each_way(tmp_path, monke
     assert len([line for line in lines if "is back" in line]) == 1
     assert sent == [("sync", []), ("rows", [1]), ("sync", [1, 2, 3]), ("end", "FINISHED"),
                     ("files", ["summary.json"])]
+
+
+def test_mlflows_keras_autologging_is_named_in_one_line(monkeypatch, caplog):
+    """It patches Keras' fit, which every rank calls: one run per rank. MLflow is looked at
+    only where the program imported it."""
+    pytest.importorskip("mlflow")
+    from mlflow.utils import autologging_utils
+
+    from hvdtrain.tracking import warn_about_autologging
+
+    with caplog.at_level(logging.WARNING, logger="hvdtrain"):
+        warn_about_autologging(sys.modules)                 # imported, not switched on
+        warn_about_autologging({})                          # not imported: not looked at
+        monkeypatch.setitem(autologging_utils.AUTOLOGGING_INTEGRATIONS, "tensorflow",
+                            {"disable": False})
+        warn_about_autologging({})
+        assert not caplog.records
+        warn_about_autologging(sys.modules)
+    [line] = [record.getMessage() for record in caplog.records]
+    assert line.startswith("mlflow.tensorflow.autolog() is on: it logs one MLflow run per rank")
