@@ -109,7 +109,9 @@ def test_a_blocked_server_never_blocks_the_caller(caplog):
     assert len([r for r in caplog.records if "too slow" in r.getMessage()]) == 1
     assert not sender.close(0.2)      # still stuck: the end does not wait past its bound
     release.set()
+    sender.calls.put(None)            # the end its close could not queue
     sender.thread.join(10)
+    assert not sender.thread.is_alive()
 
 
 def test_mlflows_variables_are_put_back_as_they_were():
@@ -210,19 +212,23 @@ def test_a_server_that_goes_and_comes_back_costs_a_line_each_way(tmp_path, monke
     monkeypatch.setattr(mlflow_run.MlflowRun, "open", open_run)
     (tmp_path / "summary.json").write_text("{}")
 
-    def epoch_ends(tracker: Tracker, epoch: int) -> None:
-        """As the run does: MetricsFiles' row on disk, then the tracker's; then wait until
-        the sender has done what was queued."""
-        with open(tmp_path / "metrics.jsonl", "a") as rows:
-            rows.write(json.dumps({"epoch": epoch + 1, "loss": 1.0 / (epoch + 1)}) + "\n")
-        tracker.epoch_ended(epoch, {"loss": 1.0 / (epoch + 1)})
+    def drained(tracker: Tracker) -> None:
+        """Wait until the sender has done what was queued."""
         done = threading.Event()
         tracker.sender.submit(done.set)
         assert done.wait(10)
 
+    def epoch_ends(tracker: Tracker, epoch: int) -> None:
+        """As the run does: MetricsFiles' row on disk, then the tracker's."""
+        with open(tmp_path / "metrics.jsonl", "a") as rows:
+            rows.write(json.dumps({"epoch": epoch + 1, "loss": 1.0 / (epoch + 1)}) + "\n")
+        tracker.epoch_ended(epoch, {"loss": 1.0 / (epoch + 1)})
+        drained(tracker)
+
     with caplog.at_level(logging.INFO, logger="hvdtrain"):
         tracker = Tracker(tmp_path, "http://127.0.0.1:1", None,
                           job_facts(tmp_path, {}, 2, 1, "horovod", "CPU"), RunColumnsLog(), 0)
+        drained(tracker)             # opened before the first epoch ends, as in a run
         epoch_ends(tracker, 0)
         server["up"] = False
         epoch_ends(tracker, 1)       # its row fails: one line
