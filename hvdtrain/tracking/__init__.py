@@ -9,24 +9,24 @@ import importlib.util
 from pathlib import Path
 from typing import Mapping
 
-from hvdtrain.config import Config, ConfigError, TrackingConfig
+from hvdtrain.config import Config, ConfigError
 from hvdtrain.log import logger
 
 INSTALL = "pip install 'hvdtrain[mlflow]' (or launch/setup.sh --with mlflow)"
 
 
-def server(tracking: TrackingConfig, environ: Mapping[str, str]) -> str | None:
+def server(tracking_uri: str | None, environ: Mapping[str, str]) -> str | None:
     """The server named by ``--tracking-uri`` or MLflow's MLFLOW_TRACKING_URI."""
-    return tracking.tracking_uri or environ.get("MLFLOW_TRACKING_URI") or None
+    return tracking_uri or environ.get("MLFLOW_TRACKING_URI") or None
 
 
 def wanted(config: Config, environ: Mapping[str, str]) -> bool:
     """Whether this job is tracked: ``mlflow``, or ``auto`` where a server is named (and the job
     is not elastic)."""
     tracking = config.tracking
-    return tracking.tracking == "mlflow" or (tracking.tracking == "auto" and not
-                                             config.train.elastic and bool(server(tracking,
-                                                                                  environ)))
+    if tracking.tracking == "auto":
+        return not config.train.elastic and server(tracking.tracking_uri, environ) is not None
+    return tracking.tracking == "mlflow"
 
 
 def check_tracking(config: Config, environ: Mapping[str, str]) -> None:
@@ -37,7 +37,7 @@ def check_tracking(config: Config, environ: Mapping[str, str]) -> None:
         return
     if importlib.util.find_spec("mlflow") is None:
         raise ConfigError(f"--tracking {tracking.tracking} needs the MLflow client: {INSTALL}")
-    if not server(tracking, environ):
+    if not server(tracking.tracking_uri, environ):
         raise ConfigError("--tracking mlflow needs the server: --tracking-uri "
                           "http://HOST:PORT, or MLflow's MLFLOW_TRACKING_URI")
     if config.train.autotune and tracking.tracking == "mlflow":
@@ -77,5 +77,5 @@ def start_tracking(config: Config, run_dir: Path, ranks: int, nodes: int, backen
 
     tracking = config.tracking
     facts = job_facts(run_dir, config.to_dict(), ranks, nodes, backend, device)
-    return Tracker(run_dir, tracking.tracking_uri, tracking.experiment, facts, columns,
-                   tracking.track_every_steps)
+    return Tracker(run_dir, server(tracking.tracking_uri, environ), tracking.experiment, facts,
+                   columns, tracking.track_every_steps)

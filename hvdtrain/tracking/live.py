@@ -113,21 +113,22 @@ class Tracker:
     server lacks) in the background at once, each epoch's row, the step loss every
     ``every_steps``, and at the end the run's status and final files."""
 
-    def __init__(self, run_dir: Path, tracking_uri: str | None, experiment: str | None,
+    def __init__(self, run_dir: Path, tracking_uri: str, experiment: str | None,
                  facts: JobFacts, columns: RunColumnsLog, every_steps: int) -> None:
+        """``tracking_uri``: the server (``tracking.server``)."""
         self.run_dir, self.columns, self.every_steps = run_dir, columns, every_steps
-        self.where = tracking_uri or os.environ.get("MLFLOW_TRACKING_URI", "")
+        self.where = tracking_uri
         self._reopen = lambda: self._open(tracking_uri, experiment, facts)
         # The sender thread's alone: the MlflowRun while the server answers; whether a failure
-        # was said (and not yet its end); whether the server refused for good.
+        # came (and was said) since it last answered; whether the server refused for good.
         self.run = None
-        self.down = self.warned = self.refused = False
+        self.down = self.refused = False
         self.sent_epoch = self.sent_step = 0
         self._saved_environment = mlflow_environment(os.environ)
         self.sender = Sender(self._failed)
         self.sender.submit(self._reopen)
 
-    def _open(self, tracking_uri: str | None, experiment: str | None, facts: JobFacts) -> None:
+    def _open(self, tracking_uri: str, experiment: str | None, facts: JobFacts) -> None:
         """Open the run and send the rows it lacks (``metrics.jsonl`` as the resume left it)."""
         from hvdtrain.tracking.mlflow_run import STEP_LOSS_KEY, MlflowRun
 
@@ -138,25 +139,23 @@ class Tracker:
         self.sent_epoch = rows[-1]["epoch"] if rows else 0
         if self.sent_step == 0:     # a resumed job: the steps the server has (once)
             self.sent_step = run.last_step(STEP_LOSS_KEY)
-        if self.down:
+        if self.down:            # a later outage is said again
             logger.warning(f"MLflow tracking at {self.where} is back: run {run.run_id} "
                            "continued, the epochs it missed sent")
-            self.warned = False      # a later outage is said again
         else:
             logger.info(f"tracking: MLflow run {run.run_id} at {self.where}")
         self.run, self.down = run, False
 
     def _failed(self, error: BaseException) -> None:
-        self.run, self.down = None, True
         # A refusal (a name or value MLflow does not take) would fail the same way again.
         self.refused = getattr(error, "error_code", None) == "INVALID_PARAMETER_VALUE"
         again = ("the server refused it, so tracking ends for this job" if self.refused else
                  "it tries again at each epoch's end")
-        if not self.warned:
+        if not self.down:
             logger.warning(f"MLflow tracking at {self.where} stopped ({failure_reason(error)}); "
                            f"training goes on, {again}, and {self.run_dir} keeps every metric "
                            f"and file (hvdtrain track {self.run_dir} sends them later)")
-        self.warned = True
+        self.run, self.down = None, True
 
     def _reopen_if_down(self) -> None:
         """After a failure (not a refusal): the run opened again, sending what it missed."""

@@ -14,7 +14,7 @@ from pathlib import Path
 import yaml
 
 from hvdtrain.errors import UserError
-from hvdtrain.tracking import INSTALL
+from hvdtrain.tracking import INSTALL, server
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -43,7 +43,7 @@ def track(args: argparse.Namespace) -> int:
     (with MLflow's HTTP settings of a live job: seconds, not minutes of retries)."""
     run_dir = Path(args.run_dir)
     config, summary = _read(run_dir)
-    uri = args.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI")
+    uri = server(args.tracking_uri, os.environ)
     if not uri:
         raise UserError("hvdtrain track needs the server: --tracking-uri http://HOST:PORT, or "
                         "MLflow's MLFLOW_TRACKING_URI")
