@@ -183,7 +183,8 @@ def case(out: Path, name: str, make, x, y, reference_batch: int, epochs: int = 2
 
 def optimizer_cases(out: Path, x, y) -> dict:
     return {name: case(out, name, lambda make=make: model(make()), x, y, BATCH * SIZE,
-                       against_stage_0=name == "rmsprop", zero_stage=2)
+                       against_stage_0=name in ("rmsprop", "adagrad"),
+                       zero_stage=2)
             for name, make in OPTIMIZERS.items()}
 
 

@@ -15,11 +15,14 @@ from conftest import LAUNCHER, RANK_PYTHONPATH, launch
 
 pytestmark = pytest.mark.distributed
 
-# Float32 rounding of a sum over two ranks instead of one batch; RMSprop divides by the root
-# of small second moments, which magnifies it (its sharded run is also compared with the
-# unsharded one on the same ranks, where only sharding can differ).
+# Float32 rounding of a sum over two ranks instead of one batch; RMSprop and Adagrad divide by
+# the root of a sum of squared gradients, which magnifies it (Adagrad's weights were 1.2e-6
+# from one process's on a CPU with AVX-512 FP16, whose oneDNN kernels round differently), so
+# their sharded runs are also compared with the unsharded one on the same ranks, where only
+# sharding can differ.
 WITHIN = 1e-6
-RMSPROP_WITHIN = 1e-5
+MAGNIFIED_WITHIN = 1e-5
+MAGNIFIED = ("rmsprop", "adagrad")
 
 
 def _job(out: Path, np: int, backend: str, *cases: str) -> dict:
@@ -72,10 +75,10 @@ def _sharded_while_training(seen: dict) -> None:
 def test_each_optimizer_sharded_on_two_ranks_equals_one_process(horovod_job, tensorflow_job,
                                                                 backend, optimizer):
     seen = (horovod_job if backend == "horovod" else tensorflow_job)["optimizers"][optimizer]
-    within = RMSPROP_WITHIN if optimizer == "rmsprop" else WITHIN
+    within = MAGNIFIED_WITHIN if optimizer in MAGNIFIED else WITHIN
     assert seen["weights"] <= within and seen["state"] <= WITHIN, seen
-    if optimizer == "rmsprop":
-        assert seen["weights_vs_stage_0"] <= WITHIN and seen["state_vs_stage_0"] <= WITHIN
+    if optimizer in MAGNIFIED:
+        assert seen["weights_vs_stage_0"] <= WITHIN and seen["state_vs_stage_0"] <= WITHIN, seen
     if optimizer != "sgd":     # plain SGD keeps no state per weight
         _sharded_while_training(seen)
 
