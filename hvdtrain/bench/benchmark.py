@@ -54,6 +54,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "(default: ready)")
     parser.add_argument("--zero-stage", type=int, default=0, choices=(0, 1, 2),
                         help="ZeRO stage, as in training (default: 0)")
+    parser.add_argument("--profile-dir", type=Path, metavar="DIR",
+                        help="after the timed repeats, record --steps more steps with "
+                             "TensorFlow's profiler, each rank into DIR/rank<N> (read by "
+                             "python -m hvdtrain.bench.overlap --profile DIR)")
 
 
 def synthetic_problem(args: argparse.Namespace, rank: int):
@@ -132,6 +136,20 @@ def time_steps(run_step, batch, warmup: int, steps: int, repeats: int) -> Timing
     return Timing(times, busy_fraction(before, host_cpu_jiffies()))
 
 
+def profile_steps(run_step, batch, steps: int, directory: Path) -> None:
+    """``steps`` more steps recorded by TensorFlow's profiler into ``directory`` (after the
+    timed repeats, so the profiler costs them nothing)."""
+    import tensorflow as tf
+
+    tf.profiler.experimental.start(str(directory))
+    try:
+        for _ in range(steps):
+            logs = run_step(*batch)
+        float(logs["loss"])                      # every profiled step has ended
+    finally:
+        tf.profiler.experimental.stop()
+
+
 def _exchange_step(step):
     """The step's gradient exchange alone (``StepMath.reduce``: the same buckets, compression
     and scalars) on tensors shaped like the gradients."""
@@ -192,6 +210,8 @@ def run(args: argparse.Namespace) -> tuple[bool, dict[str, Any]]:
                     _exchange_step(step) if args.loop == "exchange" else
                     tf.function(step.train_step, jit_compile=False))
         timing = time_steps(run_step, batch, args.warmup_steps, args.steps, args.repeats)
+        if args.profile_dir:
+            profile_steps(run_step, batch, args.steps, args.profile_dir / f"rank{world.rank}")
     rank_result = {"rank": world.rank, "step_seconds": timing.seconds,
                    "examples_per_second": args.batch_size / statistics.median(timing.seconds),
                    "host_cpu_busy": timing.host_cpu_busy}

@@ -1,12 +1,13 @@
 """``python -m hvdtrain.bench.overlap``: do gradient allreduces start before the backward pass ends?
 
-Read from a Horovod timeline of a real job, not claimed: it runs a short ``hvdtrain benchmark``
-on ``--np`` ranks with ``HOROVOD_TIMELINE`` set (arguments after ``--`` go to the benchmark), or
-reads an earlier benchmark's timeline (``--timeline``). The latest negotiation begin of a step is
-when the last gradient was ready on some rank; ``overlap_ms`` is how long reductions ran before
-it, an upper bound by at most one cycle. Writes ``overlap.json`` and ``overlap.png`` for one step
-(``--step``) and prints per-step phases, including the time with no allreduce running.
-"""
+Read from a record of a real job, not claimed: it runs a short ``hvdtrain benchmark`` on
+``--np`` ranks (arguments after ``--`` go to the benchmark) with ``HOROVOD_TIMELINE`` set, or on
+the TensorFlow backend (``--backend tensorflow``) with a TensorFlow profile of every rank
+(``hvdtrain.bench.profile``); or it reads an earlier benchmark's timeline (``--timeline``) or
+profiles (``--profile``). The latest submission of a step is when the last gradient was ready
+on some rank; ``overlap_ms`` is how long reductions ran before it (from a Horovod timeline an
+upper bound by at most one cycle). Writes ``overlap.json`` and ``overlap.png`` for one step
+(``--step``) and prints per-step phases, including the time with no allreduce running."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import json
 import math
 import os
 import re
+import shutil
 import statistics
 import sys
 from dataclasses import asdict, dataclass
@@ -67,8 +69,7 @@ def tensor_bytes(args: dict) -> int | None:
 
 def allreduce_steps(events: list[dict]) -> list[list[TensorStep]]:
     """Every step's allreduced tensors: the k-th negotiation and the k-th reduction of each
-    tensor are its step k. Refuses a timeline whose tensors do not all occur equally often
-    (allreduces outside the training step, a job cut off mid-step): it has no such steps."""
+    tensor are its step k (``by_occurrence``)."""
     names = row_names(events)
     negotiations: dict[int, list[Span]] = {}
     reductions: dict[int, list[Span]] = {}
@@ -77,15 +78,28 @@ def allreduce_steps(events: list[dict]) -> list[list[TensorStep]]:
             negotiations.setdefault(span.pid, []).append(span)
         elif span.name == "ALLREDUCE":
             reductions.setdefault(span.pid, []).append(span)
-    by_count: dict[int, list[str]] = {}
+    per_tensor: dict[str, list[TensorStep]] = {}
     for pid, spans in negotiations.items():
-        reduced = len(reductions.get(pid, []))
-        if reduced != len(spans):
+        reduced = reductions.get(pid, [])
+        if len(reduced) != len(spans):
             raise ValueError(f"{names[pid]} was negotiated {len(spans)} times but reduced "
-                             f"{reduced} times (a job cut off mid-step?)")
-        by_count.setdefault(len(spans), []).append(names[pid])
-    if not by_count:
-        raise ValueError("the timeline holds no allreduce")
+                             f"{len(reduced)} times (a job cut off mid-step?)")
+        per_tensor[names[pid]] = [
+            TensorStep(names[pid], negotiation.begin, negotiation.end, reduction.begin,
+                       reduction.end, tensor_bytes(reduction.args))
+            for negotiation, reduction in zip(spans, reduced)]
+    return by_occurrence(per_tensor)
+
+
+def by_occurrence(per_tensor: dict[str, list[TensorStep]]) -> list[list[TensorStep]]:
+    """Steps from each tensor's occurrences in order: step k holds every tensor's k-th.
+    Refuses a record whose tensors do not all occur equally often (collectives outside the
+    training step, a job cut off mid-step): it has no such steps."""
+    if not per_tensor:
+        raise ValueError("the record holds no allreduce")
+    by_count: dict[int, list[str]] = {}
+    for name, occurrences in per_tensor.items():
+        by_count.setdefault(len(occurrences), []).append(name)
     if len(by_count) > 1:
         raise ValueError(
             "its allreduced tensors occur unequally often, so steps cannot be told apart "
@@ -93,10 +107,7 @@ def allreduce_steps(events: list[dict]) -> list[list[TensorStep]]:
             + "; ".join(f"{len(tensors)} tensor(s) {count} times, e.g. {tensors[0]}"
                         for count, tensors in sorted(by_count.items())))
     [steps] = by_count
-    return [[TensorStep(names[pid], negotiations[pid][k].begin, negotiations[pid][k].end,
-                        reductions[pid][k].begin, reductions[pid][k].end,
-                        tensor_bytes(reductions[pid][k].args)) for pid in negotiations]
-            for k in range(steps)]
+    return [[occurrences[k] for occurrences in per_tensor.values()] for k in range(steps)]
 
 
 def calls_of(tensors: list[TensorStep], origin: float) -> list[Call]:
@@ -167,17 +178,47 @@ def step_phases(steps: list[list[TensorStep]]) -> dict[str, float]:
 
 
 def analyse(timeline: Path, step: int = -1) -> dict:
-    """The overlap report of one step (an index into the timeline's steps) of ``timeline``."""
-    steps = allreduce_steps(timeline_events(timeline))
+    """The overlap report of one step (an index into the timeline's steps) of a Horovod
+    timeline."""
+    return report_of(allreduce_steps(timeline_events(timeline)), str(timeline), step)
+
+
+def analyse_profile(directory: Path, step: int = -1) -> dict:
+    """The overlap report of one step of the TensorFlow backend's collectives, from the
+    TensorFlow profiles of ``hvdtrain benchmark --profile-dir`` (``profile``). A launch is not
+    when the gradients were ready there, so the last gradient is the backward pass's end
+    (``last_gradient_ready_ms``, and ``overlap_ms`` before it); ``launched_after_backward_ms``
+    (median over steps 2..) is how long after it the first collective was launched, and each
+    rank's compute-thread time per step stands beside."""
+    from hvdtrain.bench.profile import (backward_ends, collective_steps, compute_busy_ms,
+                                        rank_files, read_rank)
+
+    traces = [read_rank(path) for path in rank_files(directory)]
+    steps = collective_steps(traces)
+    report = report_of(steps, str(directory), step)
+    firsts = [min(tensor.submitted for tensor in tensors) for tensors in steps]
+    ends = backward_ends(traces, steps)
+    if ends[report["step"]] is not None:
+        ready = (ends[report["step"]] - report["time_origin_us"]) / 1e3
+        calls = [Call(**call) for call in report["calls"]]
+        overlap = running_before(calls, ready)
+        report.update(last_gradient_ready_ms=ready, overlap_ms=overlap, overlaps=overlap > 0)
+    delays = [(first - end) / 1e3 for first, end in zip(firsts[1:], ends[1:]) if end is not None]
+    return {**report, "compute_busy_ms": compute_busy_ms(traces, steps),
+            "launched_after_backward_ms": statistics.median(delays) if delays else None}
+
+
+def report_of(steps: list[list[TensorStep]], source: str, step: int) -> dict:
+    """The report of ``steps[step]`` with every step's phases."""
     if not -len(steps) <= step < len(steps):
-        raise ValueError(f"no step {step}: the timeline holds {len(steps)}")
+        raise ValueError(f"no step {step}: the record holds {len(steps)}")
     index = step % len(steps)
     tensors = steps[index]
     origin = min(tensor.submitted for tensor in tensors)
     calls = calls_of(tensors, origin)
     ready = (max(tensor.submitted for tensor in tensors) - origin) / 1e3
     overlap = running_before(calls, ready)
-    return {"timeline": str(timeline), "steps": len(steps), "step": index,
+    return {"timeline": source, "steps": len(steps), "step": index,
             "calls_per_step": [len(calls_of(each, 0.0)) for each in steps],
             "time_origin_us": origin, "last_gradient_ready_ms": ready,
             "overlap_ms": overlap, "overlaps": overlap > 0,
@@ -198,7 +239,22 @@ def summary(report: dict) -> str:
             f"tensors{size}. The first gradient was submitted at 0 ms and the last at "
             f"{report['last_gradient_ready_ms']:.3f} ms; the first reduction started at "
             f"{first:.3f} ms and the last ended at {report['last_reduction_end_ms']:.3f} ms, "
-            f"{verdict}." + phases_line(report["phases"], report["steps"]))
+            f"{verdict}." + phases_line(report["phases"], report["steps"])
+            + compute_line(report))
+
+
+def compute_line(report: dict) -> str:
+    """The summary's sentences on a profile's backward pass and compute-thread time (none for
+    a Horovod timeline)."""
+    if not report.get("compute_busy_ms"):
+        return ""
+    delay = report.get("launched_after_backward_ms")
+    launch = ("" if delay is None else
+              f" The first collective was launched {delay:.1f} ms after the backward pass "
+              "ended (median; negative: before).")
+    return (launch + " Some TensorFlow op ran on the compute threads for "
+            + ", ".join(f"{ms:.1f}" for ms in report["compute_busy_ms"])
+            + " ms of a step (per rank, medians); the rest of the step they waited.")
 
 
 def phases_line(phases: dict[str, float], steps: int) -> str:
@@ -246,12 +302,19 @@ def draw(report: dict, path: Path) -> None:
     plt.close(figure)
 
 
-def run_benchmark(timeline: Path, ranks: int, benchmark_args: list[str], output: Path) -> None:
-    """``hvdtrain benchmark`` on ``ranks`` ranks with Horovod's timeline written to
-    ``timeline``, in the environment every harness variant gets."""
-    timeline.unlink(missing_ok=True)
-    env = {**variant_env(max(1, (os.cpu_count() or 1) // ranks)),
-           "HOROVOD_TIMELINE": str(timeline.resolve()), "HVDTRAIN_PYTHON": python()}
+def run_benchmark(record: Path, backend: str, ranks: int, benchmark_args: list[str],
+                  output: Path) -> None:
+    """``hvdtrain benchmark`` on ``ranks`` ranks of ``backend``, in the environment every
+    harness variant gets, recording ``record``: Horovod's timeline, or for the TensorFlow
+    backend a TensorFlow profile of every rank (a folder)."""
+    env = {**variant_env(max(1, (os.cpu_count() or 1) // ranks)), "HVDTRAIN_PYTHON": python(),
+           "HVDTRAIN_BACKEND": backend}
+    if backend == "tensorflow":
+        shutil.rmtree(record, ignore_errors=True)
+        benchmark_args = [*benchmark_args, "--profile-dir", str(record.resolve())]
+    else:
+        record.unlink(missing_ok=True)
+        env["HOROVOD_TIMELINE"] = str(record.resolve())
     run_checked([str(MPIRUN_WRAPPER), "-np", str(ranks), "--", "benchmark",
                  *BENCHMARK_DEFAULTS, *benchmark_args, "--output", str(output)], env)
 
@@ -265,24 +328,34 @@ def main(argv: list[str] | None = None) -> int:
         epilog="arguments after -- go to hvdtrain benchmark (defaults: "
                + " ".join(BENCHMARK_DEFAULTS) + ")")
     parser.add_argument("--np", type=int, default=2, help="ranks (default: 2)")
+    parser.add_argument("--backend", choices=("horovod", "tensorflow"), default="horovod",
+                        help="the benchmark's collectives: horovod (read from Horovod's "
+                             "timeline) or tensorflow (from a TensorFlow profile of each rank)")
     parser.add_argument("--output-dir", type=Path, default=Path("overlap"))
     parser.add_argument("--step", type=int, default=-1,
                         help="which step to chart, from 0; negative counts from the end "
                              "(default: -1, the last)")
-    parser.add_argument("--timeline", type=Path,
-                        help="read this Horovod timeline instead of running a benchmark")
+    records = parser.add_mutually_exclusive_group()
+    records.add_argument("--timeline", type=Path,
+                         help="read this Horovod timeline instead of running a benchmark")
+    records.add_argument("--profile", type=Path,
+                         help="read this folder of TensorFlow profiles (hvdtrain benchmark "
+                              "--profile-dir) instead of running a benchmark")
     args = parser.parse_args(own)
-    if args.timeline and forwarded:
-        parser.error("arguments after -- are for a benchmark run, which --timeline skips")
+    given = args.timeline or args.profile
+    if given and forwarded:
+        parser.error("arguments after -- are for a benchmark run, which --timeline and "
+                     "--profile skip")
     out = args.output_dir
     out.mkdir(parents=True, exist_ok=True)
-    timeline = args.timeline or out / "timeline.json"
-    if not args.timeline:
-        run_benchmark(timeline, args.np, forwarded, out / "benchmark.json")
+    profiled = bool(args.profile) or (not given and args.backend == "tensorflow")
+    record = given or out / ("profile" if profiled else "timeline.json")
+    if not given:
+        run_benchmark(record, args.backend, args.np, forwarded, out / "benchmark.json")
     try:
-        report = analyse(timeline, args.step)
+        report = (analyse_profile if profiled else analyse)(record, args.step)
     except ValueError as error:
-        parser.error(f"{timeline}: {error}")
+        parser.error(f"{record}: {error}")
     (out / "overlap.json").write_text(json.dumps(report, indent=2) + "\n")
     draw(report, out / "overlap.png")
     print(summary(report))

@@ -151,7 +151,7 @@ def test_refuses_timelines_whose_steps_cannot_be_told_apart(tmp_path):
     with pytest.raises(ValueError, match=r"steps cannot be told apart .*: 1 tensor\(s\) 1 "
                                          r"times, e.g. HorovodAllreduce_metric_0; 4 tensor\(s\) 2"):
         analyse(tmp_path / "more.json")
-    with pytest.raises(ValueError, match="no step 2: the timeline holds 2"):
+    with pytest.raises(ValueError, match="no step 2: the record holds 2"):
         analyse(path, step=2)
     (tmp_path / "none.json").write_text("[\n")
     with pytest.raises(ValueError, match="no allreduce"):

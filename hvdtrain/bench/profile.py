@@ -1,0 +1,150 @@
+"""TensorFlow profiler traces of a benchmark's ranks, read as the overlap tool's steps.
+
+Horovod's timeline sees only Horovod's operations, so the TensorFlow backend's collectives
+(TensorFlow's collective executor: ``CollectiveReduceV2`` and its kin) need another record:
+``hvdtrain benchmark --profile-dir DIR`` records a few steps with TensorFlow's profiler, one
+XPlane file per rank under ``DIR/rank<N>``, and this module reads them. Per collective and
+step, in the overlap tool's terms (``TensorStep``, microseconds on the hosts' clocks):
+
+- *submitted*: the first rank's kernel launch (``CollectiveOpV2Kernel::Run`` on the compute
+  thread: its input existed and the executor got to it);
+- *negotiated*: the last rank's launch (TensorFlow has no negotiation; from here every rank
+  had the collective);
+- *start* and *end*: the collective's run on the ``collective_ops`` threads, first rank to
+  begin and last to finish; a rank that began first waits for the others inside it.
+
+Steps are told apart as in a Horovod timeline: the k-th run of every collective is step k.
+A launch is not when its gradients were ready: collectives of a group run in program order
+(their ordering token), and the executor may queue a launch behind other ops. So the trace's
+compute gives the backward pass's end (its last op under ``gradient_tape/``) and, per rank
+and step, the time at least one TensorFlow op was running on a compute thread
+(``compute_busy_ms``): how much of a step the model's own work took beside the collectives.
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from hvdtrain.bench.overlap import TensorStep, by_occurrence
+
+HOST_PLANE = "/host:CPU"
+LAUNCH = "CollectiveOpV2Kernel::Run"
+# tf.GradientTape.gradient names the backward pass's ops under this scope.
+BACKWARD_SCOPE = "gradient_tape/"
+
+
+@dataclass
+class RankTrace:
+    """One rank's collectives and compute, microseconds on its host's clock."""
+
+    launches: dict[str, list[float]] = field(default_factory=dict)
+    runs: dict[str, list[tuple[float, float]]] = field(default_factory=dict)
+    compute: list[tuple[float, float]] = field(default_factory=list)
+    backward: list[float] = field(default_factory=list)     # the ends of gradient ops
+
+
+def rank_files(directory: Path) -> list[Path]:
+    """The newest XPlane file under each ``rank*`` folder of ``directory``, in rank order."""
+    files = []
+    for folder in sorted(directory.glob("rank*"), key=lambda path: int(path.name[4:] or 0)):
+        found = sorted(folder.rglob("*.xplane.pb"), key=lambda path: path.stat().st_mtime)
+        if found:
+            files.append(found[-1])
+    if not files:
+        raise ValueError(f"no TensorFlow profile (rank*/.../*.xplane.pb) under {directory}: "
+                         "record one with hvdtrain benchmark --profile-dir")
+    return files
+
+
+def read_rank(path: Path) -> RankTrace:
+    """The collectives and compute ops of one rank's XPlane file."""
+    from tensorflow.tsl.profiler.protobuf import xplane_pb2
+
+    space = xplane_pb2.XSpace()
+    space.ParseFromString(path.read_bytes())
+    planes = [plane for plane in space.planes if plane.name == HOST_PLANE]
+    if not planes:
+        raise ValueError(f"{path}: no {HOST_PLANE} plane")
+    plane = planes[0]
+    names = {key: meta.name for key, meta in plane.event_metadata.items()}
+    stat_names = {key: meta.name for key, meta in plane.stat_metadata.items()}
+    trace = RankTrace()
+    for line in plane.lines:
+        for event in line.events:
+            name = names[event.metadata_id]
+            begin = line.timestamp_ns / 1e3 + event.offset_ps / 1e6
+            end = begin + event.duration_ps / 1e6
+            op, _, op_type = name.partition(":")
+            if name == LAUNCH:
+                launched = [stat.str_value or stat_names.get(stat.ref_value, "")
+                            for stat in event.stats if stat_names[stat.metadata_id] == "name"]
+                trace.launches.setdefault(launched[0] if launched else "?", []).append(begin)
+            elif line.name.startswith("collective_ops") and op_type.startswith("Collective"):
+                trace.runs.setdefault(op, []).append((begin, end))
+            elif (line.name.startswith("tf_Compute") and op_type and "::" not in name
+                  and not op_type.startswith("Collective")):
+                trace.compute.append((begin, end))
+                if op.startswith(BACKWARD_SCOPE):
+                    trace.backward.append(end)
+    return trace
+
+
+def collective_steps(traces: list[RankTrace]) -> list[list[TensorStep]]:
+    """Every step's collectives, merged over the ranks (see the module doc)."""
+    names = set(traces[0].launches)
+    if not names:
+        raise ValueError("the profile holds no TensorFlow collective (the Horovod backend's "
+                         "allreduces are in its own timeline: HOROVOD_TIMELINE)")
+    per_name: dict[str, list[TensorStep]] = {}
+    for name in sorted(names):
+        launches = [sorted(trace.launches.get(name, [])) for trace in traces]
+        runs = [sorted(trace.runs.get(name, [])) for trace in traces]
+        counts = {len(each) for each in launches + runs}
+        if len(counts) != 1:
+            raise ValueError(f"{name} was launched or run unequally often on the ranks "
+                             f"({[len(each) for each in launches]} launches, "
+                             f"{[len(each) for each in runs]} runs)")
+        per_name[name] = [
+            TensorStep(name, min(each[k] for each in launches),
+                       max(each[k] for each in launches),
+                       min(each[k][0] for each in runs), max(each[k][1] for each in runs), None)
+            for k in range(counts.pop())]
+    return by_occurrence(per_name)
+
+
+def busy_ms(intervals: list[tuple[float, float]], begin: float, end: float) -> float:
+    """Milliseconds of [begin, end) covered by at least one interval."""
+    total, covered = 0.0, begin
+    for start, stop in sorted(intervals):
+        start, stop = max(start, covered), min(stop, end)
+        if stop > start:
+            total += stop - start
+            covered = stop
+    return total / 1e3
+
+
+def compute_busy_ms(traces: list[RankTrace], steps: list[list[TensorStep]]) -> list[float]:
+    """Per rank, the median over steps 2.. of the time some op ran on its compute threads,
+    from one step's first submission to the next's (the steps ``step_ms`` measures)."""
+    starts = [min(tensor.submitted for tensor in tensors) for tensors in steps]
+    windows = list(zip(starts, starts[1:]))
+    if not windows:
+        return []
+    return [statistics.median(busy_ms(trace.compute, begin, end) for begin, end in windows)
+            for trace in traces]
+
+
+def backward_ends(traces: list[RankTrace], steps: list[list[TensorStep]]) -> list[float | None]:
+    """Per step, when the last rank's backward pass ended (its last op under
+    ``gradient_tape/``), None where no rank ran one. A step's backward pass lies after the
+    previous step's last reduction (its update needs them) and before its own last one."""
+    ends = [max(tensor.end for tensor in tensors) for tensors in steps]
+    found = []
+    for index, end in enumerate(ends):
+        begin = ends[index - 1] if index else float("-inf")
+        inside = [moment for trace in traces for moment in trace.backward
+                  if begin < moment <= end]
+        found.append(max(inside) if inside else None)
+    return found
