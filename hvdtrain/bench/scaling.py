@@ -73,7 +73,7 @@ def run_variant(name: str, args: argparse.Namespace, model: str, output: Path) -
     timing = ["--model", model, "--batch-size", str(args.batch_size), "--warmup-steps",
               str(args.warmup_steps), "--steps", str(args.steps), "--repeats", str(args.repeats),
               *(["--input-shape", *map(str, SHAPES[model])] if model in SHAPES else [])]
-    env = variant_env(args.threads)
+    env = variant_env(args.threads, args.interop_threads)
     if name == "multiworker":
         run_multiworker(timing, parse_hosts(args.hosts), env, output, args.ssh, args.timeout)
         return
@@ -178,6 +178,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="run every variant this many times, interleaved (median reported)")
     parser.add_argument("--threads", type=int, default=max(1, (os.cpu_count() or 1) // 2),
                         help="CPU threads per process (default: half this node's cores)")
+    parser.add_argument("--interop-threads", type=int,
+                        help="TensorFlow inter-op threads per process, every variant (default: "
+                             "min(2, --threads), as hvdtrain's own default)")
     parser.add_argument("--link-gbit", type=float,
                         help="each node's link in Gbit/s, to report bandwidth as its fraction")
     parser.add_argument("--comm-repeats", type=int, default=3,
@@ -210,13 +213,15 @@ def main(argv: list[str] | None = None) -> int:
                 results[model][name].append(json.loads(output.read_text()))
     ranks = len(parse_hosts(args.hosts))
     report = {"hosts": args.hosts, "ranks": ranks, "threads_per_process": args.threads,
+              "interop_threads": args.interop_threads or min(2, args.threads),
               "batch_size_per_rank": args.batch_size, "link_gbit": args.link_gbit,
               "rows": summarize(results, ranks, args.link_gbit)}
     if args.comm_repeats:
         sweep = out / "allreduce.json"
         run_checked([*mpirun(args), "--command", shlex.join(
             [python(), "-m", "hvdtrain.bench.comm", "--repeats", str(args.comm_repeats),
-             "--output", str(sweep)])], variant_env(args.threads), args.timeout)
+             "--output", str(sweep)])], variant_env(args.threads, args.interop_threads),
+                    args.timeout)
         report["allreduce"] = json.loads(sweep.read_text())
     (out / "scaling.json").write_text(json.dumps(report, indent=2) + "\n")
     print_table(report["rows"])
