@@ -5,9 +5,10 @@ Read from a record of a real job, not claimed: it runs a short ``hvdtrain benchm
 the TensorFlow backend (``--backend tensorflow``) with a TensorFlow profile of every rank
 (``hvdtrain.bench.profile``); or it reads an earlier benchmark's timeline (``--timeline``) or
 profiles (``--profile``). The latest submission of a step is when the last gradient was ready
-on some rank; ``overlap_ms`` is how long reductions ran before it (from a Horovod timeline an
-upper bound by at most one cycle). Writes ``overlap.json`` and ``overlap.png`` for one step
-(``--step``) and prints per-step phases, including the time with no allreduce running."""
+on some rank (from a profile: the backward pass's end); ``overlap_ms`` is how long reductions
+ran before it (from a Horovod timeline an upper bound by at most one cycle). Writes
+``overlap.json`` and ``overlap.png`` for one step (``--step``) and prints per-step phases,
+including the time with no allreduce running."""
 
 from __future__ import annotations
 
@@ -25,23 +26,15 @@ from typing import NamedTuple
 
 from hvdtrain.bench.comm import (GROUP_MEMBER, Span, row_names, timeline_events,
                                  timeline_spans)
+from hvdtrain.bench.profile import (backward_ends, collective_steps, compute_busy_ms,
+                                    rank_files, read_rank)
+from hvdtrain.bench.step_records import (TensorStep, by_occurrence, covered,
+                                         first_submissions)
 from hvdtrain.bench.variants import MPIRUN_WRAPPER, python, run_checked, variant_env
 
 # Short and cheap; what follows ``--`` on the command line comes later and wins.
 BENCHMARK_DEFAULTS = ["--model", "cnn", "--batch-size", "64", "--warmup-steps", "3",
                       "--steps", "5", "--repeats", "1"]
-
-
-@dataclass(frozen=True)
-class TensorStep:
-    """One tensor's allreduce in one step, timeline microseconds."""
-
-    name: str
-    submitted: float       # negotiation began: the first rank had queued it
-    negotiated: float      # negotiation ended: every rank had
-    start: float           # ALLREDUCE began
-    end: float
-    bytes: int | None
 
 
 @dataclass(frozen=True)
@@ -91,25 +84,6 @@ def allreduce_steps(events: list[dict]) -> list[list[TensorStep]]:
     return by_occurrence(per_tensor)
 
 
-def by_occurrence(per_tensor: dict[str, list[TensorStep]]) -> list[list[TensorStep]]:
-    """Steps from each tensor's occurrences in order: step k holds every tensor's k-th.
-    Refuses a record whose tensors do not all occur equally often (collectives outside the
-    training step, a job cut off mid-step): it has no such steps."""
-    if not per_tensor:
-        raise ValueError("the record holds no allreduce")
-    by_count: dict[int, list[str]] = {}
-    for name, occurrences in per_tensor.items():
-        by_count.setdefault(len(occurrences), []).append(name)
-    if len(by_count) > 1:
-        raise ValueError(
-            "its allreduced tensors occur unequally often, so steps cannot be told apart "
-            "(allreduces outside the training step, such as a training run's metrics?): "
-            + "; ".join(f"{len(tensors)} tensor(s) {count} times, e.g. {tensors[0]}"
-                        for count, tensors in sorted(by_count.items())))
-    [steps] = by_count
-    return [[occurrences[k] for occurrences in per_tensor.values()] for k in range(steps)]
-
-
 def calls_of(tensors: list[TensorStep], origin: float) -> list[Call]:
     """The step's allreduce calls, in order of submission: a grouped allreduce's tensors
     (one name with ``_<i>of<n>`` stripped) make one call; any other tensor is a call alone."""
@@ -131,14 +105,8 @@ def calls_of(tensors: list[TensorStep], origin: float) -> list[Call]:
 def running_before(calls: list[Call], moment: float) -> float:
     """Milliseconds before ``moment`` during which at least one call was reducing (the union
     of their spans cut at ``moment``: calls Horovod fused count once)."""
-    total, covered = 0.0, float("-inf")
-    for call in sorted(calls, key=lambda c: c.reduction_start_ms):
-        start = max(call.reduction_start_ms, covered)
-        end = min(call.reduction_end_ms, moment)
-        if end > start:
-            total += end - start
-        covered = max(covered, call.reduction_end_ms)
-    return total
+    return covered([(call.reduction_start_ms, call.reduction_end_ms) for call in calls],
+                   float("-inf"), moment)
 
 
 class StepBounds(NamedTuple):
@@ -186,37 +154,35 @@ def analyse(timeline: Path, step: int = -1) -> dict:
 def analyse_profile(directory: Path, step: int = -1) -> dict:
     """The overlap report of one step of the TensorFlow backend's collectives, from the
     TensorFlow profiles of ``hvdtrain benchmark --profile-dir`` (``profile``). A launch is not
-    when the gradients were ready there, so the last gradient is the backward pass's end
-    (``last_gradient_ready_ms``, and ``overlap_ms`` before it); ``launched_after_backward_ms``
-    (median over steps 2..) is how long after it the first collective was launched, and each
-    rank's compute-thread time per step stands beside."""
-    from hvdtrain.bench.profile import (backward_ends, collective_steps, compute_busy_ms,
-                                        rank_files, read_rank)
-
+    when the gradients were ready there, so the last gradient is the backward pass's end where
+    the profile shows one (``last_gradient_from`` says which), and ``overlap_ms`` is counted
+    before it; ``launched_after_backward_ms`` (median over steps 2..) is how long after it the
+    first collective was launched, and each rank's compute-thread time per step stands beside."""
     traces = [read_rank(path) for path in rank_files(directory)]
     steps = collective_steps(traces)
-    report = report_of(steps, str(directory), step)
-    firsts = [min(tensor.submitted for tensor in tensors) for tensors in steps]
     ends = backward_ends(traces, steps)
-    if ends[report["step"]] is not None:
-        ready = (ends[report["step"]] - report["time_origin_us"]) / 1e3
-        calls = [Call(**call) for call in report["calls"]]
-        overlap = running_before(calls, ready)
-        report.update(last_gradient_ready_ms=ready, overlap_ms=overlap, overlaps=overlap > 0)
-    delays = [(first - end) / 1e3 for first, end in zip(firsts[1:], ends[1:]) if end is not None]
-    return {**report, "compute_busy_ms": compute_busy_ms(traces, steps),
+    chosen = ends[step % len(steps)] if -len(steps) <= step < len(steps) else None
+    report = report_of(steps, str(directory), step, ready_us=chosen)
+    delays = [(first - end) / 1e3 for first, end in zip(first_submissions(steps)[1:], ends[1:])
+              if end is not None]
+    return {**report, "last_gradient_from": ("the backward pass's end" if chosen is not None
+                                             else "the last launch (no backward pass found)"),
+            "compute_busy_ms": compute_busy_ms(traces, steps),
             "launched_after_backward_ms": statistics.median(delays) if delays else None}
 
 
-def report_of(steps: list[list[TensorStep]], source: str, step: int) -> dict:
-    """The report of ``steps[step]`` with every step's phases."""
+def report_of(steps: list[list[TensorStep]], source: str, step: int,
+              ready_us: float | None = None) -> dict:
+    """The report of ``steps[step]`` with every step's phases; ``ready_us``: when its last
+    gradient was ready, where the record knows better than its latest submission."""
     if not -len(steps) <= step < len(steps):
         raise ValueError(f"no step {step}: the record holds {len(steps)}")
     index = step % len(steps)
     tensors = steps[index]
     origin = min(tensor.submitted for tensor in tensors)
     calls = calls_of(tensors, origin)
-    ready = (max(tensor.submitted for tensor in tensors) - origin) / 1e3
+    ready = ((max(tensor.submitted for tensor in tensors) if ready_us is None else ready_us)
+             - origin) / 1e3
     overlap = running_before(calls, ready)
     return {"timeline": source, "steps": len(steps), "step": index,
             "calls_per_step": [len(calls_of(each, 0.0)) for each in steps],
@@ -285,7 +251,7 @@ def draw(report: dict, path: Path) -> None:
         axis.barh(row, end - start, left=start, height=0.6, color="tab:blue",
                   label="reducing (ALLREDUCE)" if row == 0 else None)
     axis.axvline(report["last_gradient_ready_ms"], color="tab:red", linestyle="--",
-                 label="last gradient submitted")
+                 label=f"last gradient ({report.get('last_gradient_from', 'submitted')})")
     axis.set_yticks(range(len(calls)), [
         f"call {row + 1}: {call['tensors']} tensor(s)"
         + ("" if call["bytes"] is None else f", {call['bytes'] / 2 ** 20:.2f} MiB")

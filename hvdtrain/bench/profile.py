@@ -10,8 +10,12 @@ step, in the overlap tool's terms (``TensorStep``, microseconds on the hosts' cl
   thread: its input existed and the executor got to it);
 - *negotiated*: the last rank's launch (TensorFlow has no negotiation; from here every rank
   had the collective);
-- *start* and *end*: the collective's run on the ``collective_ops`` threads, first rank to
-  begin and last to finish; a rank that began first waits for the others inside it.
+- *start* and *end*: the collective's run on the ``collective_ops`` threads, from the last
+  rank's start (a rank that starts first waits inside it for the others, moving nothing) to
+  the last rank's end.
+
+The ranks' clocks are taken to agree: true for ranks on one machine (the netcluster's nodes);
+across real hosts their skew enters every cross-rank figure.
 
 Steps are told apart as in a Horovod timeline: the k-th run of every collective is step k.
 A launch is not when its gradients were ready: collectives of a group run in program order
@@ -27,7 +31,8 @@ import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from hvdtrain.bench.overlap import TensorStep, by_occurrence
+from hvdtrain.bench.step_records import (TensorStep, by_occurrence, covered,
+                                         first_submissions, last_ends)
 
 HOST_PLANE = "/host:CPU"
 LAUNCH = "CollectiveOpV2Kernel::Run"
@@ -46,15 +51,21 @@ class RankTrace:
 
 
 def rank_files(directory: Path) -> list[Path]:
-    """The newest XPlane file under each ``rank*`` folder of ``directory``, in rank order."""
+    """The newest XPlane file of each rank, from ``directory/rank0`` on: every rank up to the
+    highest must have one, or the merged steps would silently miss a rank."""
+    folders = {int(path.name[4:]): path for path in directory.glob("rank*")
+               if path.name[4:].isdigit()}
     files = []
-    for folder in sorted(directory.glob("rank*"), key=lambda path: int(path.name[4:] or 0)):
-        found = sorted(folder.rglob("*.xplane.pb"), key=lambda path: path.stat().st_mtime)
-        if found:
-            files.append(found[-1])
+    for rank in range(max(folders, default=-1) + 1):
+        found = sorted(folders[rank].rglob("*.xplane.pb"), key=lambda path: path.stat().st_mtime
+                       ) if rank in folders else []
+        if not found:
+            raise ValueError(f"no TensorFlow profile of rank {rank} (rank{rank}/.../"
+                             "*.xplane.pb) under it")
+        files.append(found[-1])
     if not files:
-        raise ValueError(f"no TensorFlow profile (rank*/.../*.xplane.pb) under {directory}: "
-                         "record one with hvdtrain benchmark --profile-dir")
+        raise ValueError("no TensorFlow profile (rank*/.../*.xplane.pb) under it: record one "
+                         "with hvdtrain benchmark --profile-dir")
     return files
 
 
@@ -80,7 +91,8 @@ def read_rank(path: Path) -> RankTrace:
             if name == LAUNCH:
                 launched = [stat.str_value or stat_names.get(stat.ref_value, "")
                             for stat in event.stats if stat_names[stat.metadata_id] == "name"]
-                trace.launches.setdefault(launched[0] if launched else "?", []).append(begin)
+                if launched:      # a launch that names no op cannot be matched to its run
+                    trace.launches.setdefault(launched[0], []).append(begin)
             elif line.name.startswith("collective_ops") and op_type.startswith("Collective"):
                 trace.runs.setdefault(op, []).append((begin, end))
             elif (line.name.startswith("tf_Compute") and op_type and "::" not in name
@@ -93,7 +105,7 @@ def read_rank(path: Path) -> RankTrace:
 
 def collective_steps(traces: list[RankTrace]) -> list[list[TensorStep]]:
     """Every step's collectives, merged over the ranks (see the module doc)."""
-    names = set(traces[0].launches)
+    names = set().union(*(trace.launches for trace in traces))
     if not names:
         raise ValueError("the profile holds no TensorFlow collective (the Horovod backend's "
                          "allreduces are in its own timeline: HOROVOD_TIMELINE)")
@@ -109,30 +121,19 @@ def collective_steps(traces: list[RankTrace]) -> list[list[TensorStep]]:
         per_name[name] = [
             TensorStep(name, min(each[k] for each in launches),
                        max(each[k] for each in launches),
-                       min(each[k][0] for each in runs), max(each[k][1] for each in runs), None)
+                       max(each[k][0] for each in runs), max(each[k][1] for each in runs), None)
             for k in range(counts.pop())]
     return by_occurrence(per_name)
-
-
-def busy_ms(intervals: list[tuple[float, float]], begin: float, end: float) -> float:
-    """Milliseconds of [begin, end) covered by at least one interval."""
-    total, covered = 0.0, begin
-    for start, stop in sorted(intervals):
-        start, stop = max(start, covered), min(stop, end)
-        if stop > start:
-            total += stop - start
-            covered = stop
-    return total / 1e3
 
 
 def compute_busy_ms(traces: list[RankTrace], steps: list[list[TensorStep]]) -> list[float]:
     """Per rank, the median over steps 2.. of the time some op ran on its compute threads,
     from one step's first submission to the next's (the steps ``step_ms`` measures)."""
-    starts = [min(tensor.submitted for tensor in tensors) for tensors in steps]
+    starts = first_submissions(steps)
     windows = list(zip(starts, starts[1:]))
     if not windows:
         return []
-    return [statistics.median(busy_ms(trace.compute, begin, end) for begin, end in windows)
+    return [statistics.median(covered(trace.compute, begin, end) / 1e3 for begin, end in windows)
             for trace in traces]
 
 
@@ -140,7 +141,7 @@ def backward_ends(traces: list[RankTrace], steps: list[list[TensorStep]]) -> lis
     """Per step, when the last rank's backward pass ended (its last op under
     ``gradient_tape/``), None where no rank ran one. A step's backward pass lies after the
     previous step's last reduction (its update needs them) and before its own last one."""
-    ends = [max(tensor.end for tensor in tensors) for tensors in steps]
+    ends = last_ends(steps)
     found = []
     for index, end in enumerate(ends):
         begin = ends[index - 1] if index else float("-inf")

@@ -19,7 +19,8 @@ def write_profile(folder, rank: int, steps: int = 3, collectives: bool = True):
     the ops (forward, backward under ``gradient_tape/``, update) and each collective's launch
     (``CollectiveOpV2Kernel::Run``, the op's name in a ``name`` stat), a ``collective_ops``
     thread with each collective's run (``<op>:<type>``) beside the executor's own events.
-    Rank 1's backward pass ends 250 us later, and it launches and finishes later."""
+    Rank 1's backward pass ends 250 us later, and it launches and finishes later; its lines
+    start 500 us earlier on the clock, with every offset 500 us larger (the same moments)."""
     from tensorflow.tsl.profiler.protobuf import xplane_pb2
 
     space = xplane_pb2.XSpace()
@@ -28,18 +29,21 @@ def write_profile(folder, rank: int, steps: int = 3, collectives: bool = True):
     plane.stat_metadata[1].name = "name"
     ids: dict[str, int] = {}
 
+    shift = 500 * rank
+
     def add(line, name: str, begin_us: int, end_us: int, op: str | None = None) -> None:
         if name not in ids:
             ids[name] = len(ids) + 1
             plane.event_metadata[ids[name]].name = name
-        event = line.events.add(metadata_id=ids[name], offset_ps=begin_us * 10**6,
+        event = line.events.add(metadata_id=ids[name], offset_ps=(begin_us + shift) * 10**6,
                                 duration_ps=(end_us - begin_us) * 10**6)
         if op:
             event.stats.add(metadata_id=1, str_value=op)
 
-    compute = plane.lines.add(name="tf_Compute/17", timestamp_ns=BASE_NS)
-    runs = plane.lines.add(name="collective_ops/3", timestamp_ns=BASE_NS)
-    plane.lines.add(name="python", timestamp_ns=BASE_NS)
+    base_ns = BASE_NS - shift * 1000
+    compute = plane.lines.add(name="tf_Compute/17", timestamp_ns=base_ns)
+    runs = plane.lines.add(name="collective_ops/3", timestamp_ns=base_ns)
+    plane.lines.add(name="python", timestamp_ns=base_ns)
     late = 250 * rank
     for step in range(steps):
         b = STEP_US * step
@@ -71,17 +75,18 @@ def test_a_tensorflow_profile_gives_each_steps_collectives_backward_pass_and_com
     assert (report["steps"], report["step"], report["calls_per_step"]) == (3, 2, [2, 2, 2])
     assert report["time_origin_us"] == BASE_NS / 1e3 + 2 * STEP_US + 4000
     # Launches: the first rank's is the submission, the last rank's the "negotiation"; the
-    # run spans from the first rank's start to the last rank's end.
+    # reduction runs from the last rank's start (the first waits in it) to the last one's end.
     assert report["calls"] == [
         {"name": "CollectiveReduceV2", "tensors": 1, "bytes": None, "submitted_ms": 0.0,
-         "negotiated_ms": 0.25, "reduction_start_ms": 0.0, "reduction_end_ms": 1.0},
+         "negotiated_ms": 0.25, "reduction_start_ms": 0.25, "reduction_end_ms": 1.0},
         {"name": "CollectiveReduceV2_1", "tensors": 1, "bytes": None, "submitted_ms": 1.0,
-         "negotiated_ms": 1.5, "reduction_start_ms": 1.0, "reduction_end_ms": 2.75}]
+         "negotiated_ms": 1.5, "reduction_start_ms": 1.5, "reduction_end_ms": 2.75}]
     # The last gradient is the later rank's last backward op, not the last launch.
     assert report["last_gradient_ready_ms"] == 1.25
-    assert (report["overlap_ms"], report["overlaps"]) == (1.25, True)
+    assert report["last_gradient_from"] == "the backward pass's end"
+    assert (report["overlap_ms"], report["overlaps"]) == (0.75, True)
     assert report["launched_after_backward_ms"] == -1.25
-    assert report["phases"] == {"step_ms": 10.0, "idle_ms": 7.25, "reducing_ms": 2.75,
+    assert report["phases"] == {"step_ms": 10.0, "idle_ms": 7.25, "reducing_ms": 2.5,
                                 "waiting_ms": 0.75}
     # From one first launch to the next: the rest of this step's backward pass and its
     # update, the next step's forward pass and its backward pass up to that launch.
@@ -96,7 +101,9 @@ def test_a_profile_without_tensorflow_collectives_is_refused_with_one_line(tmp_p
     for rank in (0, 1):
         write_profile(tmp_path / "horovod", rank, collectives=False)
     (tmp_path / "empty").mkdir()
-    for folder, words in (("horovod", "HOROVOD_TIMELINE"), ("empty", "--profile-dir")):
+    write_profile(tmp_path / "no-rank-0", 1)
+    for folder, words in (("horovod", "HOROVOD_TIMELINE"), ("empty", "--profile-dir"),
+                          ("no-rank-0", "no TensorFlow profile of rank 0")):
         with pytest.raises(SystemExit) as ended:
             main(["--profile", str(tmp_path / folder), "--output-dir", str(tmp_path / "out")])
         assert ended.value.code == 2
