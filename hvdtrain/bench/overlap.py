@@ -165,8 +165,9 @@ def analyse_profile(directory: Path, step: int = -1) -> dict:
     report = report_of(steps, str(directory), step, ready_us=chosen)
     delays = [(first - end) / 1e3 for first, end in zip(first_submissions(steps)[1:], ends[1:])
               if end is not None]
-    return {**report, "last_gradient_from": ("the backward pass's end" if chosen is not None
-                                             else "the last launch (no backward pass found)"),
+    source = ("the backward pass's end" if chosen is not None
+              else "the last collective's first launch: no backward pass found")
+    return {**report, "last_gradient_from": source,
             "compute_busy_ms": compute_busy_ms(traces, steps),
             "launched_after_backward_ms": statistics.median(delays) if delays else None}
 
@@ -197,13 +198,18 @@ def summary(report: dict) -> str:
     sizes = [call["bytes"] for call in calls]
     size = "" if None in sizes else f", {sum(sizes) / 2 ** 20:.2f} MiB"
     first = min(call["reduction_start_ms"] for call in calls)
-    verdict = (f"so reductions ran for {report['overlap_ms']:.3f} ms while every rank was "
-               "still in its backward pass" if report["overlaps"] else
+    profiled = "last_gradient_from" in report     # ready: the slowest rank's backward end
+    verdict = (f"so reductions ran for {report['overlap_ms']:.3f} ms while "
+               f"{'some' if profiled else 'every'} rank was still in its backward pass"
+               if report["overlaps"] else
                "so nothing was reduced before the backward pass had ended: no overlap")
+    ready = (f"The first collective was launched at 0 ms and the last gradient was ready at "
+             f"{report['last_gradient_ready_ms']:.3f} ms ({report['last_gradient_from']})"
+             if profiled else "The first gradient was submitted at 0 ms and the last at "
+             f"{report['last_gradient_ready_ms']:.3f} ms")
     return (f"Step {report['step'] + 1} of {report['steps']} ({report['timeline']}): "
             f"{len(calls)} allreduce call(s), {sum(call['tensors'] for call in calls)} "
-            f"tensors{size}. The first gradient was submitted at 0 ms and the last at "
-            f"{report['last_gradient_ready_ms']:.3f} ms; the first reduction started at "
+            f"tensors{size}. {ready}; the first reduction started at "
             f"{first:.3f} ms and the last ended at {report['last_reduction_end_ms']:.3f} ms, "
             f"{verdict}." + phases_line(report["phases"], report["steps"])
             + compute_line(report))

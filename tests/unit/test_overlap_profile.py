@@ -93,6 +93,8 @@ def test_a_tensorflow_profile_gives_each_steps_collectives_backward_pass_and_com
     assert report["compute_busy_ms"] == [5.5, 5.75]
     assert (out / "overlap.png").read_bytes()[:4] == b"\x89PNG"
     printed = capsys.readouterr().out
+    assert "the last gradient was ready at 1.250 ms (the backward pass's end)" in printed
+    assert "0.750 ms while some rank was still in its backward pass" in printed
     assert "launched -1.2 ms after the backward pass ended" in printed
     assert "5.5, 5.8 ms of a step" in printed
 

@@ -34,11 +34,9 @@ def test_a_real_two_rank_benchmark_has_a_call_in_every_step(tmp_path, backend):
             assert (0 <= call["submitted_ms"] <= call["negotiated_ms"]
                     <= call["reduction_start_ms"] <= call["reduction_end_ms"])
             assert call["bytes"] > 0
-        else:   # no negotiation: the first rank's run starts before the last rank's launch
-            assert 0 <= call["submitted_ms"] <= min(call["negotiated_ms"],
-                                                    call["reduction_start_ms"])
-            assert max(call["negotiated_ms"], call["reduction_start_ms"]) <= call[
-                "reduction_end_ms"]
+        else:   # launches, then the reduction from the last rank's start; no byte counts
+            assert (0 <= call["submitted_ms"] <= call["negotiated_ms"]
+                    <= call["reduction_start_ms"] <= call["reduction_end_ms"])
             assert call["bytes"] is None
     assert report["overlap_ms"] >= 0 and report["overlaps"] == (report["overlap_ms"] > 0)
     assert (out / "overlap.png").read_bytes()[:4] == b"\x89PNG"
