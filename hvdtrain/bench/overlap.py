@@ -22,14 +22,13 @@ import statistics
 import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import NamedTuple
 
 from hvdtrain.bench.comm import (GROUP_MEMBER, Span, row_names, timeline_events,
                                  timeline_spans)
 from hvdtrain.bench.profile import (backward_ends, collective_steps, compute_busy_ms,
                                     rank_files, read_rank)
 from hvdtrain.bench.step_records import (TensorStep, by_occurrence, covered,
-                                         first_submissions)
+                                         first_submissions, last_ends)
 from hvdtrain.bench.variants import MPIRUN_WRAPPER, python, run_checked, variant_env
 
 # Short and cheap; what follows ``--`` on the command line comes later and wins.
@@ -109,14 +108,6 @@ def running_before(calls: list[Call], moment: float) -> float:
                    float("-inf"), moment)
 
 
-class StepBounds(NamedTuple):
-    """When a step's allreduces began and ended, timeline microseconds."""
-
-    first_submitted: float
-    first_reduction_start: float
-    last_reduction_end: float
-
-
 def step_phases(steps: list[list[TensorStep]]) -> dict[str, float]:
     """Where steps spend their time, ms, each a median over every step after the first (taken
     separately, so the four need not come from one step): from the previous step's first
@@ -128,18 +119,15 @@ def step_phases(steps: list[list[TensorStep]]) -> dict[str, float]:
     submission on some rank to its submission on every rank (``waiting_ms``: what ranks that
     submit in different orders, or compute at different speeds, wait for each other). Empty
     for a timeline of one step."""
-    bounds = [StepBounds(min(t.submitted for t in tensors), min(t.start for t in tensors),
-                         max(t.end for t in tensors)) for tensors in steps]
-    pairs = list(zip(bounds, bounds[1:]))
-    if not pairs:
+    if len(steps) < 2:
         return {}
-    return {"step_ms": statistics.median((now.first_submitted - before.first_submitted) / 1e3
-                                         for before, now in pairs),
-            "idle_ms": statistics.median((now.first_submitted - before.last_reduction_end) / 1e3
-                                         for before, now in pairs),
-            "reducing_ms": statistics.median((now.last_reduction_end
-                                              - now.first_reduction_start) / 1e3
-                                             for _, now in pairs),
+    submitted, ended = first_submissions(steps), last_ends(steps)
+    return {"step_ms": statistics.median((now - before) / 1e3
+                                         for before, now in zip(submitted, submitted[1:])),
+            "idle_ms": statistics.median((now - before) / 1e3
+                                         for before, now in zip(ended, submitted[1:])),
+            "reducing_ms": statistics.median((end - min(t.start for t in tensors)) / 1e3
+                                             for tensors, end in zip(steps[1:], ended[1:])),
             "waiting_ms": statistics.median(sum(call.negotiated_ms - call.submitted_ms
                                                 for call in calls_of(tensors, 0.0))
                                             for tensors in steps[1:])}
