@@ -23,6 +23,15 @@ DEFAULT_SHAPES = {"mlp": (28, 28, 1), "cnn": (28, 28, 1), "resnet": (32, 32, 3),
                   "resnet50": (224, 224, 3)}
 
 
+def count(text: str) -> int:
+    """An argparse type for counts that must be at least 1 (steps, repeats, rounds): zero
+    would leave nothing to time and end in a statistics error instead of this line."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
 def add_timing_arguments(parser: argparse.ArgumentParser) -> None:
     """What every timed variant takes, hvdtrain's benchmark and the baselines alike, so that
     a comparison hands each the same model, batch and timing loop."""
@@ -34,8 +43,8 @@ def add_timing_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch-size", type=int, default=64, help="per rank (default: 64)")
     parser.add_argument("--warmup-steps", type=int, default=10,
                         help="untimed steps first (tracing, allocation; default: 10)")
-    parser.add_argument("--steps", type=int, default=30, help="steps per repeat (default: 30)")
-    parser.add_argument("--repeats", type=int, default=5, help="timed repeats (default: 5)")
+    parser.add_argument("--steps", type=count, default=30, help="steps per repeat (default: 30)")
+    parser.add_argument("--repeats", type=count, default=5, help="timed repeats (default: 5)")
     parser.add_argument("--output", type=Path, help="write the result as JSON here (rank 0)")
 
 

@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 from typing import Callable
 
+from hvdtrain.bench.benchmark import count
 from hvdtrain.bench.variants import (MPIRUN_WRAPPER, python, run_checked, run_multiworker,
                                      variant_env)
 
@@ -89,13 +90,18 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="cnn")
     parser.add_argument("--batch-size", type=int, default=64, help="per rank")
-    parser.add_argument("--np", type=int, default=2, help="ranks / workers")
-    parser.add_argument("--steps", type=int, default=30)
-    parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--rounds", type=int, default=1,
+    parser.add_argument("--np", type=count, default=2, help="ranks / workers")
+    parser.add_argument("--steps", type=count, default=30)
+    parser.add_argument("--repeats", type=count, default=5)
+    parser.add_argument("--rounds", type=count, default=1,
                         help="run every training variant this many times, interleaved; "
                              "report the median over rounds")
-    parser.add_argument("--comm-repeats", type=int, default=20)
+    parser.add_argument("--comm-repeats", type=int, default=20,
+                        help="calls per size of the allreduce sweep on each backend (0: skip "
+                             "it)")
+    parser.add_argument("--interop-threads", type=count, metavar="N",
+                        help="TensorFlow inter-op threads of every multi-rank variant "
+                             "(default: min(2, intra-op threads), hvdtrain's own default)")
     parser.add_argument("--output-dir", type=Path, default=Path("bench"))
     parser.add_argument("--launcher", choices=("horovodrun", "mpirun"), default="horovodrun",
                         help="how the multi-rank variants start (mpirun: launch/mpirun.sh)")
@@ -103,12 +109,12 @@ def main(argv: list[str] | None = None) -> int:
     out = args.output_dir
     out.mkdir(parents=True, exist_ok=True)
     threads = max(1, (os.cpu_count() or 1) // args.np)
-    env = variant_env(threads)
+    env = variant_env(threads, args.interop_threads)
     common = ["--model", args.model, "--batch-size", str(args.batch_size), "--steps",
               str(args.steps), "--repeats", str(args.repeats)]
     ranks = launcher(args.launcher, args.np)
     print(f"comparing on {args.np} rank(s) x batch {args.batch_size}, {threads} thread(s) "
-          f"each, model {args.model}", flush=True)
+          f"each ({env['TF_NUM_INTEROP_THREADS']} inter-op), model {args.model}", flush=True)
     for round_ in range(1, args.rounds + 1):
         # Every variant once per round, in the same order: a slow spell of the machine hits
         # all of them alike, and the median over rounds discards it.
@@ -124,12 +130,14 @@ def main(argv: list[str] | None = None) -> int:
         run_multiworker(common, ["localhost"] * args.np, env, out / f"multiworker-{round_}.json")
         run_checked([python(), "-m", "hvdtrain", "benchmark", *common, "--output",
                      str(out / f"single-{round_}.json")], variant_env(os.cpu_count() or 1))
-    for backend in ("horovod", "tensorflow"):
+    for backend in ("horovod", "tensorflow") if args.comm_repeats > 0 else ():
         run_checked([str(MPIRUN_WRAPPER), "-np", str(args.np), "--command",
                      f"{python()} -m hvdtrain.bench.comm --repeats {args.comm_repeats} "
                      f"--backend {backend} --output {out / f'comm-{backend}.json'}"], env)
     startup = launch_to_first_step(ranks, env, out)
     report = summarize(out, args, input_pipeline_sweep(args.batch_size), startup)
+    report["machine"].update(intra_op_threads=threads,
+                             inter_op_threads=int(env["TF_NUM_INTEROP_THREADS"]))
     (out / "compare.json").write_text(json.dumps(report, indent=2) + "\n")
     draw(report, out / "compare.png")
     print_table(report)
@@ -167,8 +175,9 @@ def summarize(out: Path, args: argparse.Namespace, pipeline: list[dict],
                 rate["hvdtrain-tensorflow"] / rate["hvdtrain-custom"],
             "scaling_efficiency": rate["hvdtrain-custom"] / (args.np * rate["single"]),
         },
-        "allreduce": load("comm-horovod"),
-        "allreduce_tensorflow_backend": load("comm-tensorflow"),
+        "allreduce": load("comm-horovod") if args.comm_repeats > 0 else [],
+        "allreduce_tensorflow_backend": (load("comm-tensorflow") if args.comm_repeats > 0
+                                         else []),
         "input_pipeline": [{**row, "ratio_to_training": row["examples_per_second"]
                             / training_rate} for row in pipeline],
         "startup": startup,

@@ -78,7 +78,8 @@ def test_compare_reports_the_median_over_rounds_of_every_variant(tmp_path):
                 {"step_seconds_median": step, "examples_per_second_total": 16 / step}))
     for backend in ("horovod", "tensorflow"):
         (tmp_path / f"comm-{backend}.json").write_text("[]")
-    args = argparse.Namespace(rounds=3, np=2, model="mlp", batch_size=8, launcher="horovodrun")
+    args = argparse.Namespace(rounds=3, np=2, model="mlp", batch_size=8, launcher="horovodrun",
+                              comm_repeats=1)
     report = summarize(tmp_path, args, [{"source": "digits", "examples_per_second": 1e4}], {})
     assert report["rounds"] == 3
     median = {name: sorted(per_round)[1] for name, per_round in steps.items()}
