@@ -19,6 +19,8 @@ from typing import Any
 
 from hvdtrain.config import BUCKET_MIB, bucket_bytes
 
+# Beside the ranks' folders of a ``--profile-dir``: how many ranks were profiled.
+PROFILED_WORLD = "world.json"
 DEFAULT_SHAPES = {"mlp": (28, 28, 1), "cnn": (28, 28, 1), "resnet": (32, 32, 3),
                   "resnet50": (224, 224, 3)}
 
@@ -221,6 +223,10 @@ def run(args: argparse.Namespace) -> tuple[bool, dict[str, Any]]:
         timing = time_steps(run_step, batch, args.warmup_steps, args.steps, args.repeats)
         if args.profile_dir:
             profile_steps(run_step, batch, args.steps, args.profile_dir / f"rank{world.rank}")
+            if world.rank == 0:
+                # The reader's check that no rank's profile is missing, the last one's included.
+                (args.profile_dir / PROFILED_WORLD).write_text(
+                    json.dumps({"ranks": world.size}) + "\n")
     rank_result = {"rank": world.rank, "step_seconds": timing.seconds,
                    "examples_per_second": args.batch_size / statistics.median(timing.seconds),
                    "host_cpu_busy": timing.host_cpu_busy}

@@ -27,10 +27,12 @@ and step, the time at least one TensorFlow op was running on a compute thread
 
 from __future__ import annotations
 
+import json
 import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from hvdtrain.bench.benchmark import PROFILED_WORLD
 from hvdtrain.bench.step_records import (TensorStep, by_occurrence, covered,
                                          first_submissions, last_ends)
 
@@ -51,12 +53,16 @@ class RankTrace:
 
 
 def rank_files(directory: Path) -> list[Path]:
-    """The newest XPlane file of each rank, from ``directory/rank0`` on: every rank up to the
-    highest must have one, or the merged steps would silently miss a rank."""
+    """The newest XPlane file of each rank, from ``directory/rank0`` on: every rank of the
+    profiled world (``world.json``, which ``hvdtrain benchmark`` writes; else up to the highest
+    folder) must have one, or the merged steps would silently miss a rank."""
     folders = {int(path.name[4:]): path for path in directory.glob("rank*")
                if path.name[4:].isdigit()}
+    world = directory / PROFILED_WORLD
+    ranks = (json.loads(world.read_text())["ranks"] if world.is_file()
+             else max(folders, default=-1) + 1)
     files = []
-    for rank in range(max(folders, default=-1) + 1):
+    for rank in range(ranks):
         found = sorted(folders[rank].rglob("*.xplane.pb"), key=lambda path: path.stat().st_mtime
                        ) if rank in folders else []
         if not found:

@@ -104,8 +104,12 @@ def test_a_profile_without_tensorflow_collectives_is_refused_with_one_line(tmp_p
         write_profile(tmp_path / "horovod", rank, collectives=False)
     (tmp_path / "empty").mkdir()
     write_profile(tmp_path / "no-rank-0", 1)
+    # The highest rank's folder missing too: only the world size the benchmark wrote shows it.
+    write_profile(tmp_path / "no-last-rank", 0)
+    (tmp_path / "no-last-rank" / "world.json").write_text(json.dumps({"ranks": 2}))
     for folder, words in (("horovod", "HOROVOD_TIMELINE"), ("empty", "--profile-dir"),
-                          ("no-rank-0", "no TensorFlow profile of rank 0")):
+                          ("no-rank-0", "no TensorFlow profile of rank 0"),
+                          ("no-last-rank", "no TensorFlow profile of rank 1")):
         with pytest.raises(SystemExit) as ended:
             main(["--profile", str(tmp_path / folder), "--output-dir", str(tmp_path / "out")])
         assert ended.value.code == 2

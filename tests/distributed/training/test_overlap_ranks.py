@@ -43,5 +43,6 @@ def test_a_real_two_rank_benchmark_has_a_call_in_every_step(tmp_path, backend):
     assert json.loads((out / "benchmark.json").read_text())["world_size"] == 2
     assert "allreduce call(s)" in result.stdout
     if backend == "tensorflow":     # the profile's backward pass and compute, every rank's
+        assert json.loads((out / "profile" / "world.json").read_text()) == {"ranks": 2}
         assert report["launched_after_backward_ms"] is not None
         assert len(report["compute_busy_ms"]) == 2 and min(report["compute_busy_ms"]) > 0
