@@ -26,11 +26,19 @@ DEFAULT_SHAPES = {"mlp": (28, 28, 1), "cnn": (28, 28, 1), "resnet": (32, 32, 3),
 
 
 def count(text: str) -> int:
-    """An argparse type for counts that must be at least 1 (steps, repeats, rounds): zero
-    would leave nothing to time and end in a statistics error instead of this line."""
+    """An argparse type for counts that must be at least 1 (steps, repeats, rounds, ranks):
+    zero would leave nothing to time and end in a statistics error instead of this line."""
     value = int(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def count_or_none(text: str) -> int:
+    """An argparse type for counts where 0 means "skip it" (the harnesses' allreduce sweep)."""
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 (skip) or more, got {value}")
     return value
 
 
@@ -225,6 +233,7 @@ def run(args: argparse.Namespace) -> tuple[bool, dict[str, Any]]:
             profile_steps(run_step, batch, args.steps, args.profile_dir / f"rank{world.rank}")
             if world.rank == 0:
                 # The reader's check that no rank's profile is missing, the last one's included.
+                args.profile_dir.mkdir(parents=True, exist_ok=True)
                 (args.profile_dir / PROFILED_WORLD).write_text(
                     json.dumps({"ranks": world.size}) + "\n")
     rank_result = {"rank": world.rank, "step_seconds": timing.seconds,

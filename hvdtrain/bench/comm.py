@@ -25,6 +25,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
+from hvdtrain.bench.benchmark import count
+
 SIZES = [4 << 10, 64 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20]
 # Horovod's timeline name for the i-th of a grouped allreduce's n tensors: ``<op name>_<i>of<n>``
 # (hvdtrain's gradient reduction is a grouped allreduce; bare ``hvd.allreduce`` is not).
@@ -185,7 +187,7 @@ def timeline_breakdown(path: Path, repeats: int) -> list[dict]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--repeats", type=count, default=20)
     parser.add_argument("--output", type=Path)
     parser.add_argument("--backend", choices=("horovod", "tensorflow"), default="horovod",
                         help="hvdtrain's collectives to time beside MPI")

@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from hvdtrain.bench.benchmark import count
+from hvdtrain.bench.benchmark import count, count_or_none
 from hvdtrain.bench.variants import (MPIRUN_WRAPPER, python, run_checked, run_multiworker,
                                      variant_env)
 
@@ -86,6 +86,16 @@ def input_pipeline_sweep(batch: int, steps: int = 200) -> list[dict]:
     return rows
 
 
+def multi_rank_env(args: argparse.Namespace) -> dict[str, str]:
+    """Every multi-rank variant's environment: an equal share of the cores per rank."""
+    return variant_env(max(1, (os.cpu_count() or 1) // args.np), args.interop_threads)
+
+
+def single_env() -> dict[str, str]:
+    """The one-process baseline's: every core."""
+    return variant_env(os.cpu_count() or 1)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="cnn")
@@ -96,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=count, default=1,
                         help="run every training variant this many times, interleaved; "
                              "report the median over rounds")
-    parser.add_argument("--comm-repeats", type=int, default=20,
+    parser.add_argument("--comm-repeats", type=count_or_none, default=20,
                         help="calls per size of the allreduce sweep on each backend (0: skip "
                              "it)")
     parser.add_argument("--interop-threads", type=count, metavar="N",
@@ -108,8 +118,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     out = args.output_dir
     out.mkdir(parents=True, exist_ok=True)
-    threads = max(1, (os.cpu_count() or 1) // args.np)
-    env = variant_env(threads, args.interop_threads)
+    env = multi_rank_env(args)
+    threads = int(env["TF_NUM_INTRAOP_THREADS"])
     common = ["--model", args.model, "--batch-size", str(args.batch_size), "--steps",
               str(args.steps), "--repeats", str(args.repeats)]
     ranks = launcher(args.launcher, args.np)
@@ -129,15 +139,13 @@ def main(argv: list[str] | None = None) -> int:
                            "--output", str(out / f"minimal-{round_}.json")]), env)
         run_multiworker(common, ["localhost"] * args.np, env, out / f"multiworker-{round_}.json")
         run_checked([python(), "-m", "hvdtrain", "benchmark", *common, "--output",
-                     str(out / f"single-{round_}.json")], variant_env(os.cpu_count() or 1))
-    for backend in ("horovod", "tensorflow") if args.comm_repeats > 0 else ():
+                     str(out / f"single-{round_}.json")], single_env())
+    for backend in ("horovod", "tensorflow") if args.comm_repeats else ():
         run_checked([str(MPIRUN_WRAPPER), "-np", str(args.np), "--command",
                      f"{python()} -m hvdtrain.bench.comm --repeats {args.comm_repeats} "
                      f"--backend {backend} --output {out / f'comm-{backend}.json'}"], env)
     startup = launch_to_first_step(ranks, env, out)
     report = summarize(out, args, input_pipeline_sweep(args.batch_size), startup)
-    report["machine"].update(intra_op_threads=threads,
-                             inter_op_threads=int(env["TF_NUM_INTEROP_THREADS"]))
     (out / "compare.json").write_text(json.dumps(report, indent=2) + "\n")
     draw(report, out / "compare.png")
     print_table(report)
@@ -153,13 +161,17 @@ def summarize(out: Path, args: argparse.Namespace, pipeline: list[dict],
         return statistics.median(load(f"{name}-{round_}")[field]
                                  for round_ in range(1, args.rounds + 1))
 
+    pools = {variant: {"intra_op": int(env["TF_NUM_INTRAOP_THREADS"]),
+                       "inter_op": int(env["TF_NUM_INTEROP_THREADS"])}
+             for variant, env in (("multi_rank", multi_rank_env(args)), ("single", single_env()))}
     names = ("hvdtrain-custom", "hvdtrain-fit", "hvdtrain-tensorflow", "minimal", "multiworker",
              "single")
     step = {name: over_rounds(name, "step_seconds_median") for name in names}
     rate = {name: over_rounds(name, "examples_per_second_total") for name in names}
     training_rate = rate["hvdtrain-custom"] / args.np     # per rank, what the input must feed
     return {
-        "machine": {"cpus": os.cpu_count(), "np": args.np, "launcher": args.launcher},
+        "machine": {"cpus": os.cpu_count(), "np": args.np, "launcher": args.launcher,
+                    "threads": pools},
         "rounds": args.rounds,
         "config": {"model": args.model, "batch_size_per_rank": args.batch_size},
         "examples_per_second": rate,
@@ -175,9 +187,8 @@ def summarize(out: Path, args: argparse.Namespace, pipeline: list[dict],
                 rate["hvdtrain-tensorflow"] / rate["hvdtrain-custom"],
             "scaling_efficiency": rate["hvdtrain-custom"] / (args.np * rate["single"]),
         },
-        "allreduce": load("comm-horovod") if args.comm_repeats > 0 else [],
-        "allreduce_tensorflow_backend": (load("comm-tensorflow") if args.comm_repeats > 0
-                                         else []),
+        "allreduce": load("comm-horovod") if args.comm_repeats else [],
+        "allreduce_tensorflow_backend": load("comm-tensorflow") if args.comm_repeats else [],
         "input_pipeline": [{**row, "ratio_to_training": row["examples_per_second"]
                             / training_rate} for row in pipeline],
         "startup": startup,
@@ -222,10 +233,12 @@ def draw(report: dict, path: Path) -> None:
     middle.semilogx(sizes, [row["hvdtrain_bus_gbps"]
                             for row in report["allreduce_tensorflow_backend"]], "o-",
                     label="hvdtrain (TensorFlow backend)")
-    middle.set_title("allreduce bus bandwidth")
+    middle.set_title("allreduce bus bandwidth" if sizes else
+                     "allreduce bus bandwidth: sweep skipped (--comm-repeats 0)")
     middle.set_xlabel("message (MiB)")
     middle.set_ylabel("GB/s")
-    middle.legend()
+    if sizes:
+        middle.legend()
     sources = [row["source"] for row in report["input_pipeline"]]
     right.bar(sources, [row["ratio_to_training"] for row in report["input_pipeline"]])
     right.axhline(5, color="red", linestyle="--", label="target 5x")

@@ -23,6 +23,7 @@ import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from hvdtrain.bench.benchmark import count
 from hvdtrain.bench.comm import (GROUP_MEMBER, Span, row_names, timeline_events,
                                  timeline_spans)
 from hvdtrain.bench.profile import (backward_ends, collective_steps, compute_busy_ms,
@@ -287,7 +288,7 @@ def main(argv: list[str] | None = None) -> int:
         description=__doc__.splitlines()[0],
         epilog="arguments after -- go to hvdtrain benchmark (defaults: "
                + " ".join(BENCHMARK_DEFAULTS) + ")")
-    parser.add_argument("--np", type=int, default=2, help="ranks (default: 2)")
+    parser.add_argument("--np", type=count, default=2, help="ranks (default: 2)")
     parser.add_argument("--backend", choices=("horovod", "tensorflow"), default="horovod",
                         help="the benchmark's collectives: horovod (read from Horovod's "
                              "timeline) or tensorflow (from a TensorFlow profile of each rank)")

@@ -59,8 +59,12 @@ def rank_files(directory: Path) -> list[Path]:
     folders = {int(path.name[4:]): path for path in directory.glob("rank*")
                if path.name[4:].isdigit()}
     world = directory / PROFILED_WORLD
-    ranks = (json.loads(world.read_text())["ranks"] if world.is_file()
-             else max(folders, default=-1) + 1)
+    try:
+        ranks = (int(json.loads(world.read_text())["ranks"]) if world.is_file()
+                 else max(folders, default=-1) + 1)
+    except (ValueError, KeyError, TypeError) as error:
+        raise ValueError(f"{PROFILED_WORLD} holds no world size ({error!r}): record the "
+                         "profiles again with hvdtrain benchmark --profile-dir") from error
     files = []
     for rank in range(ranks):
         found = sorted(folders[rank].rglob("*.xplane.pb"), key=lambda path: path.stat().st_mtime

@@ -21,6 +21,7 @@ import statistics
 import sys
 from pathlib import Path
 
+from hvdtrain.bench.benchmark import count, count_or_none
 from hvdtrain.bench.variants import (MPIRUN_WRAPPER, python, run_checked,
                                      run_concurrent_singles, run_multiworker, variant_env)
 
@@ -172,18 +173,18 @@ def build_parser() -> argparse.ArgumentParser:
                              "allreduce after the backward pass; default: 0)")
     parser.add_argument("--batch-size", type=int, default=32, help="per rank (default: 32)")
     parser.add_argument("--warmup-steps", type=int, default=3)
-    parser.add_argument("--steps", type=int, default=10)
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--rounds", type=int, default=1,
+    parser.add_argument("--steps", type=count, default=10)
+    parser.add_argument("--repeats", type=count, default=3)
+    parser.add_argument("--rounds", type=count, default=1,
                         help="run every variant this many times, interleaved (median reported)")
-    parser.add_argument("--threads", type=int, default=max(1, (os.cpu_count() or 1) // 2),
+    parser.add_argument("--threads", type=count, default=max(1, (os.cpu_count() or 1) // 2),
                         help="CPU threads per process (default: half this node's cores)")
-    parser.add_argument("--interop-threads", type=int,
+    parser.add_argument("--interop-threads", type=count,
                         help="TensorFlow inter-op threads per process, every variant (default: "
                              "min(2, --threads), as hvdtrain's own default)")
     parser.add_argument("--link-gbit", type=float,
                         help="each node's link in Gbit/s, to report bandwidth as its fraction")
-    parser.add_argument("--comm-repeats", type=int, default=3,
+    parser.add_argument("--comm-repeats", type=count_or_none, default=3,
                         help="repeats of the allreduce sweep across the nodes (0: skip it)")
     parser.add_argument("--timeout", type=int, default=1800, help="seconds per variant")
     parser.add_argument("--output-dir", type=Path, default=Path("bench-scaling"))

@@ -18,6 +18,7 @@ import sys
 import time
 from pathlib import Path
 
+from hvdtrain.bench.benchmark import count
 from hvdtrain.bench.variants import MPIRUN_WRAPPER, python, variant_env
 
 CGROUPS = Path("/sys/fs/cgroup/memory")
@@ -184,8 +185,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--layers", type=int, default=3)
     parser.add_argument("--input", type=int, default=1024)
     parser.add_argument("--batch-size", type=int, default=32)
-    parser.add_argument("--steps", type=int, default=8, help="steps per epoch")
-    parser.add_argument("--rounds", type=int, default=1)
+    parser.add_argument("--steps", type=count, default=8, help="steps per epoch")
+    parser.add_argument("--rounds", type=count, default=1)
     parser.add_argument("--memory-limit-mib", type=int, default=None)
     parser.add_argument("--widths", type=int, nargs="+",
                         default=[2000, 3000, 4000, 5000, 6000, 7000, 8000])

@@ -273,3 +273,22 @@ def test_resume_never_mixes_runs(capsys, caplog, tmp_path):
     assert ("continuing" in out and "with changed data or settings (optimizer {'optimizer': "
             "'SGD'} -> {'optimizer': 'Adam'}; --learning-rate None -> 0.01)") in out
     assert "resuming after epoch 1" in out
+
+
+@pytest.mark.parametrize("module, argv, message", [
+    ("compare", ["--rounds", "0"], "argument --rounds: must be at least 1, got 0"),
+    ("compare", ["--comm-repeats", "-1"], "argument --comm-repeats: must be 0 (skip) or more"),
+    ("scaling", ["--hosts", "a:1", "--steps", "0"], "argument --steps: must be at least 1"),
+    ("comm", ["--repeats", "0"], "argument --repeats: must be at least 1, got 0"),
+    ("overlap", ["--np", "0"], "argument --np: must be at least 1, got 0"),
+])
+def test_the_measurement_tools_refuse_counts_that_leave_nothing_to_time(
+        capsys, module, argv, message):
+    """Zero steps, repeats or rounds once ended in a StatisticsError traceback after minutes
+    of running; now the parser names the option."""
+    import importlib
+
+    with pytest.raises(SystemExit) as ended:
+        importlib.import_module(f"hvdtrain.bench.{module}").main(argv)
+    assert ended.value.code == 2
+    assert message in capsys.readouterr().err.strip().splitlines()[-1]

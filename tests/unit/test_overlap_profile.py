@@ -107,9 +107,12 @@ def test_a_profile_without_tensorflow_collectives_is_refused_with_one_line(tmp_p
     # The highest rank's folder missing too: only the world size the benchmark wrote shows it.
     write_profile(tmp_path / "no-last-rank", 0)
     (tmp_path / "no-last-rank" / "world.json").write_text(json.dumps({"ranks": 2}))
+    write_profile(tmp_path / "bad-world", 0)
+    (tmp_path / "bad-world" / "world.json").write_text("{}")
     for folder, words in (("horovod", "HOROVOD_TIMELINE"), ("empty", "--profile-dir"),
                           ("no-rank-0", "no TensorFlow profile of rank 0"),
-                          ("no-last-rank", "no TensorFlow profile of rank 1")):
+                          ("no-last-rank", "no TensorFlow profile of rank 1"),
+                          ("bad-world", "world.json holds no world size")):
         with pytest.raises(SystemExit) as ended:
             main(["--profile", str(tmp_path / folder), "--output-dir", str(tmp_path / "out")])
         assert ended.value.code == 2

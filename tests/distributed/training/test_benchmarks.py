@@ -79,9 +79,10 @@ def test_compare_reports_the_median_over_rounds_of_every_variant(tmp_path):
     for backend in ("horovod", "tensorflow"):
         (tmp_path / f"comm-{backend}.json").write_text("[]")
     args = argparse.Namespace(rounds=3, np=2, model="mlp", batch_size=8, launcher="horovodrun",
-                              comm_repeats=1)
+                              comm_repeats=1, interop_threads=3)
     report = summarize(tmp_path, args, [{"source": "digits", "examples_per_second": 1e4}], {})
     assert report["rounds"] == 3
+    assert report["machine"]["threads"]["multi_rank"]["inter_op"] == 3
     median = {name: sorted(per_round)[1] for name, per_round in steps.items()}
     assert report["step_seconds_median"] == pytest.approx(median)
     assert report["examples_per_second"] == pytest.approx(
