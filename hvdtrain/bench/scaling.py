@@ -214,7 +214,8 @@ def main(argv: list[str] | None = None) -> int:
                 results[model][name].append(json.loads(output.read_text()))
     ranks = len(parse_hosts(args.hosts))
     report = {"hosts": args.hosts, "ranks": ranks, "threads_per_process": args.threads,
-              "interop_threads": args.interop_threads or min(2, args.threads),
+              "interop_threads": int(variant_env(args.threads, args.interop_threads)
+                                     ["TF_NUM_INTEROP_THREADS"]),
               "batch_size_per_rank": args.batch_size, "link_gbit": args.link_gbit,
               "rows": summarize(results, ranks, args.link_gbit)}
     if args.comm_repeats:

@@ -56,13 +56,21 @@ def positive_int(text: str | None) -> int | None:
     return value if value >= 1 else None
 
 
+def default_interop_threads(intra: int) -> int:
+    """TensorFlow's inter-op threads for a rank with ``intra`` intra-op threads, where the user
+    set none: two lets the executor run a collective beside the backward pass, but a rank with
+    one core keeps one, since a second thread there competes with the other ranks' compute
+    (measured 8% slower on one machine; the bench README's comparison harness)."""
+    return min(2, intra)
+
+
 def cpu_thread_pools(threads: int | None, local_size: int, affinity: int, cores: int,
                      environ: dict[str, str] | None = None) -> tuple[int, int, str]:
     """(intra-op threads, inter-op threads, where the count came from) for a CPU rank:
     ``threads`` (``--threads``) when given; else TensorFlow's own ``TF_NUM_INTRAOP_THREADS`` and
     ``TF_NUM_INTEROP_THREADS`` where the user set them (TensorFlow reads them, and sizing its
     pools here would silently replace them); else an equal share of the node's cores
-    (``cpu_threads_per_rank``). Inter-op: the variable, else min(2, intra-op)."""
+    (``cpu_threads_per_rank``). Inter-op: the variable, else ``default_interop_threads``."""
     environ = os.environ if environ is None else environ
     from_env = positive_int(environ.get("TF_NUM_INTRAOP_THREADS"))
     if threads:
@@ -71,7 +79,7 @@ def cpu_thread_pools(threads: int | None, local_size: int, affinity: int, cores:
         intra, why = from_env, "TF_NUM_INTRAOP_THREADS"
     else:
         intra, why = cpu_threads_per_rank(local_size, affinity, cores), "a share of the cores"
-    inter = positive_int(environ.get("TF_NUM_INTEROP_THREADS")) or min(2, intra)
+    inter = positive_int(environ.get("TF_NUM_INTEROP_THREADS")) or default_interop_threads(intra)
     return intra, inter, why
 
 
