@@ -26,15 +26,16 @@ DEFAULT_SHAPES = {"mlp": (28, 28, 1), "cnn": (28, 28, 1), "resnet": (32, 32, 3),
 
 
 def count(text: str) -> int:
-    """An argparse type for counts that must be at least 1 (steps, repeats, rounds, ranks):
-    zero would leave nothing to time and end in a statistics error instead of this line."""
+    """An argparse type for counts that must be at least 1 (steps, repeats, rounds, ranks,
+    threads): zero would leave nothing to time and end in a statistics error instead of this
+    line."""
     value = int(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
     return value
 
 
-def count_or_none(text: str) -> int:
+def count_or_skip(text: str) -> int:
     """An argparse type for counts where 0 means "skip it" (the harnesses' allreduce sweep)."""
     value = int(text)
     if value < 0:

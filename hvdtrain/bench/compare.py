@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from hvdtrain.bench.benchmark import count, count_or_none
+from hvdtrain.bench.benchmark import count, count_or_skip
 from hvdtrain.bench.variants import (MPIRUN_WRAPPER, python, run_checked, run_multiworker,
                                      variant_env)
 
@@ -106,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=count, default=1,
                         help="run every training variant this many times, interleaved; "
                              "report the median over rounds")
-    parser.add_argument("--comm-repeats", type=count_or_none, default=20,
+    parser.add_argument("--comm-repeats", type=count_or_skip, default=20,
                         help="calls per size of the allreduce sweep on each backend (0: skip "
                              "it)")
     parser.add_argument("--interop-threads", type=count, metavar="N",

@@ -21,7 +21,7 @@ import statistics
 import sys
 from pathlib import Path
 
-from hvdtrain.bench.benchmark import count, count_or_none
+from hvdtrain.bench.benchmark import count, count_or_skip
 from hvdtrain.bench.variants import (MPIRUN_WRAPPER, python, run_checked,
                                      run_concurrent_singles, run_multiworker, variant_env)
 
@@ -184,7 +184,7 @@ def build_parser() -> argparse.ArgumentParser:
                              "min(2, --threads), as hvdtrain's own default)")
     parser.add_argument("--link-gbit", type=float,
                         help="each node's link in Gbit/s, to report bandwidth as its fraction")
-    parser.add_argument("--comm-repeats", type=count_or_none, default=3,
+    parser.add_argument("--comm-repeats", type=count_or_skip, default=3,
                         help="repeats of the allreduce sweep across the nodes (0: skip it)")
     parser.add_argument("--timeout", type=int, default=1800, help="seconds per variant")
     parser.add_argument("--output-dir", type=Path, default=Path("bench-scaling"))

@@ -58,9 +58,10 @@ def positive_int(text: str | None) -> int | None:
 
 def default_interop_threads(intra: int) -> int:
     """TensorFlow's inter-op threads for a rank with ``intra`` intra-op threads, where the user
-    set none: two lets the executor run a collective beside the backward pass, but a rank with
-    one core keeps one, since a second thread there competes with the other ranks' compute
-    (measured 8% slower on one machine; the bench README's comparison harness)."""
+    set none: two let the executor run a collective beside the backward pass, but a rank with
+    one core keeps one: there a second thread made the custom loop's step 8% slower on one
+    machine (the bench README's comparison harness), likely competing with the other ranks'
+    compute."""
     return min(2, intra)
 
 
