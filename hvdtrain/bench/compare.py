@@ -87,8 +87,12 @@ def input_pipeline_sweep(batch: int, steps: int = 200) -> list[dict]:
 
 
 def multi_rank_env(args: argparse.Namespace) -> dict[str, str]:
-    """Every multi-rank variant's environment: an equal share of the cores per rank."""
-    return variant_env(max(1, (os.cpu_count() or 1) // args.np), args.interop_threads)
+    """Every multi-rank variant's environment: each rank's share of the cores, as hvdtrain's
+    own ranks take it on one node."""
+    from hvdtrain.collectives.world import cpu_threads_per_rank
+
+    cores = os.cpu_count() or 1
+    return variant_env(cpu_threads_per_rank(args.np, cores, cores), args.interop_threads)
 
 
 def single_env() -> dict[str, str]:
