@@ -150,7 +150,7 @@ def analyse_profile(directory: Path, step: int = -1) -> dict:
     traces = [read_rank(path) for path in rank_files(directory)]
     steps = collective_steps(traces)
     ends = backward_ends(traces, steps)
-    chosen = ends[step % len(steps)] if -len(steps) <= step < len(steps) else None
+    chosen = ends[step_index(steps, step)]
     report = report_of(steps, str(directory), step, ready_us=chosen)
     delays = [(first - end) / 1e3 for first, end in zip(first_submissions(steps)[1:], ends[1:])
               if end is not None]
@@ -161,13 +161,19 @@ def analyse_profile(directory: Path, step: int = -1) -> dict:
             "launched_after_backward_ms": statistics.median(delays) if delays else None}
 
 
+def step_index(steps: list[list[TensorStep]], step: int) -> int:
+    """``step`` (from 0; negative counts from the end) as an index into ``steps``, or the
+    tool's one-line refusal."""
+    if not -len(steps) <= step < len(steps):
+        raise ValueError(f"no step {step}: the record holds {len(steps)}")
+    return step % len(steps)
+
+
 def report_of(steps: list[list[TensorStep]], source: str, step: int,
               ready_us: float | None = None) -> dict:
     """The report of ``steps[step]`` with every step's phases; ``ready_us``: when its last
     gradient was ready, where the record knows better than its latest submission."""
-    if not -len(steps) <= step < len(steps):
-        raise ValueError(f"no step {step}: the record holds {len(steps)}")
-    index = step % len(steps)
+    index = step_index(steps, step)
     tensors = steps[index]
     origin = min(tensor.submitted for tensor in tensors)
     calls = calls_of(tensors, origin)
