@@ -34,7 +34,7 @@ from pathlib import Path
 
 from hvdtrain.bench.benchmark import PROFILED_WORLD
 from hvdtrain.bench.step_records import (TensorStep, by_occurrence, covered,
-                                         first_submissions, last_ends)
+                                         first_submissions)
 
 HOST_PLANE = "/host:CPU"
 LAUNCH = "CollectiveOpV2Kernel::Run"
@@ -149,13 +149,18 @@ def compute_busy_ms(traces: list[RankTrace], steps: list[list[TensorStep]]) -> l
 
 def backward_ends(traces: list[RankTrace], steps: list[list[TensorStep]]) -> list[float | None]:
     """Per step, when the last rank's backward pass ended (its last op under
-    ``gradient_tape/``), None where no rank ran one. A step's backward pass lies after the
-    previous step's last reduction (its update needs them) and before its own last one."""
-    ends = last_ends(steps)
-    found = []
-    for index, end in enumerate(ends):
-        begin = ends[index - 1] if index else float("-inf")
-        inside = [moment for trace in traces for moment in trace.backward
-                  if begin < moment <= end]
-        found.append(max(inside) if inside else None)
+    ``gradient_tape/``), None where no rank ran one. Each rank's window is its own: its step's
+    backward pass lies after its previous step's last reduction (its update needs them) and
+    before its own last one, so a rank that runs ahead is not credited with a slower rank's
+    step, nor the reverse."""
+    found: list[float | None] = [None] * len(steps)
+    for trace in traces:
+        runs = [sorted(each) for each in trace.runs.values()]
+        ends = [max(each[k][1] for each in runs) for k in range(len(steps))] if runs else []
+        for index, end in enumerate(ends):
+            begin = ends[index - 1] if index else float("-inf")
+            inside = [moment for moment in trace.backward if begin < moment <= end]
+            earlier = found[index]
+            if inside:
+                found[index] = max(inside) if earlier is None else max(earlier, *inside)
     return found

@@ -118,3 +118,17 @@ def test_a_profile_without_tensorflow_collectives_is_refused_with_one_line(tmp_p
         assert ended.value.code == 2
         error = capsys.readouterr().err.strip().splitlines()[-1]
         assert words in error and str(tmp_path / folder) in error
+
+
+def test_each_ranks_backward_pass_is_read_within_its_own_steps():
+    """A rank that runs ahead starts its next backward pass before a slower rank's reduction
+    ends: that op belongs to its next step, which a window shared by all ranks got wrong."""
+    from hvdtrain.bench.profile import RankTrace, backward_ends
+    from hvdtrain.bench.step_records import TensorStep
+
+    ahead = RankTrace(runs={"c": [(0.0, 10.0), (30.0, 40.0)]}, backward=[5.0, 18.0, 25.0])
+    behind = RankTrace(runs={"c": [(0.0, 20.0), (30.0, 45.0)]}, backward=[8.0, 15.0, 28.0])
+    steps = [[TensorStep("c", 0.0, 0.0, 0.0, 20.0, None)],
+             [TensorStep("c", 30.0, 30.0, 30.0, 45.0, None)]]
+    assert backward_ends([ahead, behind], steps) == [15.0, 28.0]
+    assert backward_ends([RankTrace(runs={"c": [(0.0, 1.0)]})], steps[:1]) == [None]
