@@ -2,8 +2,10 @@
 
 On one machine, with the same model, per-rank batch, world size and CPU threads per rank:
 hvdtrain's custom loop and ``fit`` path, the minimal hand-written Horovod loop (the floor),
-``MultiWorkerMirroredStrategy``, one process alone, the allreduce sweep (``bench.comm``, on each
-backend), the input pipeline alone and the startup time. Writes ``compare.json`` and
+``MultiWorkerMirroredStrategy``, one process alone, the concurrent compute floor (one world-of-one
+``hvdtrain benchmark`` per rank, all at once: the step with no communication, computed while the
+other ranks compute), the allreduce sweep (``bench.comm``, on each backend), the input pipeline
+alone and the startup time. Writes ``compare.json`` and
 ``compare.png`` to ``--output-dir`` and prints the table of ratios.
 """
 
@@ -21,8 +23,8 @@ from pathlib import Path
 from typing import Callable
 
 from hvdtrain.bench.benchmark import count, count_or_skip
-from hvdtrain.bench.variants import (MPIRUN_WRAPPER, python, run_checked, run_multiworker,
-                                     variant_env)
+from hvdtrain.bench.variants import (MPIRUN_WRAPPER, python, run_checked,
+                                     run_concurrent_singles, run_multiworker, variant_env)
 
 
 def launcher(name: str, np: int) -> Callable[[list[str]], list[str]]:
@@ -142,6 +144,8 @@ def main(argv: list[str] | None = None) -> int:
         run_checked(ranks([python(), "-m", "hvdtrain.bench.baselines.minimal_horovod", *common,
                            "--output", str(out / f"minimal-{round_}.json")]), env)
         run_multiworker(common, ["localhost"] * args.np, env, out / f"multiworker-{round_}.json")
+        run_concurrent_singles(common, ["localhost"] * args.np, env,
+                               out / f"concurrent-{round_}.json")
         run_checked([python(), "-m", "hvdtrain", "benchmark", *common, "--output",
                      str(out / f"single-{round_}.json")], single_env())
     for backend in ("horovod", "tensorflow") if args.comm_repeats else ():
@@ -169,7 +173,7 @@ def summarize(out: Path, args: argparse.Namespace, pipeline: list[dict],
                        "inter_op": int(env["TF_NUM_INTEROP_THREADS"])}
              for variant, env in (("multi_rank", multi_rank_env(args)), ("single", single_env()))}
     names = ("hvdtrain-custom", "hvdtrain-fit", "hvdtrain-tensorflow", "minimal", "multiworker",
-             "single")
+             "single", "concurrent")
     step = {name: over_rounds(name, "step_seconds_median") for name in names}
     rate = {name: over_rounds(name, "examples_per_second_total") for name in names}
     training_rate = rate["hvdtrain-custom"] / args.np     # per rank, what the input must feed
@@ -190,6 +194,12 @@ def summarize(out: Path, args: argparse.Namespace, pipeline: list[dict],
             "tensorflow_backend_throughput_vs_horovod_backend":
                 rate["hvdtrain-tensorflow"] / rate["hvdtrain-custom"],
             "scaling_efficiency": rate["hvdtrain-custom"] / (args.np * rate["single"]),
+            # What the exchange and the ranks' coordination add to hvdtrain's step, and the
+            # most any exact variant of that step could gain on MultiWorkerMirroredStrategy:
+            # its ranks computing with nothing to exchange.
+            "custom_step_vs_concurrent_floor": step["hvdtrain-custom"] / step["concurrent"],
+            "concurrent_floor_throughput_vs_multiworker":
+                rate["concurrent"] / rate["multiworker"],
         },
         "allreduce": load("comm-horovod") if args.comm_repeats else [],
         "allreduce_tensorflow_backend": load("comm-tensorflow") if args.comm_repeats else [],

@@ -25,14 +25,15 @@ def test_compare_harness_writes_every_field(tmp_path):
     report = json.loads((out / "compare.json").read_text())
     assert set(report["examples_per_second"]) == {"hvdtrain-custom", "hvdtrain-fit",
                                                   "hvdtrain-tensorflow", "minimal",
-                                                  "multiworker", "single"}
+                                                  "multiworker", "single", "concurrent"}
     assert all(v > 0 for v in report["examples_per_second"].values())
     assert set(report["ratios"]) == {"custom_step_vs_minimal", "fit_step_vs_minimal",
                                      "custom_throughput_vs_multiworker",
                                      "fit_throughput_vs_multiworker",
                                      "tensorflow_backend_throughput_vs_multiworker",
                                      "tensorflow_backend_throughput_vs_horovod_backend",
-                                     "scaling_efficiency"}
+                                     "scaling_efficiency", "custom_step_vs_concurrent_floor",
+                                     "concurrent_floor_throughput_vs_multiworker"}
     assert [row["bytes"] for row in report["allreduce"]] == [
         4 << 10, 64 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20]
     for row in report["allreduce"]:
@@ -68,7 +69,7 @@ def test_compare_reports_the_median_over_rounds_of_every_variant(tmp_path):
     from hvdtrain.bench.compare import summarize
 
     names = ("hvdtrain-custom", "hvdtrain-fit", "hvdtrain-tensorflow", "minimal", "multiworker",
-             "single")
+             "single", "concurrent")
     # A slow spell in round 1; the median (round 2's) is not the mean, first, last or least.
     steps = {name: [9.0, 0.2 + 0.1 * index, 0.1 + 0.1 * index]
              for index, name in enumerate(names)}
@@ -92,6 +93,10 @@ def test_compare_reports_the_median_over_rounds_of_every_variant(tmp_path):
         median["hvdtrain-custom"] / median["minimal"])
     assert ratios["scaling_efficiency"] == pytest.approx(
         (16 / median["hvdtrain-custom"]) / (2 * 16 / median["single"]))
+    assert ratios["custom_step_vs_concurrent_floor"] == pytest.approx(
+        median["hvdtrain-custom"] / median["concurrent"])
+    assert ratios["concurrent_floor_throughput_vs_multiworker"] == pytest.approx(
+        median["multiworker"] / median["concurrent"])
     assert report["input_pipeline"][0]["ratio_to_training"] == pytest.approx(
         1e4 / (16 / median["hvdtrain-custom"] / 2))
 
