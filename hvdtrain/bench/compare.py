@@ -196,10 +196,11 @@ def summarize(out: Path, args: argparse.Namespace, pipeline: list[dict],
             "scaling_efficiency": rate["hvdtrain-custom"] / (args.np * rate["single"]),
             # What the exchange and the ranks' coordination add to hvdtrain's step, and the
             # most any exact variant of that step could gain on MultiWorkerMirroredStrategy:
-            # its ranks computing with nothing to exchange.
+            # its ranks computing with nothing to exchange (a synchronous step waits for the
+            # slowest rank, so the floor's step, not its summed rate).
             "custom_step_vs_concurrent_floor": step["hvdtrain-custom"] / step["concurrent"],
             "concurrent_floor_throughput_vs_multiworker":
-                rate["concurrent"] / rate["multiworker"],
+                step["multiworker"] / step["concurrent"],
         },
         "allreduce": load("comm-horovod") if args.comm_repeats else [],
         "allreduce_tensorflow_backend": load("comm-tensorflow") if args.comm_repeats else [],

@@ -154,8 +154,11 @@ def backward_ends(traces: list[RankTrace], steps: list[list[TensorStep]]) -> lis
     before its own last one, so a rank that runs ahead is not credited with a slower rank's
     step, nor the reverse."""
     found: list[float | None] = [None] * len(steps)
+    stepped = {tensor.name for tensors in steps for tensor in tensors}
     for trace in traces:
-        runs = [sorted(each) for each in trace.runs.values()]
+        # Only the collectives the steps were read from: a run whose launch named no op
+        # was never matched to a step.
+        runs = [sorted(each) for name, each in trace.runs.items() if name in stepped]
         ends = [max(each[k][1] for each in runs) for k in range(len(steps))] if runs else []
         for index, end in enumerate(ends):
             begin = ends[index - 1] if index else float("-inf")

@@ -126,7 +126,9 @@ def test_each_ranks_backward_pass_is_read_within_its_own_steps():
     from hvdtrain.bench.profile import RankTrace, backward_ends
     from hvdtrain.bench.step_records import TensorStep
 
-    ahead = RankTrace(runs={"c": [(0.0, 10.0), (30.0, 40.0)]}, backward=[5.0, 18.0, 25.0])
+    # A run whose launch named no op was never matched to a step: it sets no window.
+    ahead = RankTrace(runs={"c": [(0.0, 10.0), (30.0, 40.0)], "unnamed": [(0.0, 50.0)]},
+                      backward=[5.0, 18.0, 25.0])
     behind = RankTrace(runs={"c": [(0.0, 20.0), (30.0, 45.0)]}, backward=[8.0, 15.0, 28.0])
     steps = [[TensorStep("c", 0.0, 0.0, 0.0, 20.0, None)],
              [TensorStep("c", 30.0, 30.0, 30.0, 45.0, None)]]
