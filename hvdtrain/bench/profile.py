@@ -153,7 +153,7 @@ def backward_ends(traces: list[RankTrace], steps: list[list[TensorStep]]) -> lis
     backward pass lies after its previous step's last reduction (its update needs them) and
     before its own last one, so a rank that runs ahead is not credited with a slower rank's
     step, nor the reverse."""
-    found: list[float | None] = [None] * len(steps)
+    inside: list[list[float]] = [[] for _ in steps]
     stepped = {tensor.name for tensors in steps for tensor in tensors}
     for trace in traces:
         # Only the collectives the steps were read from: a run whose launch named no op
@@ -162,8 +162,5 @@ def backward_ends(traces: list[RankTrace], steps: list[list[TensorStep]]) -> lis
         ends = [max(each[k][1] for each in runs) for k in range(len(steps))] if runs else []
         for index, end in enumerate(ends):
             begin = ends[index - 1] if index else float("-inf")
-            inside = [moment for moment in trace.backward if begin < moment <= end]
-            earlier = found[index]
-            if inside:
-                found[index] = max(inside) if earlier is None else max(earlier, *inside)
-    return found
+            inside[index] += [moment for moment in trace.backward if begin < moment <= end]
+    return [max(moments) if moments else None for moments in inside]

@@ -22,7 +22,7 @@ import sys
 from pathlib import Path
 
 from hvdtrain.bench.benchmark import count, count_or_skip
-from hvdtrain.bench.variants import (MPIRUN_WRAPPER, python, run_checked,
+from hvdtrain.bench.variants import (MPIRUN_WRAPPER, interop_threads, python, run_checked,
                                      run_concurrent_singles, run_multiworker, variant_env)
 
 SHAPES = {"resnet50": [32, 32, 3]}
@@ -214,8 +214,7 @@ def main(argv: list[str] | None = None) -> int:
                 results[model][name].append(json.loads(output.read_text()))
     ranks = len(parse_hosts(args.hosts))
     report = {"hosts": args.hosts, "ranks": ranks, "threads_per_process": args.threads,
-              "interop_threads": int(variant_env(args.threads, args.interop_threads)
-                                     ["TF_NUM_INTEROP_THREADS"]),
+              "interop_threads": interop_threads(args.threads, args.interop_threads),
               "batch_size_per_rank": args.batch_size, "link_gbit": args.link_gbit,
               "rows": summarize(results, ranks, args.link_gbit)}
     if args.comm_repeats:

@@ -27,18 +27,25 @@ def python() -> str:
     return sys.executable
 
 
+def interop_threads(threads: int, interop: int | None = None) -> int:
+    """The inter-op threads of a variant with ``threads`` intra-op threads: ``interop`` when
+    given, else as hvdtrain sizes its own."""
+    from hvdtrain.collectives.world import default_interop_threads
+
+    return interop or default_interop_threads(threads)
+
+
 def variant_env(threads: int, interop: int | None = None) -> dict[str, str]:
     """Every variant gets the same CPU threads per process (``threads`` intra-op, ``interop``
     inter-op: by default as hvdtrain sizes its own), the same quiet TensorFlow
     and hvdtrain's runtime defaults for Horovod and MPI (which a hand-written loop could set
     too), so the ratios measure code, not environment. The harnesses run on CPUs only."""
-    from hvdtrain.collectives.world import default_interop_threads
     from hvdtrain.launchers import runtime_defaults
 
     return {**runtime_defaults(gpus_visible=False), **os.environ, "TF_CPP_MIN_LOG_LEVEL": "2",
             "CUDA_VISIBLE_DEVICES": os.environ.get("CUDA_VISIBLE_DEVICES", ""),
             "TF_NUM_INTRAOP_THREADS": str(threads), "TF_NUM_INTEROP_THREADS":
-            str(interop or default_interop_threads(threads)),
+            str(interop_threads(threads, interop)),
             "PATH": f"{Path(python()).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
 
 
