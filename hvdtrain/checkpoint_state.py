@@ -51,6 +51,9 @@ class CheckpointState:
     # Live training state beside the optimizers' variables.
     rates: dict[str, float] = field(default_factory=dict)       # RateControl's factors
     plateau: dict[str, float] | None = None                     # PlateauDecay's, if any
+    # The rate's world-size factor in use (a resume on another world size with the same update
+    # batch keeps its checkpoint's); not recorded: the one --lr-scaling gives ``world_size``.
+    rate_scale: float | Unrecorded = NOT_RECORDED
     # Where the run stands.
     epoch: int = 0
     step: int = 0                  # > 0: a checkpoint within the epoch after ``epoch``

@@ -203,7 +203,8 @@ class TrainConfig:
                          bare="required")
     accept_changes: bool = option(False, "with --resume: continue a run whose data, "
                                          "optimizer or settings (learning rate, schedule, "
-                                         "batch size, ...) differ from its checkpoint's; its "
+                                         "update batch: ranks x batch size x accumulation "
+                                         "steps, ...) differ from its checkpoint's; its "
                                          "model must still match")
     checkpoint_every_steps: int = option(0, "also checkpoint every N steps within an epoch (0: "
                                             "at epoch ends only); a stop loses at most N steps",

@@ -139,7 +139,7 @@ def standard_callbacks(hooks: RunHooks) -> CallbackGroups:
     plateau, rates = hooks.plateau, hooks.rates
 
     def live_state() -> dict[str, Any]:
-        return {"rates": rates.state(),
+        return {"rates": rates.state(), "rate_scale": rates.schedule.scale,
                 **({"plateau": plateau.state()} if plateau is not None else {})}
 
     checkpointing = Checkpointing(hooks.step, hooks.collectives, hooks.checkpoints, live_state,

@@ -26,7 +26,8 @@ from hvdtrain.training.adapted_state import agree_on_adapted_state
 from hvdtrain.training.callbacks import resume_metrics_files
 from hvdtrain.training.checkpointing import ResumePoint
 from hvdtrain.training.checks import check_elastic
-from hvdtrain.training.resume_check import check_resumable, optimizers_changed
+from hvdtrain.training.resume_check import (check_resumable, kept_rate_scale,
+                                            optimizers_changed, resumed_step, update_batch)
 from hvdtrain.training.schedule import PlateauDecay
 from hvdtrain.training.step import TrainingStep
 from hvdtrain.training.trainable import Trainable
@@ -87,12 +88,14 @@ def weight_fingerprint(model: keras.Model) -> str:
 @dataclass(frozen=True)
 class Restored:
     """What rank 0 restored, for every rank: the checkpoint's name, its state (no optimizer
-    state or rate factors when the optimizers changed) and every rank's random-generator
-    state, for each rank to take its own."""
+    state or rate factors when the optimizers changed; its position in this run's steps),
+    every rank's random-generator state, for each rank to take its own, and the rate's
+    world-size factor this run keeps (None: its own)."""
 
     name: str
     state: CheckpointState
     rank_states: list[list[np.ndarray]]
+    rate_scale: float | None = None
 
     @property
     def resume(self) -> ResumePoint:
@@ -113,7 +116,16 @@ def _restore(run: CheckpointState, accept_changes: bool, store: CheckpointStore,
     if optimizers_changed(state, run):   # only the weights carry over
         optimizers, state = {}, dataclasses.replace(state, optimizers={}, rates={})
     latest.restore(model, optimizers)
-    return Restored(latest.name, state, latest.rank_states())
+    step, scale = resumed_step(state, run), kept_rate_scale(state, run)
+    if step != state.step:
+        logger.info(f"{state.step} steps of global batch {update_batch(state).global_batch} "
+                    f"into epoch {state.epoch + 1} are {step} steps of this run's global batch "
+                    f"{update_batch(run).global_batch}")
+    if scale is not None:
+        logger.info(f"update batch {update_batch(state)}, now {update_batch(run)}: the same "
+                    f"run, so the rate keeps its world-size factor x{scale:g}")
+    return Restored(latest.name, dataclasses.replace(state, step=step), latest.rank_states(),
+                    scale)
 
 
 def _resumed(restored: Restored, world: World, run_dir: Path, store: CheckpointStore,
@@ -124,6 +136,8 @@ def _resumed(restored: Restored, world: World, run_dir: Path, store: CheckpointS
     the metrics files end at the checkpoint's epoch."""
     saved = restored.state
     build_optimizers(trainable.model, step.optimizers, saved.optimizers)
+    if restored.rate_scale is not None:
+        trainable.schedule.set_world_scale(restored.rate_scale)
     if restored.rank_states[world.rank:world.rank + 1]:
         assign_rank_state(trainable.model, restored.rank_states[world.rank])
     if plateau is not None and saved.plateau:

@@ -22,7 +22,9 @@ from hvdtrain.checkpoint_state import NOT_RECORDED, CheckpointState
 from hvdtrain.cli import main
 from hvdtrain.config import ModelConfig
 from hvdtrain.models import build_model
-from hvdtrain.training.resume_check import MixedRuns, check_resumable, optimizers_changed
+from hvdtrain.training.resume_check import (MixedRuns, check_resumable, kept_rate_scale,
+                                            optimizers_changed, resumed_step)
+from conftest import fails_with
 from jobs import flip_a_byte
 
 
@@ -191,6 +193,107 @@ def test_other_data_optimizers_or_settings_need_accept_changes(changes, change):
                                   "pass --accept-changes to continue with the new ones, or "
                                   "start a new --run-dir")
     assert check_resumable(SAVED, current, Path("ckpt"), accept_changes=True) == [change]
+
+
+def _layout(ranks: int, batch: int, accumulation: int = 1, scaling: str = "linear",
+            elastic: bool = False, **fields) -> CheckpointState:
+    """RUN on ``ranks`` x ``batch`` x ``accumulation`` steps, its rate scaled by ``scaling``."""
+    return replace(RUN, world_size=ranks, config={
+        "model": RUN.config["model"],
+        "optim": {"learning_rate": None, "accumulation_steps": accumulation,
+                  "lr_scaling": scaling, "reduction": "mean"},
+        "train": {"epochs": 3, "batch_size": batch, "elastic": elastic}}, **fields)
+
+
+@pytest.mark.parametrize("saved, current, change", [
+    ((2, 16), (1, 32), None),
+    ((2, 16), (4, 8), None),
+    ((2, 16), (1, 16, 2), None),
+    ((1, 16, 2), (2, 16), None),
+    ((2, 16), (1, 16), "global batch 32 (2 ranks x 16) -> 16 (1 rank x 16)"),
+    ((2, 16), (2, 32), "global batch 32 (2 ranks x 16) -> 64 (2 ranks x 32)"),
+    ((2, 16), (1, 16, 3), "update batch (global batch x accumulation steps) 32 (2 ranks x 16) "
+                          "-> 48 (1 rank x 16 x 3 accumulation steps)"),
+], ids=["2x16-1x32", "2x16-4x8", "2x16-1x16x2", "1x16x2-2x16", "2x16-1x16", "2x16-2x32",
+        "2x16-1x16x3"])
+def test_a_resume_on_another_world_size_is_the_same_run_when_its_update_batch_is(
+        saved, current, change):
+    """The optimizer sees ranks x batch x accumulation steps: that is compared, not the world
+    size or the per-rank batch alone."""
+    saved_state = _layout(*saved).as_saved()
+    if change is None:
+        assert check_resumable(saved_state, _layout(*current), Path("ckpt"), False) == []
+        return
+    with pytest.raises(MixedRuns) as refused:
+        check_resumable(saved_state, _layout(*current), Path("ckpt"), accept_changes=False)
+    assert str(refused.value) == (f"ckpt was trained with other data or settings ({change}); "
+                                  "pass --accept-changes to continue with the new ones, or "
+                                  "start a new --run-dir")
+    assert check_resumable(saved_state, _layout(*current), Path("ckpt"), True) == [change]
+
+
+def test_elastic_runs_and_older_checkpoints_compare_the_batch_per_rank():
+    """An elastic run's global batch follows its world by design; a checkpoint that recorded
+    no world size has no global batch to compare."""
+    saved = _layout(2, 16).as_saved()
+    assert check_resumable(saved, _layout(1, 16, elastic=True), Path("ckpt"), False) == []
+    unrecorded = replace(saved, world_size=NOT_RECORDED)
+    for before, now in ((saved, _layout(1, 32, elastic=True)), (unrecorded, _layout(1, 32))):
+        with pytest.raises(MixedRuns, match=r"\(--batch-size 16 -> 32\); pass --accept"):
+            check_resumable(before, now, Path("ckpt"), accept_changes=False)
+
+
+def test_a_resume_with_the_same_update_batch_keeps_the_rate_and_the_examples_done():
+    """The position within an epoch is the examples of its permutation done, in this run's
+    steps; the rate keeps the world-size factor the checkpoint trained with."""
+    saved = _layout(2, 16, step=6).as_saved()
+    for current, step in (((1, 32), 6), ((4, 8), 6), ((1, 16, 2), 12), ((1, 16), 12),
+                          ((1, 48), 4)):
+        assert resumed_step(saved, _layout(*current)) == step, current
+    assert resumed_step(saved, _layout(1, 16, 2, elastic=True)) == 6    # elastic: by epoch
+    assert kept_rate_scale(saved, _layout(1, 32)) == 2.0
+    assert kept_rate_scale(saved, _layout(4, 8)) == 2.0
+    assert kept_rate_scale(saved, _layout(1, 16, 2)) == 2.0
+    assert kept_rate_scale(_layout(2, 16, scaling="sqrt").as_saved(),
+                           _layout(1, 32, scaling="sqrt")) == pytest.approx(2 ** 0.5)
+    # A run that kept a factor saves it: resumed again, the factor is the one it trained with.
+    assert kept_rate_scale(replace(_layout(1, 32), rate_scale=2.0).as_saved(),
+                           _layout(4, 8)) == 2.0
+    for current in (_layout(2, 16), _layout(1, 16), _layout(1, 32, scaling="none"),
+                    _layout(1, 32, elastic=True)):
+        assert kept_rate_scale(saved, current) is None    # its own, or the accepted change's
+
+
+def test_a_two_rank_checkpoint_resumes_on_one_process_by_its_global_batch(tmp_path, capsys,
+                                                                          caplog):
+    """A checkpoint of 2 ranks x 16 (written by one process with batch 32, its state made to
+    say 2 x 16) continues on 1 x 32 without --accept-changes, at the rate of 2 ranks, which its
+    own checkpoints then record; on 1 x 16 it is refused in one line, nothing changed."""
+    run = tmp_path / "run"
+    args = ["--run-dir", str(run), "--no-progress", "--no-tensorboard", "--hidden-units", "16",
+            "--warmup-epochs", "0", "--learning-rate", "0.01"]
+    assert main([*args, "--epochs", "1", "--batch-size", "32"]) == 0
+    written = run / "checkpoints" / "epoch-0001" / "state.json"
+    state = json.loads(written.read_text())
+    assert (state["world_size"], state["rate_scale"]) == (1, 1.0)
+    state.update(world_size=2, rate_scale=2.0)
+    state["config"]["train"]["batch_size"] = 16
+    written.write_text(json.dumps(state))
+    before = {p: p.read_bytes() for p in sorted(run.rglob("*")) if p.is_file()
+              and p.name != ".lock"}
+    capsys.readouterr()
+    fails_with(capsys, [*args, "--resume", "--epochs", "2", "--batch-size", "16"],
+               "was trained with other data or settings (global batch 32 (2 ranks x 16) -> 16 "
+               "(1 rank x 16)); pass --accept-changes to continue with the new ones, or start a "
+               "new --run-dir")
+    assert {p: p.read_bytes() for p in before} == before
+    assert main([*args, "--resume", "--epochs", "2", "--batch-size", "32"]) == 0
+    assert ("update batch 32 (2 ranks x 16), now 32 (1 rank x 32): the same run, so the rate "
+            "keeps its world-size factor x2") in caplog.text
+    latest = json.loads((run / "checkpoints" / "epoch-0002" / "state.json").read_text())
+    assert (latest["world_size"], latest["rate_scale"]) == (1, 2.0)
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert rows[-1]["lr"] == pytest.approx(0.02)
 
 
 def test_a_checkpoint_holds_its_state_its_checksums_and_every_rank_s_generators(tmp_path):
