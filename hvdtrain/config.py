@@ -194,6 +194,10 @@ class TrainConfig:
     seed: int = option(42, "seed for weights, shuffling and splits", minimum=0)
     precision: str = option("float32", "compute precision; weights stay float32",
                             choices=("float32", "mixed_float16", "mixed_bfloat16"))
+    sync_batch_norm: bool = option(False, "normalise every BatchNormalization layer by the "
+                                          "global batch's statistics, summed across ranks "
+                                          "each step (as synchronized=True in a layer does); "
+                                          "otherwise a layer without it uses its rank's rows")
     tensorboard: bool = option(True, "write TensorBoard event files (rank 0)")
     run_dir: str | None = option(None, "run directory (default: runs/<model>-<dataset>-<time>)")
     resume: str = option("never", "continue from the newest checkpoint in --run-dir: never (a "

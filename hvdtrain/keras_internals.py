@@ -319,3 +319,22 @@ def pythonified_logs(logs: dict | None) -> dict:
     from keras.src.utils import python_utils
 
     return python_utils.pythonify_logs(logs)
+
+
+@contextlib.contextmanager
+def sync_moments_replaced(moments: Callable[[Any, Any, bool], tuple[Any, Any]]
+                          ) -> Iterator[None]:
+    """``moments(x, axes, keepdims) -> (mean, variance)`` as the statistics of every
+    ``ops.moments(..., synchronized=True)`` (``BatchNormalization(synchronized=True)``) for the
+    block; Keras' own afterwards. Keras' TensorFlow backend computes them in
+    ``_compute_moments_sync``, which sums across the replicas of a ``tf.distribute`` strategy
+    and, without one, across nothing; its ``moments`` looks the function up at every call, by
+    then on float32 inputs (float16 and bfloat16 are cast first)."""
+    from keras.src.backend.tensorflow import nn
+
+    keras_own = nn._compute_moments_sync
+    nn._compute_moments_sync = moments
+    try:
+        yield
+    finally:
+        nn._compute_moments_sync = keras_own

@@ -236,6 +236,26 @@ def summed_across_ranks(collectives: Collectives, variables: Sequence[Any]) -> l
     return collectives.allreduce_sum([tf.convert_to_tensor(v) for v in variables])
 
 
+def differentiable_sum(collectives: Collectives, tensors: Sequence[Any]) -> list[Any]:
+    """Each tensor summed across ranks (one grouped allreduce), with a gradient: the sum across
+    ranks of the upstream gradients. A sum that every rank's loss uses (synchronized
+    batch-norm statistics) must send each rank's share of every rank's loss back to its
+    inputs, which summing the upstream gradients does; a rank's own upstream alone would leave
+    out the others' terms. Eagerly, in a ``tf.function`` and under Keras ``fit``; every rank
+    must take the same forward and backward collectives, as with any collective."""
+    import tensorflow as tf
+
+    @tf.custom_gradient
+    def summed(*values: Any) -> Any:
+        def backward(*upstream: Any) -> list[Any]:
+            return collectives.allreduce_sum([tf.zeros_like(v) if u is None else u
+                                              for u, v in zip(upstream, values)])
+
+        return collectives.allreduce_sum(list(values)), backward
+
+    return list(summed(*[tf.convert_to_tensor(t) for t in tensors])) if tensors else []
+
+
 def assign_across_ranks(collectives: Collectives, variables: Sequence[Any],
                         mean: bool = False) -> None:
     """Give each variable the sum over ranks of its value (``mean``: that sum divided by the
