@@ -10,6 +10,8 @@ inputs: class ids for a classifier, values for anything else, one block per outp
 
 from __future__ import annotations
 
+from typing import Any
+
 import argparse
 import json
 import zipfile
@@ -62,7 +64,7 @@ def evaluate(args: argparse.Namespace) -> int:
     from hvdtrain.data.contract import ArraySplit
     from hvdtrain.data.load import load_source
     from hvdtrain.models import check_input_shape
-    from hvdtrain.training.objective import Objective, probe
+    from hvdtrain.training.objective import build_for_training
     from hvdtrain.training.process_state import seed_alike
     from hvdtrain.training.step import Evaluation
     from hvdtrain.collectives import init_collectives, place_devices
@@ -89,10 +91,8 @@ def evaluate(args: argparse.Namespace) -> int:
     check = getattr(split, "check_order", None)
     if check is not None:
         check("validation", collectives.allgather_object)
-    evaluation = Evaluation(model, collectives, Objective.for_model(model),
-                            equal_steps=spec.equal_steps, xla=bool(model.jit_compile))
-    probe(model, evaluation.objective, next(iter(split.dataset(spec))), [evaluation.metrics],
-          str(args.run_dir))
+    build_for_training(model, next(iter(split.dataset(spec))), str(args.run_dir))
+    evaluation = Evaluation(model, collectives, xla=bool(model.jit_compile))
     metrics = evaluation.run(split.dataset(spec), prefix="")
     if world.is_chief:
         shown = "  ".join(f"{name} {value:.4f}" for name, value in metrics.items())
@@ -108,7 +108,6 @@ def evaluate(args: argparse.Namespace) -> int:
 
 def predict(args: argparse.Namespace) -> int:
     from hvdtrain.models import check_input_shape
-    from hvdtrain.training.objective import Objective, flatten_outputs
 
     _check_output_dir(args.output)
     _, model = load_run(args.run_dir)
@@ -116,10 +115,11 @@ def predict(args: argparse.Namespace) -> int:
     if x is None:
         raise UserError(f"{args.input} has no array 'x' to predict on")
     check_input_shape(model, str(args.run_dir), tuple(x.shape[1:]))
-    objective = Objective.for_model(model)
-    outputs = flatten_outputs(model.predict(x.astype(np.float32), verbose=0), objective.names,
-                              "the model's output")
-    for name, loss, values in zip(objective.names, objective.losses, outputs):
+    names = list(getattr(model, "output_names", None) or ["output_0"])
+    predicted = model.predict(x.astype(np.float32), verbose=0)
+    outputs = ([predicted[name] for name in names] if isinstance(predicted, dict)
+               else list(predicted) if isinstance(predicted, (list, tuple)) else [predicted])
+    for name, loss, values in zip(names, output_losses(model, names), outputs):
         if len(outputs) > 1:
             print(f"output {name}:")
         classes = is_class_output(loss, values)
@@ -133,17 +133,39 @@ def predict(args: argparse.Namespace) -> int:
         if len(outputs) == 1:
             np.save(args.output, outputs[0])
         else:
-            np.savez(args.output, **dict(zip(objective.names, outputs)))
+            np.savez(args.output, **dict(zip(names, outputs)))
         print(f"wrote the outputs for {len(x)} examples to {args.output}")
     return 0
 
 
-def is_class_output(loss, values: np.ndarray) -> bool:
-    """True for an output trained as a distribution over classes (its argmax is the class)."""
-    from hvdtrain.training.objective import DISTRIBUTION_LOSSES, loss_kind
+# Compiled losses whose output is a distribution over classes (its argmax is the class).
+DISTRIBUTION_LOSSES = ("categorical_crossentropy", "sparse_categorical_crossentropy",
+                       "categorical_focal_crossentropy", "kl_divergence")
 
-    return (loss is not None and values.ndim == 2 and values.shape[1] > 1
-            and loss_kind(loss)[0] in DISTRIBUTION_LOSSES)
+
+def output_losses(model: Any, names: list[str]) -> list[Any]:
+    """The loss each output was compiled with (None: none or not compiled)."""
+    from hvdtrain.keras_internals import compile_arguments
+
+    loss = compile_arguments(model).get("loss")
+    if isinstance(loss, dict):
+        return [loss.get(name) for name in names]
+    if isinstance(loss, (list, tuple)):
+        return list(loss) + [None] * (len(names) - len(loss))
+    return [loss] * len(names)
+
+
+def is_class_output(loss: Any, values: np.ndarray) -> bool:
+    """True for an output trained as a distribution over classes (its argmax is the class)."""
+    import keras
+
+    if loss is None or values.ndim != 2 or values.shape[1] < 2:
+        return False
+    resolved = keras.losses.get(loss) if isinstance(loss, str) else loss
+    function = getattr(resolved, "fn", resolved)
+    config = resolved.get_config() if hasattr(resolved, "get_config") else {}
+    return (getattr(function, "__name__", None) in DISTRIBUTION_LOSSES
+            or config.get("name") in DISTRIBUTION_LOSSES)
 
 
 def add_evaluate_arguments(parser: argparse.ArgumentParser) -> None:

@@ -180,7 +180,7 @@ def _exchange_step(step):
     @tf.function(jit_compile=False)
     def exchange(*_):
         reduced, scalars = step.reduce([tf.identity(g) for g in gradients],
-                                       [tf.identity(tf.constant(1.0)) for _ in range(3)])
+                                       [tf.identity(tf.constant(1.0)) for _ in range(4)])
         return {"loss": scalars[0], "reduced": reduced}   # every output kept: none pruned
 
     return exchange
@@ -202,7 +202,7 @@ def run(args: argparse.Namespace) -> tuple[bool, dict[str, Any]]:
 
     from hvdtrain.config import OptimConfig
     from hvdtrain.training.loops import step_installed
-    from hvdtrain.training.objective import Objective, probe
+    from hvdtrain.training.objective import DEFAULT_LOSS, DEFAULT_METRICS, build_for_training
     from hvdtrain.training.schedule import make_optimizer, make_schedule
     from hvdtrain.training.step import StepMath, StepOptions
     from hvdtrain.collectives import init_collectives, place_devices
@@ -217,14 +217,15 @@ def run(args: argparse.Namespace) -> tuple[bool, dict[str, Any]]:
     collectives.broadcast_variables(model.weights + optimizer.variables)
     batch = (x, y, tf.ones([args.batch_size]),
              tf.fill([args.batch_size], 1.0 / (args.batch_size * world.size)))
-    objective = Objective.for_model(model)
-    step = StepMath(model, optimizer, collectives, objective,
+    model.compile(optimizer=optimizer, loss=DEFAULT_LOSS, metrics=list(DEFAULT_METRICS),
+                  jit_compile=False)
+    share = build_for_training(model, batch, args.model)
+    step = StepMath(model, optimizer, collectives, share,
                     StepOptions(fp16_compression=args.compression == "fp16",
+                                global_batch=args.batch_size * world.size,
                                 bucket_bytes=bucket_bytes(args.bucket_mib),
                                 zero_stage=args.zero_stage,
                                 in_issue_order=args.bucket_order == "issued"))
-    probe(model, objective, batch, [step.train_metrics], args.model)
-    model.compile(optimizer=optimizer, jit_compile=False)
     with step_installed(step), step.training():
         run_step = (_fit_step(step, batch) if args.loop == "fit" else
                     _exchange_step(step) if args.loop == "exchange" else

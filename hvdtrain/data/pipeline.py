@@ -2,11 +2,12 @@
 
 Every rank draws the same permutation of the examples, seeded by ``(seed, epoch)``, and cuts it
 into global batches of N*b ids, of which rank r takes ``[r*b, (r+1)*b)``: N ranks x b compute
-what one process with batch N*b does, and a resume sees the same order. Each real example
-weighs 1/(examples in its global batch, or in the k batches of one accumulated update); under
-``pad`` a short last global batch is filled with weight-0 slots so every rank runs the same
-number of steps, under ``drop`` it is skipped. Evaluation under a model's own ``test_step``
-(``equal_steps`` false) takes examples r, r+N, ... unpadded. The plan is made of TensorFlow ops,
+what one process with batch N*b does, and a resume sees the same order. Under ``pad`` a short
+last global batch is spread evenly over the ranks (each rank's batch is then shorter: its real
+rows, marked by a loss weight > 0, come first and the rest of its slots are weight-0 padding
+the step leaves out), under ``drop`` it is skipped. Each real example weighs 1/(examples in its
+global batch, or in the k batches of one accumulated update). Evaluation under a model's own
+``test_step`` (``equal_steps`` false) takes examples r, r+N, ... unpadded. The plan is made of TensorFlow ops,
 so one ``tf.data`` pipeline covers every epoch.
 """
 
@@ -76,23 +77,33 @@ class ShardSpec:
 
 
 def epoch_plan(spec: ShardSpec, epoch: tf.Tensor | int) -> tuple[tf.Tensor, tf.Tensor]:
-    """This rank's example ids ``[steps, batch]`` (-1 = padding) and their loss weights."""
+    """This rank's example ids ``[steps, batch]`` (-1 = no example) and their loss weights.
+
+    Each step's global batch (N*b ids of the permutation, fewer at its end) is spread evenly
+    over the ranks in order: rank r takes positions ``[r*rows//N, (r+1)*rows//N)``, its real
+    ids first. A whole global batch gives each rank b; a short last one gives each rank its
+    part of the remainder, so every rank trains real rows unless fewer rows than ranks are left
+    (then a rank's step has none: a filler)."""
     steps, global_batch, n = spec.steps_per_epoch, spec.global_batch, spec.remaining
+    size, batch = spec.world.size, spec.batch_size
     order = tf.range(spec.num_examples, dtype=tf.int64)
     if spec.shuffle:
         seed = tf.stack([tf.constant(spec.seed, tf.int64), tf.cast(epoch, tf.int64)])
         order = tf.random.experimental.stateless_shuffle(order, seed=seed)
     order = order[spec.offset:]
-    slots = steps * global_batch
-    if slots > n:
-        order = tf.concat([order, tf.fill([slots - n], tf.constant(PADDING_ID, tf.int64))], 0)
-    else:
-        order = order[:slots]
-    ids = tf.reshape(order, [steps, spec.world.size, spec.batch_size])[:, spec.world.rank, :]
+    starts = tf.range(steps, dtype=tf.int64) * global_batch
+    rows = tf.clip_by_value(n - starts, 0, global_batch)
+    first = rows * spec.world.rank // size
+    own = rows * (spec.world.rank + 1) // size - first
+    offsets = tf.range(batch, dtype=tf.int64)
+    positions = starts[:, tf.newaxis] + first[:, tf.newaxis] + offsets[tf.newaxis, :]
+    real = offsets[tf.newaxis, :] < own[:, tf.newaxis]
+    ids = tf.where(real, tf.gather(order, tf.minimum(positions, max(n - 1, 0))),
+                   tf.constant(PADDING_ID, tf.int64))
     # Examples in each step's update group (k consecutive global batches): the loss divisor.
     group = spec.update_batch
-    starts = tf.range(steps, dtype=tf.int64) // spec.accumulation_steps * group
-    per_update = tf.cast(tf.minimum(tf.constant(group, tf.int64), n - starts), tf.float32)
+    group_starts = tf.range(steps, dtype=tf.int64) // spec.accumulation_steps * group
+    per_update = tf.cast(tf.minimum(tf.constant(group, tf.int64), n - group_starts), tf.float32)
     weights = tf.where(ids >= 0, 1.0 / per_update[:, tf.newaxis], 0.0)
     return ids, weights
 
@@ -110,8 +121,9 @@ def array_dataset(x: Any, y: Any, spec: ShardSpec, first_epoch: int = 0, end_epo
     in parallel. Features and targets may be nested (dicts or lists of arrays)."""
     features = tf.nest.map_structure(tf.constant, x)
     targets = tf.nest.map_structure(tf.constant, y)
-    user_weights = tf.constant(np.ones(spec.num_examples, np.float32) if sample_weight is None
-                               else np.asarray(sample_weight, np.float32))
+    user_weights = tf.nest.map_structure(   # a vector, or one per output (targets' structure)
+        lambda w: tf.constant(np.asarray(w, np.float32)),
+        np.ones(spec.num_examples, np.float32) if sample_weight is None else sample_weight)
 
     def gather(ids: tf.Tensor, weights: tf.Tensor):
         rows = tf.maximum(ids, 0)
@@ -120,7 +132,7 @@ def array_dataset(x: Any, y: Any, spec: ShardSpec, first_epoch: int = 0, end_epo
             return tf.gather(values, rows)
 
         return (tf.nest.map_structure(take, features), tf.nest.map_structure(take, targets),
-                take(user_weights), weights)
+                tf.nest.map_structure(take, user_weights), weights)
 
     dataset = plan_dataset(spec, first_epoch, end_epoch) if spec.equal_steps else (
         uneven_plan(spec))

@@ -27,16 +27,20 @@ from hvdtrain.data.pipeline import ShardSpec
 from hvdtrain.errors import AgreedError
 
 
-def resolved_remainder(config: Config, own_step: str | None) -> str:
-    """``--remainder auto``: pad for hvdtrain's step, drop for a model's own (a mean per rank is
-    exact only over equal batches, and a filler row would count in it)."""
+def resolved_remainder(config: Config, own_step: str | None, planned: bool = True) -> str:
+    """``--remainder auto``: pad. A model's own step trains the last partial global batch of
+    planned data (in memory or files: it is spread over the ranks, each rank's step sees its
+    real rows and the optimizers weight each rank's gradients by them); a user's dataset, whose
+    ranks count their own batches, would fill a short rank with a filler batch the model's own
+    metrics would count, so there every rank stops at the fewest whole batches (drop)."""
     remainder = config.data.remainder
-    if own_step is not None and remainder == "pad":
-        raise AgreedError(f"--remainder pad fills the last global batch with repeated examples "
-                          f"at weight zero, which the model's own step ({own_step}) would count "
-                          "in its mean; use --remainder drop (or auto)")
+    cannot_pad = own_step is not None and (not planned or config.optim.zero_stage)
+    if cannot_pad and remainder == "pad":
+        raise AgreedError(f"--remainder pad would fill a short rank of this data with a batch "
+                          f"repeated at weight zero, which the model's own step ({own_step}) "
+                          "would count in its metrics; use --remainder drop (or auto)")
     if remainder == "auto":
-        return "drop" if own_step is not None else "pad"
+        return "drop" if cannot_pad else "pad"
     return remainder
 
 
@@ -158,7 +162,7 @@ def plan_data(config: Config, data: DataBundle, collectives: Collectives,
                           "update must be known before its first micro-step); raise the pipeline's "
                           "batch size instead")
     notes = _check_orders(data, collectives.allgather_object)
-    remainder = resolved_remainder(config, own_step)
+    remainder = resolved_remainder(config, own_step, data.train.normalised)
     examples = data.train.num_examples
     spec = ShardSpec(examples or 0, world, batch, remainder, config.data.shuffle,
                      config.train.seed, optim.accumulation_steps)

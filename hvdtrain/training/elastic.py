@@ -10,6 +10,8 @@ nothing before the elastic loop may talk to other ranks. Rank 0 records every ep
 
 from __future__ import annotations
 
+import dataclasses
+
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -45,7 +47,7 @@ class ElasticRun:
     optimizer: keras.optimizers.Optimizer
     schedule: WarmupScaledRate
     rates: RateControl
-    first_step: StepMath   # the objective and built metric state every world's step keeps
+    first_step: StepMath   # the loss share and options every world's step keeps
     evaluate: Callable[[ShardSpec], dict[str, float]]
     store: CheckpointStore
     state: CheckpointState   # what the run trains; each checkpoint adds where it stands
@@ -95,8 +97,9 @@ def elastic_loop(run: ElasticRun) -> None:
         callbacks see one training (``Continuity``)."""
         world = collectives.refresh_world()
         run.schedule.set_world_scale(world_scale(optim, world.size))
-        step = StepMath(run.model, run.optimizer, collectives, run.first_step.objective,
-                        run.first_step.options, run.first_step.train_metrics)   # this world
+        step = StepMath(run.model, run.optimizer, collectives, run.first_step.share,
+                        dataclasses.replace(run.first_step.options, global_batch=world.size
+                                            * config.train.batch_size))   # this world
         continuity.next_world(step)
         train_step = tf.function(step.keras_step, jit_compile=False)
         val_spec = ShardSpec(data.val.num_examples, world, config.train.batch_size, "pad",

@@ -1,17 +1,22 @@
-"""The objective: what a run optimises and reports, and how both reduce across ranks.
+"""The objective: Keras computes the loss and the metrics; this module says how each rank's
+part of them adds up to one process's.
 
-It comes from the user's model: its compiled loss and metrics, or for an uncompiled model
-hvdtrain's default (sparse categorical cross-entropy on probabilities, accuracy). The loss is
-evaluated per example, unreduced, so the step can weight each example for the global-batch mean.
-Metrics are reduced by summing their state variables across ranks, which gives exactly what one
-process would compute (a mean of per-rank results would not), so a metric whose state is not
-declared additive is refused. ``check_output_kind`` catches probabilities fed to a loss
-expecting logits, and the reverse, before the first step.
+A compiled model's loss is Keras' own (``model.compute_loss``: its losses, their reductions,
+``loss_weights``, ``add_loss`` and regularisers, a ``Loss`` that overrides ``__call__``, a loss
+function returning one value per batch), and so are its metrics (``model.compute_metrics`` and
+the loss tracker). Keras reduces a batch's loss to ``sum / divisor``; the global batch's loss is
+the sum over ranks divided by the summed divisors, so each rank's loss is weighted by its
+divisor (its ``LossShare``) before the gradients are summed across ranks, and the sum is divided
+by the summed shares. Which divisor a loss has is measured once, by Keras' own code, before
+training (``measured_share``): a loss whose batch value is not a divisor-weighted mean of its
+parts' values couples the rows of a batch, which per-rank batches cannot compute exactly; the
+run says so in one line. Metrics are exact because their state variables are summed across
+ranks, so a metric whose state is not additive is refused.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Sequence
 
 import keras
@@ -20,16 +25,13 @@ import tensorflow as tf
 
 from hvdtrain.collectives import Collectives, assign_across_ranks
 from hvdtrain.errors import UserError, first_sentence
-from hvdtrain.keras_internals import (compile_arguments, compile_metrics, flat_compiled_metrics,
-                                      same_rank)
+from hvdtrain.keras_internals import build_symbolically, first_rows, output_specs
 
 DEFAULT_LOSS = "sparse_categorical_crossentropy"
 DEFAULT_METRICS = ("accuracy",)
-# Losses whose predictions are probabilities unless from_logits=True, and what a probability
-# output looks like for each: a distribution over the last axis, or independent values in [0, 1].
-DISTRIBUTION_LOSSES = ("categorical_crossentropy", "sparse_categorical_crossentropy",
-                       "categorical_focal_crossentropy", "kl_divergence")
-INDEPENDENT_PROBABILITY_LOSSES = ("binary_crossentropy", "binary_focal_crossentropy")
+# How close a batch's loss must be to the divisor-weighted mean of its halves' losses for the
+# loss to count as one that does not couple rows (float32 arithmetic in different orders).
+DECOMPOSES_RTOL = 1e-4
 
 
 class ObjectiveError(UserError):
@@ -37,250 +39,137 @@ class ObjectiveError(UserError):
 
 
 @dataclass(frozen=True)
-class CompiledObjective:
-    """What the user passed to ``model.compile`` (or hvdtrain's default for a bare model)."""
+class LossShare:
+    """What Keras' reduction of the model's loss divides a batch's sum by: ``rows`` (the
+    default ``sum_over_batch_size``, and a loss function that returns a batch mean),
+    ``sample_weight`` (``mean_with_sample_weight``: the batch's summed sample weights) or
+    ``sum`` (reduction ``"sum"``: nothing, so the ranks' losses simply add). ``coupled``: the
+    loss is none of these (it couples a batch's rows, e.g. a contrastive loss over the batch),
+    so ranks weight it by rows and the run says it is not exact."""
 
-    loss: Any = DEFAULT_LOSS
-    loss_weights: Any = None
-    metrics: Any = DEFAULT_METRICS
-    weighted_metrics: Any = None
-    optimizer: Any = None
-    compiled: bool = False
+    divisor: str = "rows"
+    coupled: bool = False
 
+    def weighted(self, loss: tf.Tensor, share: tf.Tensor, own: tf.Tensor,
+                 world_size: int) -> tf.Tensor:
+        """What this rank adds to the global loss: its loss times its ``share`` (the summed
+        contributions are divided by the summed shares). Under ``sum`` the ranks' losses add
+        and nothing divides them, so the model's ``own`` losses (regularisers, which Keras adds
+        to every batch's loss) count once in all: a 1/N part on each rank."""
+        if self.divides:
+            return loss * share
+        return (loss - own) * share + own / world_size
 
-def compiled_objective(model: keras.Model) -> CompiledObjective:
-    """The loss, metrics and optimizer a model was compiled with, or the default."""
-    arguments = compile_arguments(model)
-    if not getattr(model, "compiled", False) or arguments.get("loss") is None:
-        return CompiledObjective()
-    return CompiledObjective(loss=arguments["loss"],
-                             loss_weights=arguments.get("loss_weights"),
-                             metrics=arguments.get("metrics"),
-                             weighted_metrics=arguments.get("weighted_metrics"),
-                             optimizer=arguments.get("optimizer"), compiled=True)
+    def of(self, rows: tf.Tensor, sample_weight: Any) -> tf.Tensor:
+        """This rank's divisor for a batch of ``rows`` real rows (0: a filler batch)."""
+        rows = tf.cast(rows, tf.float32)
+        if self.divisor == "sample_weight" and sample_weight is not None:
+            return tf.reduce_sum(tf.cast(tf.nest.flatten(sample_weight)[0], tf.float32))
+        if self.divisor == "sum":
+            return tf.minimum(rows, 1.0)
+        return rows
 
+    @property
+    def divides(self) -> bool:
+        """Whether the summed gradients are divided by the summed shares (not for ``sum``)."""
+        return self.divisor != "sum"
 
-def output_names(model: keras.Model) -> list[str]:
-    """The model's output names, in the order Keras gives its outputs."""
-    names = list(getattr(model, "output_names", None) or [])
-    return names or ["output_0"]
-
-
-def flatten_outputs(values: Any, names: Sequence[str], what: str) -> list[Any]:
-    """Predictions or targets as a list in the model's output order."""
-    if isinstance(values, dict):
-        missing = [name for name in names if name not in values]
-        if missing:
-            raise ObjectiveError(f"{what} has no entry for output(s) {', '.join(missing)} "
-                                 f"(it has {', '.join(map(str, values))}); key them by the "
-                                 "model's output names")
-        return [values[name] for name in names]
-    if isinstance(values, (list, tuple)):
-        if len(values) != len(names):
-            raise ObjectiveError(f"{what} has {len(values)} entries for {len(names)} model "
-                                 "output(s); give one per output")
-        return list(values)
-    if len(names) != 1:
-        raise ObjectiveError(f"the model has {len(names)} outputs but {what} is one array; "
-                             "give a list or a dict keyed by output name")
-    return [values]
-
-
-def _per_output(setting: Any, names: Sequence[str], what: str) -> list[Any]:
-    """A compile argument (one value, a list or a dict keyed by output) per output."""
-    if isinstance(setting, dict):
-        unknown = [key for key in setting if key not in names]
-        if unknown:
-            raise ObjectiveError(f"compile({what}=...) names unknown output(s) "
-                                 f"{', '.join(map(str, unknown))}; the outputs are "
-                                 f"{', '.join(names)}")
-        return [setting.get(name) for name in names]
-    if isinstance(setting, (list, tuple)) and len(names) > 1:
-        if len(setting) != len(names):
-            raise ObjectiveError(f"compile({what}=...) has {len(setting)} entries for "
-                                 f"{len(names)} outputs; give one per output")
-        return list(setting)
-    return [setting] * len(names)
+    def describe(self) -> str:
+        """The run log's line on how the ranks' losses combine."""
+        if self.coupled:
+            return ("note: the compiled loss couples the rows of a batch (its value on a batch "
+                    "is not a weighted mean of its values on the batch's parts, e.g. a "
+                    "contrastive loss): each rank computes it over its own rows, so training "
+                    "is close to, but not exactly, one process with the global batch")
+        what = {"rows": "its rows", "sample_weight": "its summed sample weights",
+                "sum": "nothing (reduction 'sum': the ranks' losses add)"}[self.divisor]
+        return (f"loss: Keras' own compute_loss on each rank, weighted by what its reduction "
+                f"divides by ({what}), so the ranks' gradients sum to one process's")
 
 
-def _loss_object(loss: Any) -> keras.losses.Loss | None:
-    if loss is None:
-        return None
+def own_losses(model: keras.Model) -> tf.Tensor:
+    """The model's own losses that Keras' ``compute_loss`` adds to the compiled loss (weight
+    and activity regularisers, ``add_loss``) of the last forward pass, summed as float32."""
+    if not model.losses:
+        return tf.constant(0.0)
+    return tf.add_n([tf.reduce_sum(tf.cast(loss, tf.float32)) for loss in model.losses])
+
+
+def _close(value: float, expected: float) -> bool:
+    return bool(np.isclose(value, expected, rtol=DECOMPOSES_RTOL,
+                           atol=DECOMPOSES_RTOL * 1e-2 * max(1.0, abs(expected))))
+
+
+def _synthetic_predictions(model: keras.Model, x: Any) -> Any:
+    """Predictions shaped and typed like the model's outputs on ``x``, in (0.05, 0.95) and
+    fixed, from Keras' symbolic pass (no call of the model on real rows)."""
+    specs = output_specs(model, x)
+    counter = iter(range(1, 1_000_000))
+
+    def values(spec: Any) -> tf.Tensor:
+        shape = [tf.shape(tf.nest.flatten(x)[0])[0], *spec.shape[1:]]
+        drawn = tf.random.stateless_uniform(shape, seed=[17, next(counter)], minval=0.05,
+                                            maxval=0.95)
+        return tf.cast(drawn, spec.dtype)
+
+    return tf.nest.map_structure(values, specs)
+
+
+def _loss_value(model: keras.Model, y: Any, y_pred: Any, sample_weight: Any) -> float:
+    return float(model.compute_loss(y=y, y_pred=y_pred, sample_weight=sample_weight,
+                                    training=False))
+
+
+def _rows(values: Any, start: int, stop: int) -> Any:
+    return tf.nest.map_structure(lambda value: value[start:stop], values)
+
+
+def measured_share(model: keras.Model, batch: tuple) -> LossShare:
+    """The model's ``LossShare``, measured with Keras' own ``compute_loss`` on a real batch's
+    targets, predictions of the outputs' shapes and uneven sample weights, whole and in two
+    parts: the loss that equals its parts' mean weighted by rows, by sample weights, or their
+    sum, divides by that. Nothing a program sees is called (not the model, no metric kept)."""
+    x, y = batch[0], batch[1]
+    rows = int(tf.shape(tf.nest.flatten(x)[0])[0])
+    if rows < 2:
+        return LossShare()
+    predictions = _synthetic_predictions(model, x)
+    weights = tf.constant(np.linspace(0.5, 1.5, rows), tf.float32)
+    half = rows // 2
+    # Keras adds the model's own losses (regularisers) to every batch's loss: left out here.
+    own = float(own_losses(model))
+    whole = _loss_value(model, y, predictions, weights) - own
+    parts = [_loss_value(model, _rows(y, lo, hi), _rows(predictions, lo, hi), weights[lo:hi])
+             - own for lo, hi in ((0, half), (half, rows))]
+    model.reset_metrics()      # the compiled loss's per-output trackers counted the probes
+    by_rows = (half * parts[0] + (rows - half) * parts[1]) / rows
+    summed_weights = [float(tf.reduce_sum(weights[:half])), float(tf.reduce_sum(weights[half:]))]
+    by_weights = ((summed_weights[0] * parts[0] + summed_weights[1] * parts[1])
+                  / sum(summed_weights))
+    if _close(whole, by_weights) and not _close(whole, by_rows):
+        return LossShare("sample_weight")
+    if _close(whole, by_rows):
+        return LossShare("rows")
+    if _close(whole, parts[0] + parts[1]):
+        return LossShare("sum")
+    return LossShare("rows", coupled=True)
+
+
+def build_for_training(model: keras.Model, batch: tuple, label: str) -> LossShare:
+    """Before training: Keras' own symbolic build of the model, its compiled loss and metrics
+    (what ``fit`` does first; no call on real rows), a one-line refusal when the model cannot
+    take the data, then the loss's ``LossShare`` and a check that every metric can be summed."""
+    features, targets, sample_weight = batch[0], batch[1], batch[2]
     try:
-        resolved = keras.losses.get(loss)
-    except (ValueError, TypeError) as error:
-        raise ObjectiveError(f"unknown loss {loss!r} ({error}); give a Keras loss name or "
-                             "object") from error
-    if isinstance(resolved, keras.losses.Loss):
-        return resolved
-    return FunctionLoss(resolved)
-
-
-class FunctionLoss(keras.losses.Loss):
-    """A loss given as a plain function ``(y_true, y_pred) -> per-example values`` (a Keras
-    loss name resolves to one), called like a Keras ``Loss`` object."""
-
-    def __init__(self, fn: Any) -> None:
-        super().__init__(name=getattr(fn, "__name__", "loss"))
-        self.fn = fn
-
-    def call(self, y_true: Any, y_pred: Any) -> Any:
-        return self.fn(y_true, y_pred)
-
-
-def loss_kind(loss: keras.losses.Loss) -> tuple[str, bool]:
-    """(canonical function name, from_logits) of a Keras loss, as far as it tells."""
-    config = loss.get_config() if hasattr(loss, "get_config") else {}
-    function = getattr(loss, "fn", None)
-    name = getattr(function, "__name__", None) or config.get("name") or type(loss).__name__
-    return str(name), bool(config.get("from_logits", False))
-
-
-def per_example(values: tf.Tensor) -> tf.Tensor:
-    """Average a loss over every axis after the first: one value per example, float32."""
-    values = tf.cast(values, tf.float32)
-    if values.shape.rank is not None and values.shape.rank > 1:
-        values = tf.reduce_mean(values, axis=list(range(1, values.shape.rank)))
-    return values
-
-
-@dataclass
-class Objective:
-    """Per-example loss and fresh metric state for one model's outputs."""
-
-    names: list[str]
-    losses: list[keras.losses.Loss | None]
-    loss_weights: list[float]
-    compiled: CompiledObjective = field(default_factory=CompiledObjective)
-
-    @classmethod
-    def for_model(cls, model: keras.Model) -> "Objective":
-        compiled = compiled_objective(model)
-        names = output_names(model)
-        losses = [_loss_object(loss) for loss in _per_output(compiled.loss, names, "loss")]
-        if all(loss is None for loss in losses):
-            raise ObjectiveError("compile(loss=...) gives no loss for any output; name one")
-        weights = _per_output(compiled.loss_weights, names, "loss_weights")
-        return cls(names, losses, [1.0 if w is None else float(w) for w in weights], compiled)
-
-    @property
-    def output_loss_names(self) -> list[str]:
-        """The per-output loss columns Keras reports: one per output with a loss, when two or
-        more outputs have one (Keras' ``CompileLoss.build``)."""
-        named = [f"{name}_loss" for name, loss in zip(self.names, self.losses) if loss]
-        return named if len(named) > 1 else []
-
-    def per_example_losses(self, y_true: Any, y_pred: Any) -> tuple[tf.Tensor, list[tf.Tensor]]:
-        """(weighted sum over outputs, each output's own), one float32 value per example."""
-        targets = flatten_outputs(y_true, self.names, "the targets")
-        predictions = flatten_outputs(y_pred, self.names, "the model's output")
-        total, parts = None, []
-        for loss, weight, target, prediction in zip(self.losses, self.loss_weights, targets,
-                                                    predictions):
-            if loss is None:
-                continue
-            prediction = tf.cast(prediction, tf.float32)
-            target = tf.convert_to_tensor(target)
-            target = tf.cast(target, tf.float32) if target.dtype.is_floating else target
-            target, prediction = same_rank(target, prediction)
-            value = per_example(loss.call(target, prediction))
-            parts.append(value)
-            total = weight * value if total is None else total + weight * value
-        return total, parts
-
-    def new_metrics(self, prefix: str = "") -> "MetricState":
-        return MetricState(self, prefix)
-
-
-@dataclass
-class BatchShares:
-    """A rank's part of its global batch: ``rows``, each row's share of it (0 for filler), and
-    ``batch``, the rank's share of one batch. Keras 3 reports each output's loss as the mean of
-    its batches' means, so a rank adds its part of the global batch's mean with weight
-    ``batch``, and the sums across ranks are one process's."""
-
-    rows: tf.Tensor
-    batch: float
-
-
-class MetricState:
-    """One set of metrics (training or validation): Keras metric objects whose state variables
-    are summed across ranks to give exact global results."""
-
-    def __init__(self, objective: Objective, prefix: str) -> None:
-        self.objective = objective
-        self.prefix = prefix
-        self.loss = keras.metrics.Mean(name="loss")
-        self.output_losses = [keras.metrics.Mean(name=name)
-                              for name in objective.output_loss_names]
-        compiled = objective.compiled
-        self.compiled_metrics = None
-        if compiled.metrics or compiled.weighted_metrics:
-            names = objective.names if len(objective.names) > 1 else None
-            self.compiled_metrics = compile_metrics(compiled.metrics, compiled.weighted_metrics,
-                                                    names)
-
-    @property
-    def metrics(self) -> list[keras.metrics.Metric]:
-        extra = [self.compiled_metrics] if self.compiled_metrics is not None else []
-        return [self.loss, *self.output_losses, *extra]
-
-    @property
-    def variables(self) -> list[Any]:
-        return [v for metric in self.metrics for v in metric.variables]
-
-    def build(self, y_true: Any, y_pred: Any) -> None:
-        """Create the compiled metrics' state (it depends on the outputs' shapes), then refuse
-        any metric whose state cannot be summed across ranks."""
-        if self.compiled_metrics is not None and not self.compiled_metrics.built:
-            self.compiled_metrics.build(y_true, y_pred)
-        found = [self.loss, *self.output_losses]
-        if self.compiled_metrics is not None:
-            found += flat_compiled_metrics(self.compiled_metrics)
-        check_additive(found)
-
-    def reset(self) -> None:
-        for metric in self.metrics:
-            metric.reset_state()
-
-    def update(self, y_true: Any, y_pred: Any, total: tf.Tensor, parts: list[tf.Tensor],
-               sample_weight: tf.Tensor, valid: tf.Tensor,
-               own_losses: tf.Tensor | float = 0.0,
-               batch_shares: BatchShares | None = None) -> None:
-        """Add a batch; padding rows (``valid`` false) are left out of every metric. Losses are
-        reported as Keras does: the sample-weighted sum over the examples' count, plus the
-        model's own losses of the batch (``own_losses``: ``add_loss``, regularisers). The
-        per-output loss columns (a model with two or more losses) are Keras' means of batch
-        means given ``batch_shares`` (see ``BatchShares``), else means over examples."""
-        def real(values: Any) -> Any:
-            return tf.nest.map_structure(lambda v: tf.boolean_mask(v, valid), values)
-
-        weight = real(sample_weight)
-        self.loss.update_state(real(total) * weight + own_losses)
-        for metric, part in zip(self.output_losses, parts):
-            if batch_shares is None:   # the mean over examples
-                metric.update_state(real(part) * weight)
-                continue
-            # this rank's part of the global batch's mean, and its part of one batch
-            metric.update_state(tf.reduce_sum(part * sample_weight * batch_shares.rows)
-                                / batch_shares.batch, sample_weight=batch_shares.batch)
-        if self.compiled_metrics is not None:
-            predictions = tf.nest.map_structure(lambda v: tf.cast(v, tf.float32), y_pred)
-            self.compiled_metrics.update_state(real(y_true), real(predictions), weight)
-
-    def local_results(self) -> dict[str, tf.Tensor]:
-        """This rank's running values (for the progress bar; the epoch's logs are global)."""
-        results = {self.prefix + m.name: m.result() for m in [self.loss, *self.output_losses]}
-        if self.compiled_metrics is not None:
-            results.update({self.prefix + name: value
-                            for name, value in self.compiled_metrics.result().items()})
-        return results
-
-    def global_results(self, collectives: Collectives) -> dict[str, float]:
-        """Sum every state variable across ranks, then read the metrics: exact global values,
-        equal on every rank."""
-        assign_across_ranks(collectives, self.variables)
-        return {name: float(value) for name, value in self.local_results().items()}
+        build_symbolically(model, features, targets, sample_weight)
+        share = measured_share(model, batch)
+    except (ValueError, TypeError, tf.errors.InvalidArgumentError) as error:
+        raise UserError(f"model '{label}' cannot be trained on this data: "
+                        f"{first_sentence(str(error))}; check that "
+                        "the model's inputs and outputs match the features and targets") \
+            from error
+    check_additive(model.metrics)
+    return share
 
 
 def leaf_metrics(metrics: Sequence[keras.metrics.Metric]) -> list[keras.metrics.Metric]:
@@ -299,72 +188,51 @@ def check_additive(metrics: Sequence[keras.metrics.Metric]) -> None:
     for metric in leaf_metrics(metrics):
         for variable in metric.variables:
             aggregation = getattr(variable, "aggregation", "sum")
-            if aggregation != "sum":
+            if aggregation not in ("sum", "none"):
                 raise ObjectiveError(
                     f"metric '{metric.name}' keeps state '{variable.name}' with aggregation "
                     f"'{aggregation}', which cannot be summed across ranks for an exact global "
                     "value; use a metric whose state is additive")
 
 
-def _probe_values(prediction: Any) -> np.ndarray:
-    return np.asarray(tf.cast(prediction, tf.float32))
+def metric_variables(model: keras.Model) -> list[Any]:
+    """The state of every metric the model tracks, each variable once."""
+    seen: dict[int, Any] = {}
+    for metric in model.metrics:
+        for variable in metric.variables:
+            seen.setdefault(id(variable), variable)
+    return list(seen.values())
 
 
-def check_output_kind(objective: Objective, y_pred: Any) -> None:
-    """Stop before training when an output does not fit what its loss expects: logits under a
-    loss that wants probabilities, or probabilities under ``from_logits=True``."""
-    predictions = flatten_outputs(y_pred, objective.names, "the model's output")
-    for name, loss, prediction in zip(objective.names, objective.losses, predictions):
-        if loss is None:
-            continue
-        kind, from_logits = loss_kind(loss)
-        values = _probe_values(prediction)
-        where = f"output '{name}'" if len(objective.names) > 1 else "the model's output"
-        in_unit = bool(np.all((values >= 0) & (values <= 1)))
-        if kind in DISTRIBUTION_LOSSES:
-            sums_to_one = bool(np.allclose(values.sum(axis=-1), 1.0, atol=1e-3))
-            is_distribution = in_unit and sums_to_one and values.shape[-1] > 1
-            if not from_logits and not is_distribution:
-                raise ObjectiveError(
-                    f"{where} is not a probability distribution (values "
-                    f"{values.min():.3g}..{values.max():.3g}) but loss {kind} expects one; "
-                    f"compile with keras.losses.{_class_name(kind)}(from_logits=True) or end "
-                    "the model with a softmax")
-            if from_logits and is_distribution:
-                raise ObjectiveError(
-                    f"{where} is already a probability distribution (rows sum to 1) but loss "
-                    f"{kind} has from_logits=True; drop from_logits or the final softmax")
-        elif kind in INDEPENDENT_PROBABILITY_LOSSES:
-            if not from_logits and not in_unit:
-                raise ObjectiveError(
-                    f"{where} has values outside [0, 1] ({values.min():.3g}..{values.max():.3g})"
-                    f" but loss {kind} expects probabilities; compile with "
-                    f"keras.losses.{_class_name(kind)}(from_logits=True) or end the model with "
-                    "a sigmoid")
-            if from_logits and in_unit and values.size >= 16:
-                raise ObjectiveError(
-                    f"{where} lies entirely in [0, 1], as probabilities do, but loss {kind} has "
-                    "from_logits=True; drop from_logits or the final sigmoid")
+def _scalar(value: Any) -> bool:
+    return (isinstance(value, (tf.Tensor, tf.Variable, float, int, np.floating))
+            and getattr(value, "shape", ()) == ())
 
 
-def _class_name(function_name: str) -> str:
-    return "".join(part.capitalize() for part in function_name.split("_"))
+def global_metric_results(model: keras.Model, collectives: Collectives,
+                          prefix: str = "") -> dict[str, float]:
+    """Sum every metric's state across ranks, then read each metric by name, in Keras' order:
+    exact global values, equal on every rank."""
+    check_additive(model.metrics)
+    assign_across_ranks(collectives, metric_variables(model))
+    return {prefix + name: float(value) for name, value in model.get_metrics_result().items()
+            if _scalar(value)}
 
 
-def probe(model: keras.Model, objective: Objective, batch: tuple,
-          metric_states: Sequence[MetricState], label: str) -> None:
-    """One forward pass on a real batch before training: the metrics' state is created from
-    the outputs' shapes, the loss is tried once, and outputs that do not fit their loss (logits
-    under a loss that wants probabilities, or the reverse) stop the run with one line."""
-    features, targets = batch[0], batch[1]
-    try:
-        predictions = model(features, training=False)
-        objective.per_example_losses(targets, predictions)
-    except (ValueError, TypeError, tf.errors.InvalidArgumentError) as error:
-        raise UserError(f"model '{label}' cannot be trained on this data: "
-                        f"{first_sentence(str(error))}; check that "
-                        "the model's inputs and outputs match the features and targets") \
-            from error
-    check_output_kind(objective, predictions)
-    for metrics in metric_states:
-        metrics.build(targets, predictions)
+def real_rows(weights: tf.Tensor) -> tf.Tensor:
+    """A batch's real rows: those with a loss weight (the data plan puts them first; a filler
+    batch, repeated at weight zero so every rank runs the step, has none)."""
+    return tf.reduce_sum(tf.cast(weights > 0, tf.int32))
+
+
+def computed_rows(weights: tf.Tensor) -> tf.Tensor:
+    """The rows the forward pass runs on: the real ones, or a whole filler batch (a model
+    cannot run on no rows: batch normalisation's statistics would be undefined)."""
+    real = real_rows(weights)
+    return tf.where(real > 0, real, tf.shape(weights)[0])
+
+
+def leading(values: Any, count: tf.Tensor) -> Any:
+    """The first ``count`` rows of each tensor in ``values`` (Keras masks kept)."""
+    return None if values is None else tf.nest.map_structure(
+        lambda value: first_rows(value, count), values)

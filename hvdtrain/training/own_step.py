@@ -2,9 +2,12 @@
 ``compute_metrics`` (a custom step, a GAN with two optimizers, a VAE) is trained with *its* code
 on every rank, the distribution underneath that code, as in the Horovod drop-in.
 
-Every optimizer the model owns averages gradients across ranks before applying them
-(``distributed_optimizer``); the average of equal-sized per-rank means is the global mean, so the
-data plan pads nothing and drops the last partial global batch. One small allreduce per step
+Every optimizer the model owns combines gradients across ranks before applying them
+(``distributed_optimizer``), each rank's weighted by its share of the global batch (its real
+rows), so a step whose loss is a batch mean updates as one process would, the last partial
+global batch included: it is spread over the ranks, and each rank's step sees its real rows
+only. (A rank with no row of a step, where fewer rows than ranks are left, runs the step on a
+filler batch whose gradients weigh nothing; the run says so.) One small allreduce per step
 averages the scalar logs and carries the stop votes; at an epoch's end every metric's state is
 summed across ranks, so the metrics are exact over the global data. Evaluation runs the model's
 ``test_step`` on each rank's unpadded share, then reduces the same way.
@@ -13,15 +16,17 @@ summed across ranks, so the metrics are exact over the global data. Evaluation r
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from typing import Any, Callable, Iterator
 
 import keras
 import tensorflow as tf
 
-from hvdtrain.collectives import Collectives, GradientReduction, assign_across_ranks
+from hvdtrain.collectives import Collectives, GradientReduction
 from hvdtrain.training.distributed_optimizer import distributed_for_the_run
-from hvdtrain.training.objective import check_additive
-from hvdtrain.training.step import vote_variables
+from hvdtrain.training.objective import (computed_rows, global_metric_results, leading,
+                                         metric_variables, real_rows)
+from hvdtrain.training.step import divided, vote_variables
 from hvdtrain.training.zero import Sharding, gradient_bytes_kept, sharded_for_the_run
 
 # The Trainer methods whose override makes a step the model's own.
@@ -44,6 +49,14 @@ def owned_optimizers(model: keras.Model) -> dict[str, keras.optimizers.Optimizer
     return found
 
 
+def scaled(gradient: Any, share: tf.Tensor) -> Any:
+    """A gradient (dense or sparse) times this rank's share."""
+    if isinstance(gradient, tf.IndexedSlices):
+        return tf.IndexedSlices(gradient.values * tf.cast(share, gradient.values.dtype),
+                                gradient.indices, gradient.dense_shape)
+    return gradient * tf.cast(share, gradient.dtype)
+
+
 def _scalar(value: Any) -> bool:
     return (isinstance(value, (tf.Tensor, tf.Variable, float, int))
             and getattr(value, "shape", ()) == ())
@@ -56,12 +69,12 @@ class OwnStep:
 
     def __init__(self, model: keras.Model, collectives: Collectives, keras_element: Any,
                  reduction: GradientReduction = GradientReduction("average"),
-                 zero_stage: int = 0) -> None:
+                 zero_stage: int = 0, global_batch: int = 1) -> None:
         """``keras_element(x, y, sample_weight)``: the batch as Keras ``fit`` would hand it to
         ``train_step`` for this data (``x``, ``(x, y)`` or ``(x, y, sample_weight)``);
         ``reduction``: how the optimizers combine gradients (average, or Adasum of the ranks'
         mean gradients; fp16 on the wire); ``zero_stage`` > 0: the optimizers' state sharded
-        (``training.zero``)."""
+        (``training.zero``); ``global_batch``: what the ranks' shares are counted against."""
         self.model = model
         self.collectives = collectives
         self.optimizers = owned_optimizers(model)
@@ -70,6 +83,10 @@ class OwnStep:
         self.reduction = reduction
         self._sharding = (Sharding(collectives, zero_stage, reduction) if zero_stage else None)
         self._model_step = type(model).train_step.__get__(model)
+        self._global_batch = float(global_batch)
+        # This rank's share of the step being traced (set by ``keras_step``, read by the
+        # optimizers' reduction inside the same step).
+        self._share: tf.Tensor | None = None
         (self.global_loss, self.stop_vote, self.stop_votes, self.callback_stop_vote,
          self.callback_stop_votes) = vote_variables()
 
@@ -86,13 +103,30 @@ class OwnStep:
             with sharded_for_the_run(optimizers, self._sharding, end_in_pieces=end_in_pieces):
                 yield
             return
-        with distributed_for_the_run(optimizers, self.reduction,
-                                     self.collectives.reduce_gradients):
+        with distributed_for_the_run(optimizers, self.reduction, self._reduce):
             yield
 
+    def _reduce(self, gradients: Any, reduction: GradientReduction) -> list[Any]:
+        """The optimizers' exchange: averaged gradients weighted by each rank's share of the
+        global batch (summed, over the summed shares); Adasum combines the ranks' own."""
+        share = self._share
+        if reduction.op != "average" or share is None:
+            return self.collectives.reduce_gradients(gradients, reduction)
+        summing = dataclasses.replace(reduction, op="sum")
+        weighted = [None if g is None else scaled(g, share) for g in gradients]
+        if reduction.fp16:    # the share must not be rounded to float16
+            total = self.collectives.allreduce_sum([share])[0]
+            reduced = self.collectives.reduce_gradients(weighted, summing)
+        else:
+            *reduced, total = self.collectives.reduce_gradients([*weighted, share], summing)
+        return [divided(g, total) for g in reduced]
+
     def keras_step(self, data: Any) -> dict[str, Any]:
-        x, y, sample_weight, _ = data
-        logs = self._model_step(self.keras_element(x, y, sample_weight))
+        x, y, sample_weight, weights = data
+        rows = computed_rows(weights)
+        self._share = tf.cast(real_rows(weights), tf.float32) / self._global_batch
+        logs = self._model_step(self.keras_element(
+            *leading((x, y, sample_weight), rows)))
         if not isinstance(logs, dict):
             logs = {"loss": logs}
         return self._agreed(logs)
@@ -114,31 +148,15 @@ class OwnStep:
         return agreed
 
     @property
-    def metric_variables(self) -> list[Any]:
-        """The state of every metric the model tracks, each variable once."""
-        seen: dict[int, Any] = {}
-        for metric in self.model.metrics:
-            for variable in metric.variables:
-                seen.setdefault(id(variable), variable)
-        return list(seen.values())
-
-    @property
     def epoch_state_variables(self) -> list[Any]:
-        return self.metric_variables
+        return metric_variables(self.model)
 
     def begin_epoch(self) -> None:
         self.model.reset_metrics()
 
-    def _global_metric_results(self) -> dict[str, float]:
-        """Sum every metric's state across ranks, then read each metric by name."""
-        check_additive(self.model.metrics)
-        assign_across_ranks(self.collectives, self.metric_variables)
-        return {name: float(value) for name, value in self.model.get_metrics_result().items()
-                if _scalar(value)}
-
     def _global_logs(self, logs: dict[str, Any]) -> dict[str, float]:
         """Each scalar log from the global metric of its name, else the mean over ranks."""
-        results = self._global_metric_results()
+        results = global_metric_results(self.model, self.collectives)
         others = [name for name, value in logs.items() if name not in results and _scalar(value)]
         means = self.collectives.allreduce_sum([tf.constant(float(logs[name]), tf.float32)
                                                 for name in others])
@@ -150,14 +168,10 @@ class OwnStep:
     def epoch_results(self, logs: dict[str, Any]) -> dict[str, float]:
         return self._global_logs(logs)
 
-    @property
-    def probed_metrics(self) -> list[Any]:
-        return []
-
-    def validation(self) -> tuple[Callable[[Any], dict[str, float]], list[Any]]:
+    def validation(self) -> Callable[[Any], dict[str, float]]:
         """The model's own ``test_step`` (``evaluate``), its logs named ``val_*``."""
-        return (lambda dataset: {"val_" + name: value
-                                 for name, value in self.evaluate(dataset).items()}), []
+        return lambda dataset: {"val_" + name: value
+                                for name, value in self.evaluate(dataset).items()}
 
     def evaluate(self, dataset: tf.data.Dataset) -> dict[str, float]:
         """The model's ``test_step`` over this rank's share, then the exact global values."""

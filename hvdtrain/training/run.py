@@ -26,6 +26,7 @@ from hvdtrain.collectives import (Collectives, GradientReduction, ended_by_anoth
                                   init_collectives, place_devices, raised_here)
 from hvdtrain.config import Config, DataConfig, OptimConfig
 from hvdtrain.data.contract import DataBundle
+from hvdtrain.data.datasets import python_draws
 from hvdtrain.data.load import load_source
 from hvdtrain.data.pipeline import ShardSpec
 from hvdtrain.errors import PeerFailed, UserError
@@ -45,11 +46,12 @@ from hvdtrain.training.loops import LOOPS
 from hvdtrain.training.outputs import RunSummary, float32_copy, write_outputs
 from hvdtrain.training.memory import HeldMemory, held_memory
 from hvdtrain.training.own_step import OwnStep
-from hvdtrain.training.process_state import run_environment, seed_alike, seed_per_rank
+from hvdtrain.training.process_state import run_environment, seeded_per_rank, share_random_state
 from hvdtrain.training.restore import open_run_dir, starting_point, weight_fingerprint
 from hvdtrain.training.run_columns import RunColumns, RunColumnsLog
 from hvdtrain.training.schedule import PlateauDecay
 from hvdtrain.training.step import StepMath, StepOptions, TrainingStep, xla_line
+from hvdtrain.training.sync_batch_norm import batch_norm_note, synchronized_batch_norm
 from hvdtrain.training.trainable import Trainable, own_step_reason, prepare, probe_trainable
 from hvdtrain.training.zero import check_shardable, saved_from_pieces
 from hvdtrain.training.zero import describe as describe_sharding
@@ -207,7 +209,9 @@ class Run:
                                          os.environ)
         try:
             started = time.perf_counter()
-            history = self._train(run, start)
+            with synchronized_batch_norm(run.trainable.model, run.collectives,
+                                         self.config.train.sync_batch_norm):
+                history = self._train(run, start)
             result = self._finish(run, start, history, started)
         except BaseException as error:
             if run.tracker is not None:
@@ -227,7 +231,7 @@ class Run:
         check_backend(config, collectives)
         check_world(config, world)
         check_tracking(config, os.environ)
-        seed_alike(config.train.seed)
+        share_random_state(config.train.seed, collectives.allgather_object)
         run_dir, resuming = open_run_dir(config, collectives)
         if world.is_chief:
             output.log_to(run_dir)
@@ -237,8 +241,8 @@ class Run:
         logger.info("resolved config:\n" + config.to_yaml().rstrip())
 
         data = self.data_factory(config.data, config.train.seed)
-        seed_per_rank(config.train.seed, world.rank)
-        model = self._model(data)
+        with seeded_per_rank(config.train.seed, world.rank):
+            model = self._model(data)
         own_step = own_step_reason(model, data)
         check_data(config, data, self.validation_freq)
         plan = plan_data(config, data, collectives, own_step)
@@ -247,14 +251,25 @@ class Run:
         optim = config.optim
         trainable = prepare(config, model, data, world,
                             plan.updates_per_epoch(optim.accumulation_steps), own_step)
-        logger.info("step: " + ("hvdtrain's exact step (the model uses Keras' train_step)"
+        logger.info("step: " + ("Keras' train_step (its compute_loss and metrics), the "
+                                "gradients combined across ranks under it"
                                 if own_step is None else
                                 f"the model's own train_step ({own_step})"))
         logger.info(trainable.description)
         asks_xla = bool(model.jit_compile)
         (logger.warning if asks_xla and own_step else logger.info)(
             xla_line(asks_xla, own_step is not None))
-        step = self._step(trainable, data, collectives)
+        with data_errors_named(data):
+            first = next(iter(data.train.dataset(plan.spec, 0, 1)))
+            share = probe_trainable(trainable, first, self.model_label)
+        plan = dataclasses.replace(plan, first_rows=int(tf.shape(tf.nest.flatten(first[0])[0])[0]))
+        note = batch_norm_note(trainable.model, world.size, plan.global_batch(data.train)[0],
+                               config.train.sync_batch_norm, asks_xla and own_step is None)
+        if note:
+            logger.info(note)
+        if share is not None and world.size > 1 and world.is_chief:   # one line, not N
+            (logger.warning if share.coupled else logger.info)(share.describe())
+        step = self._step(trainable, data, collectives, plan.global_batch(data.train)[0])
         if world.size > 1 and optim.reduction != "adasum":
             all_at_once = ("accumulated over micro-steps" if optim.accumulation_steps > 1 else
                            "computed by one XLA cluster" if asks_xla and not own_step else "")
@@ -271,12 +286,7 @@ class Run:
             if step.optimizer is not None:
                 logger.info(describe_sharding(optim.zero_stage, world.size, step.optimizer,
                                               trainable.model.trainable_variables))
-        evaluate_dataset, metric_states = step.validation()
-        with data_errors_named(data):
-            first = next(iter(data.train.dataset(plan.spec, 0, 1)))
-            probe_trainable(trainable, first, [*step.probed_metrics, *metric_states],
-                            self.model_label)
-        plan = dataclasses.replace(plan, first_rows=int(tf.shape(tf.nest.flatten(first[0])[0])[0]))
+        evaluate_dataset = step.validation()
         plateau = (PlateauDecay(trainable.schedule, optim.lr_decay_factor, optim.plateau_patience)
                    if optim.lr_schedule == "plateau" else None)
         state = CheckpointState(
@@ -306,8 +316,9 @@ class Run:
         return model
 
     def _step(self, trainable: Trainable, data: DataBundle, collectives: Collectives,
-              optim: OptimConfig | None = None) -> TrainingStep:
-        """The step that trains ``trainable`` as ``optim`` (the config's) says."""
+              global_batch: int, optim: OptimConfig | None = None) -> TrainingStep:
+        """The step that trains ``trainable`` as ``optim`` (the config's) says; the ranks'
+        shares are counted against ``global_batch``."""
         optim = optim or self.config.optim
         if trainable.own_step is not None:
             op = "adasum" if optim.reduction == "adasum" else "average"
@@ -315,10 +326,10 @@ class Run:
                            GradientReduction(op, optim.compression == "fp16",
                                              bucket_bytes=optim.bucket_bytes,
                                              in_issue_order=optim.bucket_order == "issued"),
-                           optim.zero_stage)
-        return StepMath(trainable.model, trainable.optimizer, collectives, trainable.objective,
+                           optim.zero_stage, global_batch)
+        return StepMath(trainable.model, trainable.optimizer, collectives, trainable.share,
                         StepOptions(optim.accumulation_steps, optim.reduction == "adasum",
-                                    optim.compression == "fp16", data.train.normalised,
+                                    optim.compression == "fp16", global_batch,
                                     optim.bucket_bytes, bool(trainable.model.jit_compile),
                                     optim.zero_stage, optim.bucket_order == "issued"))
 
@@ -331,9 +342,8 @@ class Run:
 
         def step_for(bucket_mib: float) -> TrainingStep:
             optim = dataclasses.replace(self.config.optim, bucket_mib=bucket_mib)
-            step = self._step(run.trainable, run.data, run.collectives, optim)
-            probe_trainable(run.trainable, batch, step.probed_metrics, self.model_label)
-            return step
+            return self._step(run.trainable, run.data, run.collectives,
+                              run.plan.global_batch(run.data.train)[0], optim)
 
         optim = self.config.optim
         with data_errors_named(run.data):
@@ -394,7 +404,8 @@ class Run:
             evaluate=None if run.data.val is None else validate_epoch,
             validation_freq=self.validation_freq, plateau=run.plateau,
             user_callbacks=run.user_callbacks, run_columns=run.run_columns))
-        callbacks.before.insert(0, position)
+        draws = python_draws(run.data.train, run.plan.spec, run.plan.passes)
+        callbacks.before[:0] = [position, *draws]
         with data_errors_named(run.data, world.rank), \
                 run.step.training(end_in_pieces=self.process_ends_with_run):
             done = start.resume.step if start.resume.epoch == initial_epoch else 0

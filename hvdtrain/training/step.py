@@ -1,13 +1,16 @@
 """One optimizer step and one evaluation step: the math both training loops share.
 
-Each example's loss weight is 1/(examples in its global batch, or its group of accumulated
-batches) times its sample weight, and regularisation is divided by the world size, so the
-gradients summed (not averaged) across ranks make the update one process with an N-times larger
-batch would, the short last batch included. The gradients travel in buckets of about
+Keras computes the loss and the metrics (``model.compute_loss``, ``compute_metrics`` and its
+loss tracker, as its own ``train_step`` does) on this rank's real rows; the distribution is
+underneath. Each rank weights its loss by its share of the global batch, what Keras' reduction
+divides by (``objective.LossShare``: rows, or summed sample weights), the gradients are summed
+across ranks and divided by the summed shares: the update one process with an N-times larger
+batch would make, the short last batch included. The gradients travel in buckets of about
 ``--bucket-mib`` inside the step's ``tf.function``, so each starts while the backward pass goes
-on; the loss and the stop votes ride in the first bucket, so every rank skips a non-finite
-update, or stops, after the same step. Metrics sum their state across ranks once per epoch.
-A model with its own ``train_step`` is trained by ``own_step`` instead; both are a ``TrainingStep``.
+on; the loss, the shares and the stop votes ride in the first bucket, so every rank skips a
+non-finite update, or stops, after the same step. Metrics sum their state across ranks once per
+epoch. A model with its own ``train_step`` is trained by ``own_step``; both are a
+``TrainingStep``.
 """
 
 from __future__ import annotations
@@ -22,7 +25,9 @@ import tensorflow as tf
 from hvdtrain.collectives import Collectives, GradientReduction
 from hvdtrain.training.accumulation import Accumulation
 from hvdtrain.training.memory import variable_bytes
-from hvdtrain.training.objective import BatchShares, MetricState, Objective
+from hvdtrain.keras_internals import loss_tracker
+from hvdtrain.training.objective import (LossShare, computed_rows, global_metric_results, leading,
+                                         metric_variables, own_losses, real_rows)
 from hvdtrain.training.zero import Sharding, gradient_bytes_kept, sharded_for_the_run
 
 
@@ -60,13 +65,8 @@ class TrainingStep(Protocol):
     def epoch_state_variables(self) -> list[Any]:
         """The epoch's running metric state (mid-epoch checkpoints save its sum over ranks)."""
 
-    @property
-    def probed_metrics(self) -> list[Any]:
-        """The metric states a probe batch must build before training (none: the model's)."""
-
-    def validation(self) -> tuple[Callable[[Any], dict[str, float]], list[Any]]:
-        """(exact validation over every rank's share of a dataset, ``val_*`` names; the metric
-        states the probe batch must build for it)."""
+    def validation(self) -> Callable[[Any], dict[str, float]]:
+        """Exact validation over every rank's share of a dataset, ``val_*`` names."""
 
     def training(self, end_in_pieces: bool = False) -> ContextManager[None]:
         """What must be in place while this step trains (the run enters it around the loop);
@@ -84,15 +84,15 @@ def vote_variables() -> tuple[tf.Variable, ...]:
 @dataclass(frozen=True)
 class StepOptions:
     """How gradients travel (accumulation steps, Adasum or mean, fp16 on the wire, bucket size
-    and submission order),
-    whether the data's weights already divide by the global batch, and whether the forward and
+    and submission order), the global batch the ranks' shares are counted against (a
+    constant that keeps the weighted gradients at a mean's scale), whether the forward and
     backward pass are compiled with XLA (the model's ``jit_compile``), and the ZeRO stage
     (``training.zero``: 0, every rank holds the whole optimizer state)."""
 
     accumulation_steps: int = 1
     adasum: bool = False
     fp16_compression: bool = False
-    normalised: bool = True
+    global_batch: int = 1
     bucket_bytes: int = 0
     xla: bool = False
     zero_stage: int = 0
@@ -110,20 +110,19 @@ class StepOptions:
 
 
 class StepMath:
-    """Forward, weighted loss, gradients reduced across ranks, optimizer update, metric sums."""
+    """Forward pass, Keras' loss weighted by this rank's share of the global batch, gradients
+    summed across ranks and divided by the summed shares, the optimizer's update, and Keras'
+    metrics (their state summed across ranks once per epoch)."""
 
     def __init__(self, model: keras.Model, optimizer: keras.optimizers.Optimizer,
-                 collectives: Collectives, objective: Objective,
-                 options: StepOptions = StepOptions(),
-                 train_metrics: MetricState | None = None) -> None:
-        """``train_metrics``: built metric state to keep (elastic training makes a step per
-        world and keeps one state); a new one otherwise."""
+                 collectives: Collectives, share: LossShare = LossShare(),
+                 options: StepOptions = StepOptions()) -> None:
+        """``share``: what the model's loss divides a batch by (``objective.measured_share``)."""
         self.model = model
         self.optimizer = optimizer
         self.collectives = collectives
-        self.objective = objective
+        self.share = share
         self.options = options
-        self.train_metrics = train_metrics or objective.new_metrics()
         self.loss_scaling = isinstance(optimizer, keras.optimizers.LossScaleOptimizer)
         self.skips_non_finite_updates = True
         self.reduction = options.reduction(collectives.world.size)
@@ -139,8 +138,9 @@ class StepMath:
             if options.zero_stage == 2:    # only this rank's pieces are summed
                 shapes = self.sharding.piece_shapes(model.trainable_variables)
         self.accumulation: Accumulation | None = None
-        if options.accumulation_steps > 1:    # the gradients' sums, then the loss's
-            self.accumulation = Accumulation(shapes + [()], [tf.float32] * (len(shapes) + 1),
+        if options.accumulation_steps > 1:   # the gradients' sums, the weighted loss's, shares'
+            self.accumulation = Accumulation(shapes + [(), ()],
+                                             [tf.float32] * (len(shapes) + 2),
                                              options.accumulation_steps)
 
     def reduce(self, gradients: list[Any], scalars: list[tf.Tensor]) -> tuple[list, list]:
@@ -156,22 +156,33 @@ class StepMath:
         reduced = self.collectives.reduce_gradients([*gradients, *scalars], reduction)
         return reduced[:len(gradients)], reduced[len(gradients):]
 
-    def _apply(self, gradients: list[tf.Tensor], loss: tf.Tensor, pieces: bool = False) -> None:
+    def _divided(self, gradients: list[Any], shares: tf.Tensor) -> list[Any]:
+        """The summed share-weighted gradients over the summed shares: the global batch's
+        gradient (Adasum combines the ranks' own gradients and a ``sum`` loss adds: as they
+        are)."""
+        if self.options.adasum or not self.share.divides:
+            return gradients
+        return [divided(gradient, shares) for gradient in gradients]
+
+    def _apply(self, gradients: list[Any], weighted_loss: tf.Tensor, share: tf.Tensor,
+               pieces: bool = False) -> None:
         """Reduce across ranks and update, unless the global loss is not finite: then the
         update is skipped on every rank and ``global_loss`` tells the caller to stop. Sharded
         (ZeRO), the gradients are reduce-scattered (``pieces``: they already were) and the
         scalars travel in an allreduce of their own."""
         variables = self.model.trainable_variables
-        scalars = [tf.cast(loss, tf.float32), tf.identity(self.stop_vote),
+        scalars = [weighted_loss, share, tf.identity(self.stop_vote),
                    tf.identity(self.callback_stop_vote)]
         if self.sharding is None:
-            gradients, (global_loss, votes, callback_votes) = self.reduce(list(gradients),
-                                                                          scalars)
+            gradients, (loss_sum, shares, votes, callback_votes) = self.reduce(list(gradients),
+                                                                               scalars)
         else:
-            global_loss, votes, callback_votes = self.collectives.allreduce_sum(scalars)
+            loss_sum, shares, votes, callback_votes = self.collectives.allreduce_sum(scalars)
             if not pieces:
                 gradients = self.sharding.scatter(list(gradients), variables)
-        self.global_loss.assign(global_loss)
+        gradients = self._divided(gradients, shares)
+        self.global_loss.assign(tf.math.divide_no_nan(loss_sum, shares)
+                                if self.share.divides else loss_sum)
         self.stop_votes.assign(votes)
         self.callback_stop_votes.assign(callback_votes)
 
@@ -185,36 +196,30 @@ class StepMath:
         tf.cond(tf.math.is_finite(self.global_loss), update, lambda: tf.constant(False))
 
     def _accumulate(self, accumulation: Accumulation, gradients: list[tf.Tensor],
-                    loss: tf.Tensor) -> None:
+                    weighted_loss: tf.Tensor, share: tf.Tensor) -> None:
         """Sum micro-steps' gradients (ZeRO stage 2: this rank's pieces of their sum over
         ranks, reduce-scattered every micro-step) and apply at the last."""
         pieces = self.sharding is not None and self.sharding.stage == 2
         if pieces:
             gradients = self.sharding.scatter(gradients, self.model.trainable_variables)
-        accumulation.add([*gradients, loss])
+        accumulation.add([*gradients, weighted_loss, share])
         accumulation.at_the_last_pass(
-            lambda totals: self._apply(totals[:-1], totals[-1], pieces=pieces))
+            lambda totals: self._apply(totals[:-2], totals[-2], totals[-1], pieces=pieces))
 
     @property
     def epoch_state_variables(self) -> list:
         """The epoch's running metric state (saved by mid-epoch checkpoints)."""
-        return self.train_metrics.variables
+        return metric_variables(self.model)
 
     @property
     def optimizers(self) -> dict[str, keras.optimizers.Optimizer]:
         return {"optimizer": self.optimizer}
 
     def begin_epoch(self) -> None:
-        self.train_metrics.reset()
+        self.model.reset_metrics()
 
-    @property
-    def probed_metrics(self) -> list[Any]:
-        return [self.train_metrics]
-
-    def validation(self) -> tuple[Callable[[Any], dict[str, float]], list[Any]]:
-        evaluation = Evaluation(self.model, self.collectives, self.objective,
-                                xla=self.options.xla)
-        return evaluation.run, [evaluation.metrics]
+    def validation(self) -> Callable[[Any], dict[str, float]]:
+        return Evaluation(self.model, self.collectives, xla=self.options.xla).run
 
     def training(self, end_in_pieces: bool = False) -> ContextManager[None]:
         """hvdtrain's step reduces gradients itself; sharded, the optimizer holds pieces."""
@@ -224,7 +229,7 @@ class StepMath:
                                    self.model.trainable_variables, end_in_pieces)
 
     def epoch_results(self, logs: dict[str, Any]) -> dict[str, float]:
-        return self.train_metrics.global_results(self.collectives)
+        return global_metric_results(self.model, self.collectives)
 
     def gradient_bytes(self) -> int:
         totals = self.accumulation.totals if self.accumulation is not None else []
@@ -234,46 +239,58 @@ class StepMath:
     def keras_step(self, data: Any) -> dict[str, tf.Tensor]:
         return self.train_step(*data)
 
-    def _global_weights(self, weights: tf.Tensor) -> tf.Tensor:
-        """Weights that divide by the real examples of the global batch (see the module doc)."""
-        if self.options.normalised:
-            return weights
-        count = self.collectives.allreduce_sum([tf.reduce_sum(weights)])[0]
-        return weights / tf.maximum(count, 1.0)
-
-    def forward_backward(self, x, y, sample_weight: tf.Tensor, weights: tf.Tensor) -> tuple:
-        """This rank's part of the step that no collective touches: the forward pass, the
-        global-batch-weighted loss and its gradients (compiled with XLA when the options say
-        so: collectives have no XLA kernels, so they stay outside)."""
+    def forward_backward(self, x, y, sample_weight: Any, weights: tf.Tensor) -> tuple:
+        """This rank's part of the step that no collective touches: the forward pass on the
+        batch's real rows, Keras' loss weighted by this rank's share and its gradients
+        (compiled with XLA when the options say so: collectives have no XLA kernels, so they
+        stay outside). A filler batch is computed but weighs nothing."""
+        count = real_rows(weights)
         with tf.GradientTape() as tape:
-            predictions = self.model(x, training=True)
-            total, parts = self.objective.per_example_losses(y, predictions)
-            loss = tf.reduce_sum(total * sample_weight * weights)
-            own_losses = model_losses(self.model)
-            if self.model.losses:
-                shares = self.collectives.world.size * self.options.accumulation_steps
-                loss += own_losses / shares
-            scaled = self.optimizer.scale_loss(loss) if self.loss_scaling else loss
+            predictions = self.model(leading(x, computed_rows(weights)), training=True)
+            y, predictions, sample_weight = leading((y, predictions, sample_weight), count)
+            loss = self.model.compute_loss(y=y, y_pred=predictions, sample_weight=sample_weight,
+                                           training=True)
+            share = self.share.of(count, sample_weight)
+            if self.share.divides:    # counted against the global batch: a mean's scale
+                share /= self.options.global_batch
+            weighted = self.share.weighted(tf.cast(loss, tf.float32), share,
+                                           own_losses(self.model), self.collectives.world.size)
+            scaled = self.optimizer.scale_loss(weighted) if self.loss_scaling else weighted
         gradients = tape.gradient(scaled, self.model.trainable_variables)
-        return gradients, loss, predictions, total, parts, own_losses
+        return gradients, loss, weighted, share, (y, predictions, sample_weight, count)
 
-    def train_step(self, x, y, sample_weight: tf.Tensor,
-                   weights: tf.Tensor) -> dict[str, tf.Tensor]:
+    def train_step(self, x, y, sample_weight: Any, weights: tf.Tensor) -> dict[str, tf.Tensor]:
         variables = self.model.trainable_variables
-        weights = self._global_weights(weights)
-        gradients, loss, predictions, total, parts, own_losses = self._forward_backward(
+        gradients, loss, weighted, share, real = self._forward_backward(
             x, y, sample_weight, weights)
         if self.accumulation is not None:
             self._accumulate(self.accumulation,
                              [tf.zeros_like(v) if g is None else tf.convert_to_tensor(g)
-                              for g, v in zip(gradients, variables)], loss)
-        else:
-            self._apply(gradients, loss)
-        shares = BatchShares(weights, 1.0 / (self.collectives.world.size
-                                             * self.options.accumulation_steps))
-        self.train_metrics.update(y, predictions, total, parts, sample_weight, weights > 0,
-                                  own_losses, shares)
-        return self.train_metrics.local_results()
+                              for g, v in zip(gradients, variables)], weighted, share)
+        else:   # the tracker gets the global batch's loss, as one process's does
+            self._apply(gradients, weighted, share)
+            loss = self.global_loss.read_value()
+        return keras_metrics(self.model, loss, *real)
+
+
+def divided(gradient: Any, total: tf.Tensor) -> Any:
+    """A reduced gradient (dense or sparse) over ``total``; None stays None."""
+    if gradient is None:
+        return None
+    if isinstance(gradient, tf.IndexedSlices):
+        return tf.IndexedSlices(tf.math.divide_no_nan(gradient.values,
+                                                      tf.cast(total, gradient.values.dtype)),
+                                gradient.indices, gradient.dense_shape)
+    return tf.math.divide_no_nan(gradient, tf.cast(total, gradient.dtype))
+
+
+def keras_metrics(model: keras.Model, loss: tf.Tensor, y: Any, predictions: Any,
+                  sample_weight: Any, count: tf.Tensor) -> dict[str, tf.Tensor]:
+    """Keras' own bookkeeping of a step on this rank's real rows (as its ``train_step`` and
+    ``test_step`` end): the loss tracker fed the batch's loss weighted by its rows, then
+    ``compute_metrics``; its logs are this rank's running values."""
+    loss_tracker(model).update_state(loss, sample_weight=count)
+    return model.compute_metrics(None, y, predictions, sample_weight=sample_weight)
 
 
 def xla_line(jit_compile: bool, own_step: bool) -> str:
@@ -289,51 +306,32 @@ def xla_line(jit_compile: bool, own_step: bool) -> str:
     return "XLA: off (the model's jit_compile is False; Keras' 'auto' chooses off without a GPU)"
 
 
-def model_losses(model: keras.Model) -> tf.Tensor:
-    """The sum of the model's own losses of the last forward pass (``add_loss``, weight and
-    activity regularisers), as float32; 0 when it has none."""
-    if not model.losses:
-        return tf.constant(0.0)
-    return tf.cast(tf.add_n(model.losses), tf.float32)
-
-
 class Evaluation:
-    """Exact distributed evaluation: local metric state over this rank's shard, reduced once."""
+    """Exact distributed evaluation as Keras' ``test_step`` computes it: the model's metrics
+    over this rank's shard, their state summed across ranks once."""
 
-    def __init__(self, model: keras.Model, collectives: Collectives,
-                 objective: Objective, equal_steps: bool = True, xla: bool = False) -> None:
-        """``equal_steps``: every rank runs as many steps (filled at weight zero), so a step
-        may sum across ranks (the per-output loss columns' global batch sizes); false for a
-        share read unpadded, whose per-output columns are means over examples. ``xla``: the
-        forward pass and the losses compiled with XLA (the model's ``jit_compile``), the
-        collectives and the metric sums outside."""
+    def __init__(self, model: keras.Model, collectives: Collectives, xla: bool = False) -> None:
+        """``xla``: the forward pass and the loss compiled with XLA (the model's
+        ``jit_compile``), the metrics and their sums outside."""
         self.model = model
         self.collectives = collectives
-        self.objective = objective
-        self.batch_means = equal_steps and bool(objective.output_loss_names)
-        self.metrics = objective.new_metrics()
         self._step = tf.function(self._eval_step, jit_compile=False)
         self._forward = tf.function(self.forward, jit_compile=True) if xla else self.forward
 
-    def forward(self, x, y) -> tuple:
-        """The predictions, each example's losses and the model's own losses (no collective)."""
-        predictions = self.model(x, training=False)
-        total, parts = self.objective.per_example_losses(y, predictions)
-        return predictions, total, parts, model_losses(self.model)
+    def forward(self, x, y, sample_weight: Any, weights: tf.Tensor) -> tuple:
+        """The loss and what the metrics read, on the batch's real rows (no collective)."""
+        count = real_rows(weights)
+        predictions = self.model(leading(x, computed_rows(weights)), training=False)
+        y, predictions, sample_weight = leading((y, predictions, sample_weight), count)
+        loss = self.model.compute_loss(y=y, y_pred=predictions, sample_weight=sample_weight,
+                                       training=False)
+        return loss, y, predictions, sample_weight, count
 
-    def _eval_step(self, x, y, sample_weight: tf.Tensor, weights: tf.Tensor) -> None:
-        predictions, total, parts, own_losses = self._forward(x, y)
-        shares = None
-        if self.batch_means:   # only the per-output columns need the global batch's size
-            real = tf.cast(weights > 0, tf.float32)
-            count = self.collectives.allreduce_sum([tf.reduce_sum(real)])[0]
-            shares = BatchShares(real / tf.maximum(count, 1.0), 1.0 / self.collectives.world.size)
-        self.metrics.update(y, predictions, total, parts, sample_weight, weights > 0,
-                            own_losses, shares)
+    def _eval_step(self, x, y, sample_weight: Any, weights: tf.Tensor) -> None:
+        keras_metrics(self.model, *self._forward(x, y, sample_weight, weights))
 
     def run(self, dataset: tf.data.Dataset, prefix: str = "val_") -> dict[str, float]:
-        self.metrics.reset()
+        self.model.reset_metrics()
         for batch in dataset:
             self._step(*batch)
-        return {prefix + name: value
-                for name, value in self.metrics.global_results(self.collectives).items()}
+        return global_metric_results(self.model, self.collectives, prefix)

@@ -18,9 +18,9 @@ from hvdtrain.collectives import World
 from hvdtrain.config import DEFAULT_LEARNING_RATE, Config
 from hvdtrain.data.contract import DataBundle
 from hvdtrain.errors import UserError, first_sentence
-from hvdtrain.keras_internals import (build_compiled_metrics, compile_arguments, remembered_rates,
-                                      sublayers)
-from hvdtrain.training.objective import DEFAULT_LOSS, DEFAULT_METRICS, Objective, probe
+from hvdtrain.keras_internals import compile_arguments, remembered_rates, sublayers
+from hvdtrain.training.objective import (DEFAULT_LOSS, DEFAULT_METRICS, LossShare,
+                                         build_for_training)
 from hvdtrain.training.own_step import own_step_methods, owned_optimizers
 from hvdtrain.training.schedule import RateControl, WarmupScaledRate, make_optimizer, make_schedule
 
@@ -53,15 +53,16 @@ def settable_rate(optimizer: keras.optimizers.Optimizer) -> float | None:
 @dataclass
 class Trainable:
     """The model, why its own step trains it (None: hvdtrain's step), the optimizers, the
-    schedule they follow and the callback that sets their rates."""
+    schedule they follow and the callback that sets their rates; ``share``: what its compiled
+    loss divides a batch by (measured by ``probe_trainable``; None for a model's own step)."""
 
     model: keras.Model
     own_step: str | None
     optimizer: keras.optimizers.Optimizer
     schedule: WarmupScaledRate
     rates: RateControl
-    objective: Objective | None
     description: str
+    share: LossShare | None = None
 
 
 def _checked_compile(model: keras.Model, own_step: str | None, config: Config) -> None:
@@ -127,7 +128,6 @@ def prepare(config: Config, model: keras.Model, data: DataBundle, world: World,
             optimizer.build(model.trainable_variables)
         bases = {"optimizer": (optimizer, base)} if settable_rate(optimizer) is not None else {}
         fixed = [] if bases else ["optimizer"]
-        objective = Objective.for_model(model)
     else:
         schedule = make_schedule(optim, world.size, updates_per_epoch, config.train.epochs)
         optimizers = owned_optimizers(model)
@@ -136,10 +136,9 @@ def prepare(config: Config, model: keras.Model, data: DataBundle, world: World,
         fixed = [name for name in optimizers if name not in bases]
         optimizer = next(iter(optimizers.values()))
         what = ", ".join(f"{name} ({type(o).__name__})" for name, o in optimizers.items())
-        objective = None
     description = _describe(what, bases, fixed, schedule, config, world)
     return Trainable(model, own_step, optimizer, schedule, RateControl(schedule, bases),
-                     objective, description)
+                     description)
 
 
 def _describe(what: str, bases: dict, fixed: list[str], schedule: WarmupScaledRate,
@@ -159,19 +158,17 @@ def _describe(what: str, bases: dict, fixed: list[str], schedule: WarmupScaledRa
     return line
 
 
-def probe_trainable(trainable: Trainable, batch: tuple, metric_states: list, label: str) -> None:
-    """One real batch before training: hvdtrain's step builds its metrics and checks the
-    outputs against the loss; a model's own step is built (as its first step would)."""
+def probe_trainable(trainable: Trainable, batch: tuple, label: str) -> LossShare | None:
+    """One real batch before training: hvdtrain's step has Keras build the model, its loss and
+    metrics from the batch's shapes and measures what the loss divides by (kept as
+    ``trainable.share`` and returned); a model's own step is built (as its first step
+    would)."""
     model = trainable.model
     if trainable.own_step is None:
-        probe(model, trainable.objective, batch, metric_states, label)
-        # Keras' fit reads the model's own compiled metrics at every epoch end (hvdtrain's
-        # exact values replace them): they must be built, and see no batch here.
-        features, targets = batch[:2]
-        build_compiled_metrics(model, targets, model(features, training=False))
-        return
+        trainable.share = build_for_training(model, batch, label)
+        return trainable.share
     if all(layer.built for layer in sublayers(model)) and model.weights:
-        return
+        return None
     try:
         model(batch[0], training=False)
     except Exception as error:  # noqa: BLE001 - whatever a user's call raises
@@ -179,3 +176,4 @@ def probe_trainable(trainable: Trainable, batch: tuple, metric_states: list, lab
         raise UserError(f"model '{label}' is not built and calling it on a batch "
                         f"failed ({why}); build it (and its sub-models) before training"
                         ) from error
+    return None
