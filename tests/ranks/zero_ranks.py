@@ -234,20 +234,30 @@ def diverged_case(out: Path, x, y) -> dict:
 
 
 def resume_case(out: Path, source: Path, x, y) -> dict:
-    """Continue at stage 2 a one-epoch run written by another world size, to epoch 2; and how
-    many ranks held the state its checkpoint records."""
+    """Continue at stage 2 a one-epoch run written by another world size with the same global
+    batch (32), to epoch 2, without ``accept_changes``: the same run. Before, half that global
+    batch is refused (its one line kept), leaving the run as it was. And how many ranks held
+    the state its checkpoint records."""
+    from hvdtrain.errors import UserError
+
     records = [json.loads(path.read_text()).get("sharded")
                for path in sorted(source.rglob("state.json"))]
+    options = dict(epochs=2, shuffle=False, run_dir=str(source), resume="required",
+                   progress=False, tensorboard=False, lr_scaling="none", warmup_epochs=0,
+                   deterministic=True, zero_stage=2)
+    try:
+        hvdtrain.fit(model(keras.optimizers.Adam(0.01)), x, y, batch_size=16 // SIZE, **options)
+        refused = ""
+    except UserError as error:
+        refused = str(error)
     trained = model(keras.optimizers.Adam(0.01))
-    hvdtrain.fit(trained, x, y, batch_size=32 // SIZE, epochs=2, shuffle=False,
-                 run_dir=str(source), resume="required", accept_changes=True, progress=False,
-                 tensorboard=False, lr_scaling="none", warmup_epochs=0, deterministic=True,
-                 zero_stage=2)
+    hvdtrain.fit(trained, x, y, batch_size=32 // SIZE, **options)
     reference = model(keras.optimizers.Adam(0.01))
     reference.fit(x, y, batch_size=32, epochs=2, shuffle=False, verbose=0)
     return {"weights": difference(trained.get_weights(), reference.get_weights()),
             "state": difference(state(trained), state(reference)),
-            "held_by": records[0]["ranks"] if len(records) == 1 and records[0] else records}
+            "held_by": records[0]["ranks"] if len(records) == 1 and records[0] else records,
+            "refused": refused}
 
 
 def checkpoint_to(target: Path, x, y) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from dataclasses import replace
 from pathlib import Path
 
@@ -294,6 +295,31 @@ def test_a_two_rank_checkpoint_resumes_on_one_process_by_its_global_batch(tmp_pa
     assert (latest["world_size"], latest["rate_scale"]) == (1, 2.0)
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert rows[-1]["lr"] == pytest.approx(0.02)
+
+
+def test_a_mid_epoch_checkpoint_resumes_with_another_accumulation_at_its_examples(tmp_path):
+    """A checkpoint 4 steps into epoch 1 of 2 ranks x 16 (written by one process with batch
+    32, its state made to say 2 x 16) resumes on 1 x 16 x 2 accumulation steps at step 8, the
+    same examples done, and ends the epoch where the uninterrupted run did."""
+    run = tmp_path / "run"
+    args = ["--run-dir", str(run), "--no-progress", "--no-tensorboard", "--hidden-units", "16",
+            "--dataset", "synthetic", "--synthetic-examples", "256", "--synthetic-shape", "8",
+            "--epochs", "1", "--checkpoint-every-steps", "4"]
+    assert main([*args, "--batch-size", "32"]) == 0
+    checkpoints = run / "checkpoints"
+    with np.load(checkpoints / "epoch-0001" / "weights.npz") as archive:
+        uninterrupted = {name: archive[name] for name in archive.files}
+    for later in sorted(checkpoints.iterdir())[1:]:
+        shutil.rmtree(later)
+    written = checkpoints / "epoch-0000-step-000004" / "state.json"
+    state = json.loads(written.read_text())
+    state.update(world_size=2)
+    state["config"]["train"]["batch_size"] = 16
+    written.write_text(json.dumps(state))
+    assert main([*args, "--resume", "--batch-size", "16", "--accumulation-steps", "2"]) == 0
+    with np.load(checkpoints / "epoch-0001" / "weights.npz") as archive:
+        for name, weights in uninterrupted.items():
+            np.testing.assert_allclose(archive[name], weights, rtol=0, atol=1e-6)
 
 
 def test_a_checkpoint_holds_its_state_its_checksums_and_every_rank_s_generators(tmp_path):

@@ -107,10 +107,18 @@ def test_mixed_precision_sharded_equals_unsharded_on_the_same_ranks(horovod_job,
 @pytest.mark.parametrize("resumed", ["resumed", "resumed_on_one", "resumed_on_four"])
 def test_a_checkpoint_resumes_on_another_world_size_exactly(horovod_job, resumed):
     """Four ranks' stage-2 checkpoint continued on two ranks, and two ranks' on one and on four
-    (pieces that do not divide evenly: padded), end where one uninterrupted process ends."""
+    (pieces that do not divide evenly: padded), with the same global batch and without
+    --accept-changes, end where one uninterrupted process ends; half the global batch is
+    refused first, in one line naming it."""
     seen = horovod_job[resumed]
     assert seen["weights"] <= WITHIN and seen["state"] <= WITHIN, seen
-    assert seen["held_by"] == {"resumed": 4, "resumed_on_one": 2, "resumed_on_four": 2}[resumed]
+    held_by = {"resumed": 4, "resumed_on_one": 2, "resumed_on_four": 2}[resumed]
+    assert seen["held_by"] == held_by
+    ranks = {"resumed": 2, "resumed_on_one": 1, "resumed_on_four": 4}[resumed]
+    layout = f"{ranks} rank{'s' if ranks > 1 else ''} x {16 // ranks}"
+    assert (f"was trained with other data or settings (global batch 32 ({held_by} ranks x "
+            f"{32 // held_by}) -> 16 ({layout})); pass --accept-changes to continue with the new "
+            "ones, or start a new --run-dir") in seen["refused"], seen["refused"]
 
 
 def test_a_run_every_rank_stops_together_leaves_the_optimizer_whole(horovod_job):
