@@ -30,7 +30,7 @@ def class_count(*targets: np.ndarray) -> int | None:
 
 
 def split_arrays(x: Any, y: Any, fraction: float, seed: int, num_classes: int | None,
-                 sample_weight: np.ndarray | None = None) -> DataBundle:
+                 sample_weight: Any = None) -> DataBundle:
     """Hold out ``fraction`` of the examples for validation, chosen by a seeded permutation."""
     examples = ArraySplit(x, y, sample_weight)
     order = np.random.default_rng(seed).permutation(examples.num_examples)

@@ -63,13 +63,14 @@ def leaf_shapes(values: Any) -> Any:
 
 @dataclass(frozen=True)
 class ArraySplit:
-    """Examples held in memory: features and targets of any shape (arrays, or dicts/lists of
-    arrays for several inputs or outputs), and optional per-example weights. Sharded by the
-    exact global-batch plan of ``hvdtrain.data.pipeline``."""
+    """Examples held in memory: features and targets of any shape (arrays, or nests of them,
+    tuples and dicts, for several inputs or outputs; never lists, which ``tf.data`` would stack
+    into one tensor), and optional per-example weights (a vector, or one per output in the
+    targets' structure). Sharded by the exact global-batch plan of ``hvdtrain.data.pipeline``."""
 
     x: Any
     y: Any
-    sample_weight: np.ndarray | None = None
+    sample_weight: Any = None
     normalised: bool = True
 
     @property
@@ -90,10 +91,10 @@ class ArraySplit:
     def take(self, rows: np.ndarray) -> "ArraySplit":
         """The examples at ``rows``, in that order."""
         def pick(values: Any) -> Any:
-            return tf.nest.map_structure(lambda array: array[rows], values)
+            return None if values is None else tf.nest.map_structure(
+                lambda array: array[rows], values)
 
-        weights = None if self.sample_weight is None else self.sample_weight[rows]
-        return ArraySplit(pick(self.x), pick(self.y), weights)
+        return ArraySplit(pick(self.x), pick(self.y), pick(self.sample_weight))
 
 
 @dataclass(frozen=True)

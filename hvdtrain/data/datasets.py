@@ -33,11 +33,13 @@ def keras_parts(element: Any) -> tuple[Any, Any, Any]:
 
 
 def four_tuple(element: Any) -> tuple[Any, Any, tf.Tensor, tf.Tensor]:
-    """An element as the trainer's batches: (x, y or (), sample weights, loss weights 1)."""
+    """An element as the trainer's batches: (x, y or (), sample weights, loss weights 1).
+    Sample weights: one per example, or (as Keras takes them) one such vector per output."""
     x, y, sample_weight = keras_parts(element)
     rows = tf.shape(tf.nest.flatten(x)[0])[0]
     weights = (tf.ones([rows], tf.float32) if sample_weight is None
-               else tf.cast(tf.reshape(sample_weight, [rows]), tf.float32))
+               else tf.nest.map_structure(lambda w: tf.cast(tf.reshape(w, [rows]), tf.float32),
+                                          sample_weight))
     return x, () if y is None else y, weights, tf.ones([rows], tf.float32)
 
 

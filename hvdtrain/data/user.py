@@ -81,16 +81,22 @@ DATASET_OBJECTS = (tf.data.Dataset, keras.utils.PyDataset)
 
 
 def _checked(values: Any, what: str, numeric: bool) -> Any:
-    """Arrays (or nests of them), numeric where they must be; float64 becomes float32."""
+    """Arrays (or nests of them), numeric where they must be; float64 becomes float32. Lists
+    become tuples, as Keras' array adapter makes them (``tree.lists_to_tuples``): ``tf.data``
+    would stack a list of arrays into one tensor (or fail on unequal shapes), where a list of
+    inputs is a structure (a multi-input model's ``[x1, x2]``)."""
     def convert(array: Any) -> np.ndarray:
         array = np.asarray(array)
+        if array.ndim == 0:
+            raise DataError(f"{what} hold a single value ({array!r}); give arrays with one row "
+                            "per example (a list stands for several inputs or outputs)")
         is_number = np.issubdtype(array.dtype, np.number) or array.dtype == bool
         if numeric and not is_number:
             raise DataError(f"{what} must be numeric arrays, got {array.dtype}")
         if not is_number and array.dtype.kind not in "USO":
             raise DataError(f"{what} must be numbers or strings, got {array.dtype}")
         return array.astype(np.float32) if array.dtype == np.float64 else array
-    return tf.nest.map_structure(convert, values)
+    return tf.nest.map_structure(convert, keras.tree.lists_to_tuples(values))
 
 
 def _features(x: Any) -> Any:
@@ -117,14 +123,37 @@ def has_targets(y: Any) -> bool:
     return not (isinstance(y, tuple) and not y)
 
 
-def _weights(values: Any) -> np.ndarray | None:
-    return None if values is None else np.asarray(values, np.float32).reshape(-1)
+def _weights(values: Any, y: Any) -> Any:
+    """Keras' ``sample_weight``: one weight per example (shape (N,) or (N, 1)), which Keras
+    applies to every output of a multi-output model, or one such array per output, in ``y``'s
+    structure (a list or a dict keyed like ``y``): a vector of shape (N,), or a nest of them."""
+    if values is None:
+        return None
+    if isinstance(values, (list, tuple)) and all(np.ndim(value) == 0 for value in values):
+        values = np.asarray(values)            # a list of numbers: one weight per example
+    if tf.nest.is_nested(values) and not tf.nest.is_nested(y):
+        raise DataError("sample_weight is a list or dict but y is one array; give one "
+                        "sample_weight array (shape (N,)) for a model with one output")
+    weights = tf.nest.map_structure(_per_example, _checked(values, "sample weights", True))
+    if tf.nest.is_nested(weights):
+        try:
+            tf.nest.assert_same_structure(y, weights)
+        except (ValueError, TypeError) as error:
+            raise DataError(f"sample_weight has another structure than y ({error}); give one "
+                            "sample_weight array per output in y, or one for all") from None
+    return weights
+
+
+def _per_example(weights: np.ndarray) -> np.ndarray:
+    """One float32 weight per example (shape (N,)), from shape (N,) or (N, 1)."""
+    if weights.ndim > 2 or (weights.ndim == 2 and weights.shape[1] != 1):
+        raise DataError(f"sample weights of shape {weights.shape} weigh parts of an example; "
+                        "give one weight per example (shape (N,))")
+    return weights.astype(np.float32).reshape(-1)
 
 
 def _checked_lengths(x: Any, y: Any, weights: Any, what: str) -> None:
-    lengths = {len(a) for a in tf.nest.flatten(x) + tf.nest.flatten(y)}
-    if weights is not None:
-        lengths.add(len(weights))
+    lengths = {len(a) for a in tf.nest.flatten((x, y, () if weights is None else weights))}
     if len(lengths) != 1:
         raise DataError(f"the {what} arrays have different numbers of examples "
                         f"({sorted(lengths)}); every array needs one row per example")
@@ -132,10 +161,15 @@ def _checked_lengths(x: Any, y: Any, weights: Any, what: str) -> None:
         raise DataError(f"the {what} arrays hold no examples")
 
 
-def _as_arrays(value: Any) -> Arrays | None:
-    """hvdtrain's own array forms, or None for anything else."""
+def _as_arrays(value: Any, returned: bool) -> Arrays | None:
+    """hvdtrain's own array forms, or None for anything else. A data function's return value
+    (``returned``) may also be a dict with ``x`` and ``y`` or a tuple ``(x, y[, sample_weight])``
+    (as a dataset's element is read); ``fit``'s own ``x`` is read as Keras reads it, a tuple or
+    dict being the inputs of a multi-input model."""
     if isinstance(value, Arrays):
         return value
+    if not returned:
+        return None
     if isinstance(value, dict) and "x" in value and "y" in value:
         unknown = set(value) - set(Arrays.__dataclass_fields__)
         if unknown:
@@ -171,7 +205,7 @@ def arrays_bundle(data: Arrays, config: DataConfig, seed: int,
                   class_weight: dict | None = None) -> DataBundle:
     """Check and shard a user's ``hvdtrain.Arrays`` exactly like a built-in in-memory source."""
     x, y = _features(data.x), _targets(data.y)
-    weights = _with_class_weight(_weights(data.sample_weight), y, class_weight)
+    weights = _with_class_weight(_weights(data.sample_weight, y), y, class_weight)
     _checked_lengths(x, y, weights, "training")
     single_target = not isinstance(y, (dict, list, tuple))
     flags = {"targets": has_targets(y), "sample_weights": weights is not None}
@@ -180,7 +214,7 @@ def arrays_bundle(data: Arrays, config: DataConfig, seed: int,
         bundle = split_arrays(x, y, config.validation_split, seed, classes, weights)
         return DataBundle(bundle.train, bundle.val, classes, **flags)
     x_val, y_val = _features(data.x_val), _targets(data.y_val)
-    val_weights = _weights(data.val_sample_weight)
+    val_weights = _weights(data.val_sample_weight, y_val)
     _checked_lengths(x_val, y_val, val_weights, "validation")
     classes = data.num_classes or (class_count(y, y_val) if single_target else None)
     return DataBundle(ArraySplit(x, y, weights), ArraySplit(x_val, y_val, val_weights),
@@ -190,7 +224,7 @@ def arrays_bundle(data: Arrays, config: DataConfig, seed: int,
 def _keras_arrays(x: Any, y: Any, sample_weight: Any, what: str,
                   class_weight: dict | None = None) -> ArraySplit:
     x, y = _features(x), _keras_targets(y)
-    weights = _with_class_weight(_weights(sample_weight), y, class_weight)
+    weights = _with_class_weight(_weights(sample_weight, y), y, class_weight)
     _checked_lengths(x, y, weights, what)
     return ArraySplit(x, y, weights)
 
@@ -205,9 +239,12 @@ def _validation_split(data: Any) -> ArraySplit | DatasetSplit | None:
         return DatasetSplit(value, data.validation_steps)
     if isinstance(value, Arrays):
         return _keras_arrays(value.x, value.y, value.sample_weight, "validation")
-    if isinstance(value, (tuple, list)) and len(value) in (2, 3):
-        return _keras_arrays(value[0], value[1], value[2] if len(value) == 3 else None,
-                             "validation")
+    if isinstance(value, (tuple, list)):     # Keras' unpack_x_y_sample_weight
+        if not 1 <= len(value) <= 3:
+            raise DataError(f"validation_data has {len(value)} parts; give (x, y) or "
+                            "(x, y, sample_weight), with a list or dict for several inputs")
+        x, y, weights = keras.utils.unpack_x_y_sample_weight(tuple(value))
+        return _keras_arrays(x, y, weights, "validation")
     return _keras_arrays(value, None, None, "validation")
 
 
@@ -275,6 +312,7 @@ def built(data: KerasData) -> KerasData:
 def user_bundle(value: Any, config: DataConfig, seed: int) -> DataBundle:
     """The splits of whatever the user handed over (``KerasData`` from ``hvdtrain.fit``, or a
     data function's return value)."""
+    returned = not isinstance(value, KerasData) or _builder(value.x)
     data = built(value if isinstance(value, KerasData) else KerasData(value))
     if isinstance(data.x, Pipeline):
         pipeline = data.x
@@ -283,7 +321,7 @@ def user_bundle(value: Any, config: DataConfig, seed: int) -> DataBundle:
                           pipeline.num_classes)
     if isinstance(data.x, DATASET_OBJECTS):
         return _dataset_bundle(data)
-    arrays = _as_arrays(data.x) if data.y is None else None
+    arrays = _as_arrays(data.x, returned) if data.y is None else None
     if arrays is not None:
         bundle = checked_bundle(arrays_bundle(arrays, config, seed, data.class_weight),
                                 "the user's data")

@@ -1,7 +1,8 @@
 """The data sources: the built-in loaders (digits, npz, CSV, TFRecord, the Keras datasets from
 their standard files) and the files they refuse with a message naming the problem, float and
-shaped targets from every file format, and the image-folder converter. TFRecord and CSV data
-sharded by file or by element and trained on 2 ranks:
+shaped targets from every file format, the image-folder converter, and a user's arrays in every
+structure Keras' ``model.fit`` takes (lists, tuples, dicts, nests; targets and sample weights per
+output). TFRecord and CSV data sharded by file or by element and trained on 2 ranks:
 tests/distributed/training/test_data_on_two_ranks.py."""
 
 from __future__ import annotations
@@ -9,10 +10,12 @@ from __future__ import annotations
 import gzip
 import pickle
 
+import keras
 import numpy as np
 import pytest
 import tensorflow as tf
 
+import hvdtrain
 from conftest import launch
 from hvdtrain.collectives import World
 from hvdtrain.config import DataConfig, ModelConfig
@@ -22,6 +25,7 @@ from hvdtrain.data.files import tfrecord_split
 from hvdtrain.data.keras_files import FASHION_FILES
 from hvdtrain.data.load import load_source
 from hvdtrain.data.pipeline import ShardSpec
+from hvdtrain.data.user import KerasData, user_bundle
 from hvdtrain.models import ModelError, build_model
 from hvdtrain.plugins import PluginError
 
@@ -177,3 +181,119 @@ def test_keras_dataset_without_data_dir_or_internet_says_what_to_do(tmp_path):
                                 "downloader")
     assert "pass --data-dir DIR holding train-images-idx3-ubyte.gz" in lines[-1]
     assert "Traceback" not in result.stderr
+
+
+# --- Arrays in every structure Keras' model.fit takes (issue 46) --------------------------------
+
+def _column(key: int, width: int, rows: int = 12) -> np.ndarray:
+    """Rows that say which array and which example they are (row i of array k: 10 i + k)."""
+    return np.repeat(np.arange(rows, dtype=np.float32)[:, None] * 10 + key, width, axis=1)
+
+
+X1, X2, X3, Y1, Y2 = _column(1, 3), _column(2, 5), _column(3, 2), _column(4, 1), _column(5, 2)
+W1, W2 = np.arange(12, dtype=np.float32) + 1, np.arange(12, dtype=np.float32) + 100
+
+
+def _first_batch(split, batch: int = 4) -> tuple:
+    spec = ShardSpec(split.num_examples, World(), batch, shuffle=False)
+    return next(iter(split.dataset(spec)))
+
+
+def _assert_batch(found, given, rows: int = 4) -> None:
+    """``found`` is the first ``rows`` of ``given`` in the structure Keras' array adapter hands a
+    model (``tree.lists_to_tuples``: tf.data would stack a list)."""
+    expected = tf.nest.map_structure(lambda a: np.asarray(a)[:rows],
+                                     keras.tree.lists_to_tuples(given))
+    tf.nest.assert_same_structure(found, expected, check_types=True)
+    for got, want in zip(tf.nest.flatten(found), tf.nest.flatten(expected)):
+        np.testing.assert_array_equal(np.asarray(got), want.reshape(np.shape(got)))
+
+
+@pytest.mark.parametrize("x, y, weights", [
+    ([X1, _column(2, 3)], Y1, None),                            # a list of equal shapes
+    ([X1, X2], Y1, W1),                                         # a list of different shapes
+    ((X1, X2), Y1, None),                                       # a tuple
+    ({"pair": [X1, X2], "c": X3}, Y1, None),                    # a dict holding a list
+    (X1, [Y1, Y2], W1),                                         # two outputs, one weight
+    (X1, [Y1, Y2], [W1, W2]),                                   # a weight per output
+    (X1, {"a": Y1, "b": Y2}, {"a": W1, "b": W2}),
+    (X1, [Y1, Y2], [W1, W2[:, None]]),                          # shapes (N,) and (N, 1)
+    (X1, Y1, W1.tolist()),                                      # a list of numbers
+])
+def test_array_structures_reach_the_batches_as_keras_hands_them(x, y, weights):
+    bundle = user_bundle(KerasData(x, y, weights, validation_data=(x, y, weights)),
+                         DataConfig(), 0)
+    one_each = weights is None or np.ndim(tf.nest.flatten(weights)[0]) == 0   # a list of numbers
+    wanted = np.ones(12, np.float32) if weights is None else (
+        np.asarray(weights) if one_each else weights)
+    for split in (bundle.train, bundle.val):
+        features, targets, found_weights, _ = _first_batch(split)
+        _assert_batch(features, x)
+        _assert_batch(targets, y)
+        _assert_batch(found_weights, wanted)
+    assert bundle.sample_weights == (weights is not None)
+
+
+def test_a_tuple_is_fits_inputs_but_a_data_functions_x_and_y():
+    given = user_bundle(KerasData((X1, X2)), DataConfig(), 0)    # Keras: two inputs, no y
+    assert not given.targets and given.input_shape == ((3,), (5,))
+    _assert_batch(_first_batch(given.train)[0], (X1, X2))
+    returned = user_bundle((X1, Y1), DataConfig(validation_split=0.25), 0)   # --dataset fn
+    assert returned.targets and returned.input_shape == (3,) and returned.val.num_examples == 3
+    assert user_bundle(KerasData(lambda: (X1, Y1)), DataConfig(), 0).targets
+
+
+@pytest.mark.parametrize("arguments, message", [
+    ({"y": Y1, "sample_weight": [W1, W2]}, "sample_weight is a list or dict but y is one array"),
+    ({"y": {"a": Y1, "b": Y2}, "sample_weight": {"a": W1, "c": W2}},
+     "sample_weight has another structure than y"),
+    ({"y": [Y1, Y2], "sample_weight": [W1]}, "sample_weight has another structure than y"),
+    ({"y": Y1, "sample_weight": np.ones((12, 3))}, r"sample weights of shape \(12, 3\) weigh "
+                                                   "parts of an example"),
+    ({"y": Y1, "validation_data": (X1, Y1, W1, W1)}, "validation_data has 4 parts"),
+    ({"x": [X1, 2.0], "y": Y1}, "features hold a single value"),
+])
+def test_structures_keras_would_not_take_are_refused_in_one_line(arguments, message):
+    with pytest.raises(DataError, match=message):
+        user_bundle(KerasData(**{"x": X1, **arguments}), DataConfig(), 0)
+
+
+def test_fit_trains_on_every_structure_as_model_fit_does(tmp_path):
+    """One process, the same start and order: a siamese model's list of inputs of two shapes
+    with validation ``(x_list, y, sample_weight)`` under hvdtrain's step, and a two-output
+    model's per-output sample weights under the model's own train_step."""
+    class OwnStep(keras.Model):
+        def train_step(self, data):
+            return super().train_step(data)
+
+    def siamese():
+        a, b = keras.Input((3,)), keras.Input((5,))
+        joined = keras.layers.Concatenate()([keras.layers.Dense(4, activation="tanh")(a), b])
+        return keras.Model([a, b], keras.layers.Dense(1)(joined))
+
+    def two_outputs():
+        a = keras.Input((3,))
+        hidden = keras.layers.Dense(4, activation="tanh")(a)
+        return OwnStep(a, [keras.layers.Dense(1, name="one")(hidden),
+                           keras.layers.Dense(2, name="two")(hidden)])
+
+    rng = np.random.default_rng(3)
+    x1, x2, y1, y2 = (rng.standard_normal((12, width)).astype(np.float32)
+                      for width in (3, 5, 1, 2))
+    cases = [(siamese, {"x": [x1, x2], "y": y1,
+                        "validation_data": ([x1, x2], y1, W1 / 12)}),
+             (two_outputs, {"x": x1, "y": [y1, y2], "sample_weight": [W1 / 12, W2 / 100]})]
+    for build, data in cases:
+        keras.utils.set_random_seed(1)
+        ours, theirs = build(), build()
+        theirs.set_weights(ours.get_weights())
+        for model in (ours, theirs):
+            model.compile(keras.optimizers.SGD(0.1), "mse")
+        expected = theirs.fit(**data, batch_size=4, shuffle=False, verbose=0).history
+        result = hvdtrain.fit(ours, **data, batch_size=4, epochs=1, shuffle=False, verbose=0,
+                              run_dir=str(tmp_path / build.__name__))
+        assert result.history.history.keys() == expected.keys()
+        for key, values in expected.items():
+            np.testing.assert_allclose(result.history.history[key], values, rtol=1e-5)
+        for found, wanted in zip(result.model.get_weights(), theirs.get_weights()):
+            np.testing.assert_allclose(found, wanted, atol=1e-6)
