@@ -10,8 +10,9 @@ pre- and postscaling, fused (many in one tf.function) and grouped, IndexedSlices
 allgather (variable first dimensions, fused, grouped); broadcast from every root; alltoall with
 uneven, empty and one-sided splits; reducescatter (even, uneven, scaled, grouped); fp16
 compression; join; broadcast_object and allgather_object; and the errors Horovod must raise on
-every rank when ranks disagree (shape, dtype, root). Every rank runs every case in the same
-order: a collective that one rank skipped would hang the other.
+every rank when ranks disagree (shape, dtype, root). One case is hvdtrain's own: the
+cross-rank sum behind synchronized batch normalisation, forward and backward. Every rank runs
+every case in the same order: a collective that one rank skipped would hang the other.
 
 On TensorFlow's collectives (``HVDTRAIN_BACKEND=tensorflow`` on the ranks) the same cases run
 on ``hvdtrain.dropin_tf``; join, which that backend refuses, is checked refused there.
@@ -239,6 +240,67 @@ def test_grouped_allreduce_gradient():
         for total, variable in zip(summed, variables):
             exact(tape.gradient(total, variable, tf.ones([5] * dim, dtype)),
                   np.full([5] * dim, SIZE, dtype.as_numpy_dtype))
+
+
+def test_synchronized_batch_norm_trains_as_one_process_on_the_global_batch():
+    """hvdtrain's own ``differentiable_sum`` behind ``BatchNormalization(synchronized=True)``
+    (``hvdtrain.training.sync_batch_norm``), in a tf.function whose gradients are summed across
+    ranks: ranks holding different numbers of real rows in a step (one rank none), the rest
+    filler far from them, train what one process trains on the real rows together (Keras' own
+    synchronized path), weights and moving statistics within 1e-5."""
+    import keras
+
+    from hvdtrain.training.sync_batch_norm import batch_rows, synchronized_batch_norm
+
+    assert SIZE == 2
+    counts = [[6, 4], [5, 0], [2, 6]]       # real rows per step and rank, of 6
+    rng = np.random.default_rng(7)
+    features = rng.normal(1.0, 2.0, (3, SIZE, 6, 5)).astype(np.float32)
+    labels = rng.integers(0, 3, (3, SIZE, 6))
+    for step, ranks in enumerate(counts):
+        for rank, real in enumerate(ranks):
+            features[step, rank, real:] = 50.0
+    per_example = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction=None)
+
+    def model() -> keras.Model:
+        keras.utils.set_random_seed(11)
+        return keras.Sequential([keras.Input((5,)), keras.layers.Dense(8, use_bias=False),
+                                 keras.layers.BatchNormalization(synchronized=True),
+                                 keras.layers.Dense(3)])
+
+    ours, reference = model(), model()
+
+    @tf.function
+    def rank_step(x, y, real, total):
+        with tf.GradientTape() as tape:
+            with batch_rows(real):
+                losses = per_example(y, ours(x, training=True))
+            loss = tf.reduce_sum(tf.where(real, losses, 0.0)) / total
+        variables = ours.trainable_variables
+        gradients = hvd.collectives().allreduce_sum(tape.gradient(loss, variables))
+        for variable, gradient in zip(variables, gradients):
+            variable.assign_sub(0.5 * gradient)
+
+    @tf.function
+    def one_process_step(x, y):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean(per_example(y, reference(x, training=True)))
+        variables = reference.trainable_variables
+        for variable, gradient in zip(variables, tape.gradient(loss, variables)):
+            variable.assign_sub(0.5 * gradient)
+
+    with synchronized_batch_norm(ours, hvd.collectives(), every_layer=False):
+        for step, ranks in enumerate(counts):
+            rank_step(features[step, RANK], labels[step, RANK],
+                      tf.range(6) < ranks[RANK], tf.constant(float(sum(ranks))))
+    for step, ranks in enumerate(counts):
+        one_process_step(np.concatenate([features[step, r, :n] for r, n in enumerate(ranks)]),
+                         np.concatenate([labels[step, r, :n] for r, n in enumerate(ranks)]))
+    difference = max(float(np.abs(a - b).max())
+                     for a, b in zip(ours.get_weights(), reference.get_weights()))
+    assert difference < 1e-5
+    mine, theirs = hvd.allgather_object(ours.get_weights())
+    assert all(np.array_equal(a, b) for a, b in zip(mine, theirs))
 
 
 # --- allgather ---------------------------------------------------------------------------------

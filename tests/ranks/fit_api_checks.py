@@ -3,12 +3,17 @@ one job (``horovodrun -np 2 python -m fit_api_checks OUT_DIR``):
 
 1. a user's callback raises on rank 1 only: rank 1 gets its own error, rank 0 a
    ``PeerFailed`` at once (not a wait in a collective), and a second ``fit`` in the same
-   processes trains normally;
+   processes trains normally, with ``verbose=2`` and Keras callbacks that print
+   (``EarlyStopping``, ``ReduceLROnPlateau`` with ``verbose=1``): Keras' console on rank 0
+   alone;
 2. ``BackupAndRestore``: a run interrupted after epoch 2 (a callback raises on every rank),
    run again with the same callback, continues at epoch 3 and ends with the weights of an
    uninterrupted run;
 3. a ``hvdtrain.Pipeline`` written as the README shows (shuffle with the shard's seed, then
-   take this rank's part): every example is trained once per epoch, on one rank.
+   take this rank's part): every example is trained once per epoch, on one rank;
+4. synchronized batch normalisation: a layer with ``synchronized=True``, and a plain one under
+   ``sync_batch_norm=True``, on 2 ranks x 16 end where Keras' own ``fit`` of 1 x 32 ends in
+   this process (plain layers: 0.1 apart), the plain layer left plain.
 
 Rank 0 writes what every rank saw to ``OUT_DIR/checks.json``.
 """
@@ -71,9 +76,14 @@ def failure_then_another_fit(out: Path, x, y) -> dict:
     except Exception as error:  # noqa: BLE001 - what the user's script catches
         failure = f"{type(error).__name__}: {error}"
     failed_after = time.monotonic() - started
-    again = hvdtrain.fit(model(), x, y, epochs=2, run_dir=str(out / "again"), **OPTIONS)
+    # Each stops or lowers the rate after epoch 2, saying so once (rank 0).
+    saying = [keras.callbacks.EarlyStopping("loss", min_delta=10, patience=0, verbose=1),
+              keras.callbacks.ReduceLROnPlateau("loss", min_delta=10, patience=0, verbose=1)]
+    again = hvdtrain.fit(model(), x, y, epochs=2, run_dir=str(out / "again"), verbose=2,
+                         callbacks=saying, **OPTIONS)
     return {"failure": failure, "failed_after_s": failed_after,
-            "again": again.metrics, "again_fingerprints": again.fingerprints}
+            "again": again.metrics, "again_fingerprints": again.fingerprints,
+            "again_history": again.history.history}
 
 
 def backup_and_restore(out: Path, x, y) -> dict:
@@ -124,12 +134,44 @@ def pipeline_shards(out: Path, x, y) -> dict:
     return {"counts": counts.numpy().tolist()}
 
 
+def batch_norm_model(synchronized: bool) -> keras.Model:
+    """A dense layer (no bias: batch normalisation removes it, and Adam would magnify its
+    rounding-noise gradient) normalised by batch statistics."""
+    keras.utils.set_random_seed(3)
+    built = keras.Sequential([keras.Input((8, 8, 1)), keras.layers.Flatten(),
+                              keras.layers.Dense(16, use_bias=False),
+                              keras.layers.BatchNormalization(synchronized=synchronized),
+                              keras.layers.Activation("relu"),
+                              keras.layers.Dense(10, activation="softmax")])
+    built.compile(optimizer=keras.optimizers.Adam(0.01), loss="sparse_categorical_crossentropy")
+    return built
+
+
+def synchronized_batch_norm(out: Path, x, y) -> dict:
+    """Max abs weight difference from one process's ``fit`` at the global batch (320
+    examples: whole global batches), for a synchronized layer and for a plain one under the
+    option; whether the plain layer was left plain."""
+    x, y = x[:320], y[:320]
+    found = {}
+    for name, synchronized, option in (("layer", True, False), ("option", False, True)):
+        reference = batch_norm_model(synchronized)
+        reference.fit(x, y, batch_size=32, epochs=2, shuffle=False, verbose=0)
+        ours = batch_norm_model(synchronized)
+        hvdtrain.fit(ours, x, y, epochs=2, run_dir=str(out / f"bn-{name}"),
+                     sync_batch_norm=option, **OPTIONS)
+        found[name] = max(float(np.abs(a - b).max())
+                          for a, b in zip(reference.get_weights(), ours.get_weights()))
+        found[f"{name}_left_as_it_was"] = ours.layers[2].synchronized is synchronized
+    return found
+
+
 def main() -> None:
     out = Path(sys.argv[1])
     x, y = data()
     results = {"failure": failure_then_another_fit(out, x, y),
                "backup": backup_and_restore(out, x, y),
-               "pipeline": pipeline_shards(out, x, y)}
+               "pipeline": pipeline_shards(out, x, y),
+               "batch_norm": synchronized_batch_norm(out, x, y)}
     everyone = init_collectives().allgather_object(results)
     if RANK == 0:
         (out / "checks.json").write_text(json.dumps(everyone))

@@ -138,3 +138,23 @@ def test_random_states_and_op_determinism_round_trip():
     internals.set_op_determinism(not before)
     assert internals.op_determinism_enabled() == (not before)
     internals.set_op_determinism(before)
+
+
+def test_synchronized_moments_are_computed_by_the_function_sync_moments_replaced_sets():
+    """``ops.moments(..., synchronized=True)`` (a synchronized BatchNormalization's statistics)
+    reaches the replacement, float16 inputs cast to float32 first; Keras' own afterwards."""
+    from keras.src.backend.tensorflow import nn
+
+    seen = []
+
+    def moments(x, axes, keepdims):
+        seen.append((x.dtype, list(axes), keepdims))
+        return tf.zeros([3]), tf.ones([3])
+
+    keras_own = nn._compute_moments_sync
+    with internals.sync_moments_replaced(moments):
+        mean, variance = keras.ops.moments(tf.ones([4, 3], tf.float16), axes=[0],
+                                           synchronized=True)
+    assert nn._compute_moments_sync is keras_own
+    assert seen == [(tf.float32, [0], False)]
+    assert mean.dtype == tf.float16 and float(variance[0]) == 1.0
