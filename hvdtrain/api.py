@@ -60,6 +60,7 @@ def fit(model: Any, x: Any = "digits", y: Any = None, *, batch_size: int | None 
     process's would have, weight fingerprints of every rank, the trained model, the run's own
     per-epoch columns) on every rank. See the module doc."""
     from hvdtrain.data.user import KerasData, user_bundle
+    from hvdtrain.training.callbacks import KerasConsole
     from hvdtrain.training.run import Run
 
     overrides = flatten_options(options, "hvdtrain.fit")
@@ -67,8 +68,11 @@ def fit(model: Any, x: Any = "digits", y: Any = None, *, batch_size: int | None 
              "steps_per_epoch": steps_per_epoch, "shuffle": shuffle,
              "validation_split": validation_split}
     overrides.update({name: value for name, value in given.items() if value is not None})
-    if verbose != "auto":
-        overrides.setdefault("progress", verbose == 1)
+    if verbose == "auto":     # Keras' 1; progress=False, hvdtrain's option, means 0
+        verbose = 1 if overrides.get("progress", True) else 0
+    if verbose not in (0, 1, 2):
+        raise ConfigError(f"verbose={verbose!r}: Keras' verbose is 'auto', 0, 1 or 2")
+    overrides.setdefault("progress", verbose != 0)
     if validation_batch_size is not None and validation_batch_size != (batch_size or 0):
         raise ConfigError("validation_batch_size: hvdtrain validates in batches of batch_size "
                           "per rank (evaluation is exact whatever the batch); drop it")
@@ -85,5 +89,5 @@ def fit(model: Any, x: Any = "digits", y: Any = None, *, batch_size: int | None 
     config = build_config(overrides)
     factory = _model_factory(model, config.train.precision)
     label = None if isinstance(model, str) else getattr(model, "__name__", type(model).__name__)
-    return Run(config, factory, None if isinstance(x, str) else data_factory, callbacks,
-               label, validation_freq).execute()
+    return Run(config, factory, None if isinstance(x, str) else data_factory,
+               [*callbacks, KerasConsole(verbose)], label, validation_freq).execute()

@@ -338,3 +338,23 @@ def sync_moments_replaced(moments: Callable[[Any, Any, bool], tuple[Any, Any]]
         yield
     finally:
         nn._compute_moments_sync = keras_own
+
+
+@contextlib.contextmanager
+def keras_messages_silenced(silenced: bool = True) -> Iterator[None]:
+    """Keras' console messages dropped while inside (where ``silenced``): every callback of
+    Keras that prints (``EarlyStopping``, ``ModelCheckpoint``, ``ReduceLROnPlateau``... with
+    ``verbose=1``) and its progress bar print through ``io_utils.print_msg``, looked up on the
+    module at each call. How ranks other than 0 stay quiet without touching the user's
+    callbacks; Keras' own function again afterwards."""
+    from keras.src.utils import io_utils
+
+    if not silenced:
+        yield
+        return
+    keras_print = io_utils.print_msg
+    io_utils.print_msg = lambda message, line_break=True: None
+    try:
+        yield
+    finally:
+        io_utils.print_msg = keras_print

@@ -228,9 +228,10 @@ def resume_metrics_files(run_dir: Path, epoch: int, checkpoint_metrics: dict[str
 
 
 class Progress(keras.callbacks.Callback):
-    """Rank 0: a progress bar with examples/second, then a one-line summary per epoch: Keras'
-    logs, then the run's own columns. Epochs and steps come from Keras' ``params``; the bar's
-    rate from the run's ``Throughput``."""
+    """Rank 0 of the command line (``hvdtrain.fit`` shows ``KerasConsole`` instead): a progress
+    bar with examples/second, then a one-line summary per epoch: Keras' logs, then the run's
+    own columns. Epochs and steps come from Keras' ``params``; the bar's rate from the run's
+    ``Throughput``."""
 
     def __init__(self, throughput: Throughput, columns: RunColumnsLog, show_bar: bool,
                  interactive: bool, stream=None) -> None:
@@ -272,6 +273,22 @@ class Progress(keras.callbacks.Callback):
         self.stream.write(f"epoch {epoch + 1}/{self.params['epochs']}  {text}  {rate:,.0f} "
                           "ex/s\n")
         self.stream.flush()
+
+
+class KerasConsole(keras.callbacks.ProgbarLogger):
+    """``hvdtrain.fit``'s console: Keras' own progress bar (``verbose=1``) or line per epoch
+    (``verbose=2``) on rank 0, as ``model.fit(verbose=...)`` shows them. ``hvdtrain.fit`` hands
+    it to the run with the user's callbacks; ``standard_callbacks`` takes it out of them and
+    fires it last on rank 0, after the epoch end made the logs exact, in place of hvdtrain's own
+    ``Progress`` (the command line's). Its ``verbose`` is its own: the ``params`` a loop sets
+    do not change it."""
+
+    def __init__(self, verbose: int) -> None:
+        super().__init__()
+        self.fit_verbose = verbose
+
+    def set_params(self, params: dict) -> None:
+        super().set_params({**params, "verbose": self.fit_verbose})
 
 
 @dataclass(frozen=True)

@@ -3,7 +3,8 @@ loop, the elastic loop): the liveness phase begins, the exact global metrics rep
 rank's own, batch-norm statistics become the ranks' mean, validation adds ``val_*``, the user's
 callbacks see those logs (a decision such as early stopping is then alike on every rank), rank
 0 checkpoints and the ranks agree whether to stop, and only then rank 0 writes its files and
-reports. The loops reach it through ``RunCallbacks.on_epoch_end``."""
+reports (``hvdtrain.fit``: Keras' own progress bar, which so shows the exact values). The loops
+reach it through ``RunCallbacks.on_epoch_end``."""
 
 from __future__ import annotations
 
@@ -14,9 +15,9 @@ import keras
 
 from hvdtrain.collectives import Collectives, assign_across_ranks
 from hvdtrain.keras_internals import pythonified_logs, sublayers
-from hvdtrain.training.callbacks import (DataRanOut, EpochMetrics, LivenessHooks, MetricsFiles,
-                                         Progress, RunHooks, StopOnDivergence, TensorBoardEvents,
-                                         rank_aware, validates_after)
+from hvdtrain.training.callbacks import (DataRanOut, EpochMetrics, KerasConsole, LivenessHooks,
+                                         MetricsFiles, Progress, RunHooks, StopOnDivergence,
+                                         TensorBoardEvents, rank_aware, validates_after)
 from hvdtrain.training.checkpointing import Checkpointing
 from hvdtrain.training.run_columns import NoteRunColumns, Throughput
 from hvdtrain.training.step import TrainingStep
@@ -45,12 +46,25 @@ class EpochEnd:
     statistics: list[Any] = field(default_factory=list)
 
     def results(self, epoch: int, logs: dict) -> None:
-        """Exact global metrics, averaged batch-norm statistics, validation: into ``logs``."""
+        """Exact global metrics, averaged batch-norm statistics, validation: into ``logs``, in
+        the order Keras gives them (``keras_ordered``)."""
         logs.update(self.step.epoch_results(logs))
         if self.statistics and self.collectives.world.size > 1:
             assign_across_ranks(self.collectives, self.statistics, mean=True)
         if self.evaluate is not None and validates_after(epoch, self.validation_freq):
             logs.update(self.evaluate())
+        keras_ordered(logs)
+
+
+def keras_ordered(logs: dict) -> None:
+    """Put an epoch's logs, in place, in the order Keras' ``fit`` hands them to callbacks: its
+    ``CallbackList`` makes them anew from the training and validation results together,
+    sorted by name (``accuracy, loss, val_accuracy, val_loss``), so ``History`` and
+    ``CSVLogger`` list their columns in that order; keys a callback adds later
+    (``ReduceLROnPlateau``'s ``learning_rate``) follow."""
+    ordered = pythonified_logs(logs)
+    logs.clear()
+    logs.update(ordered)
 
 
 @dataclass
@@ -58,13 +72,18 @@ class CallbackGroups:
     """The run's callbacks in the places the epoch end fires them: ``before`` the metrics are
     reduced (liveness, data, divergence, clocks, rates), once the logs are exact hvdtrain's
     ``own`` (the run's columns, the plateau schedule) and then the ``user``'s, ``after`` the
-    checkpoint (rank 0's files and progress). Every other hook fires in that order too."""
+    checkpoint (rank 0's files and progress). Every other hook fires in that order too.
+    ``verbose``: Keras' ``verbose`` in every callback's ``params``, as ``model.fit`` sets it
+    (``hvdtrain.fit``'s; 0 on the command line); ``chief``: this is rank 0, the one rank whose
+    Keras messages show (the loops silence the others', ``keras_messages_silenced``)."""
 
     before: list[keras.callbacks.Callback]
     own: list[keras.callbacks.Callback]
     user: list[keras.callbacks.Callback]
     after: list[keras.callbacks.Callback]
     epoch_end: EpochEnd | None    # None: callbacks alone (a loop's own test)
+    verbose: int = 0
+    chief: bool = True
 
     def all(self) -> list[keras.callbacks.Callback]:
         return [*self.before, *self.own, *self.user, *self.after]
@@ -78,7 +97,7 @@ class RunCallbacks(keras.callbacks.CallbackList):
                  steps: int | None, last: Sequence[keras.callbacks.Callback] = ()) -> None:
         self.groups, self.last = groups, list(last)
         super().__init__([*groups.all(), *self.last], add_history=False, add_progbar=False,
-                         model=model, epochs=epochs, steps=steps, verbose=0)
+                         model=model, epochs=epochs, steps=steps, verbose=groups.verbose)
 
     def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
         end_epoch(self.groups, epoch, pythonified_logs(logs), self.last)
@@ -117,8 +136,14 @@ def standard_callbacks(hooks: RunHooks) -> CallbackGroups:
     """The callbacks of a run and its epoch end. The user's callbacks run on every rank (their
     logs hold the exact global metrics and validation, equal on every rank, and no key one plain
     ``model.fit`` would not have; writers on rank 0 only); rank 0's own writers and report add
-    the run's columns to what they record."""
+    the run's columns to what they record. Rank 0 reports with ``hvdtrain.fit``'s
+    ``KerasConsole`` where it came with the user's callbacks (unless they hold a
+    ``ProgbarLogger`` of their own, which Keras then shows instead, as ``model.fit`` does),
+    otherwise with hvdtrain's ``Progress``."""
     model, world, report = hooks.step.model, hooks.collectives.world, hooks.reporting
+    console = next((c for c in hooks.user_callbacks if isinstance(c, KerasConsole)), None)
+    user = [c for c in hooks.user_callbacks if c is not console]
+    own_bar = any(isinstance(c, keras.callbacks.ProgbarLogger) for c in user)
     throughput = Throughput(report.global_batch)
     liveness = (LivenessHooks(hooks.liveness, hooks.collectives) if hooks.liveness is not None
                 else None)
@@ -156,7 +181,13 @@ def standard_callbacks(hooks: RunHooks) -> CallbackGroups:
                 "TensorBoard events"))
         if report.tracking is not None:
             after.append(report.tracking)
-        after.append(Progress(throughput, columns, report.show_progress, report.interactive))
+        if console is None:
+            after.append(Progress(throughput, columns, report.show_progress,
+                                  report.interactive))
+        elif console.fit_verbose and not own_bar:
+            after.append(console)
     end = EpochEnd(hooks.step, hooks.collectives, checkpointing, liveness, hooks.evaluate,
                    hooks.validation_freq, batch_norm_statistics(model))
-    return CallbackGroups(before, own, rank_aware(hooks.user_callbacks, world), after, end)
+    return CallbackGroups(before, own, rank_aware(user, world), after, end,
+                          verbose=0 if console is None else console.fit_verbose,
+                          chief=world.is_chief)

@@ -9,6 +9,10 @@ paths read the same stream of batches and fire the same callbacks at the same po
 config gives the same result on both.
 Epochs of different lengths (a resumed partial epoch, ``steps_per_epoch`` not dividing a pass)
 are several ``fit`` calls (``fit_segments``) on one iterator, so the data never restarts.
+Keras' console is the run's callbacks' (rank 0's ``KerasConsole``, fired after the epoch end,
+one progress bar across the calls), never ``fit``'s own; Keras' messages on the other ranks are
+silenced while a loop trains (``keras_messages_silenced``), so a user's
+``EarlyStopping(verbose=1)`` prints once.
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ import keras
 import tensorflow as tf
 
 from hvdtrain.data.equal_steps import Passes
-from hvdtrain.keras_internals import train_step_installed
+from hvdtrain.keras_internals import keras_messages_silenced, train_step_installed
 from hvdtrain.training.epoch_end import CallbackGroups, RunCallbacks
 from hvdtrain.training.step import TrainingStep
 
@@ -126,15 +130,15 @@ def finalized_once(model: keras.Model) -> Iterator[None]:
 def fit_loop(step: TrainingStep, dataset: tf.data.Dataset, epochs: int, initial_epoch: int,
              passes: Passes, callbacks: CallbackGroups,
              done_steps: int = 0) -> keras.callbacks.History:
-    """Train with the model's own ``fit`` (its progress bar off: hvdtrain's own shows on rank
-    0), one call per ``fit_segments`` segment."""
+    """Train with the model's own ``fit`` (its own progress bar off: the run's callbacks hold
+    rank 0's), one call per ``fit_segments`` segment."""
     model = step.model
     history = keras.callbacks.History()
     hooks = ContinuedHooks(callbacks, model, epochs, passes.keras_steps, history)
     segments = fit_segments(passes, initial_epoch, epochs, done_steps)
     shared = iter(dataset) if len(segments) > 1 else None
     finalizing = finalized_once(model) if shared is not None else contextlib.nullcontext()
-    with step_installed(step):
+    with step_installed(step), keras_messages_silenced(not callbacks.chief):
         with finalizing:
             for segment in segments:
                 hooks.offset = segment.offset
@@ -155,6 +159,14 @@ def custom_loop(step: TrainingStep, dataset: tf.data.Dataset, epochs: int, initi
                 done_steps: int = 0) -> keras.callbacks.History:
     """Train with a plain loop around one ``tf.function`` step, firing the same callbacks. A
     callback may stop training by setting ``model.stop_training``, as under ``fit``."""
+    with keras_messages_silenced(not callbacks.chief):
+        return _custom_loop(step, dataset, epochs, initial_epoch, passes, callbacks, done_steps)
+
+
+def _custom_loop(step: TrainingStep, dataset: tf.data.Dataset, epochs: int, initial_epoch: int,
+                 passes: Passes, callbacks: CallbackGroups,
+                 done_steps: int) -> keras.callbacks.History:
+    """``custom_loop`` inside its silencing of Keras' messages (not rank 0)."""
     train_step = tf.function(step.keras_step, jit_compile=False)
     model = step.model
     model.stop_training = False

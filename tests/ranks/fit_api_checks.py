@@ -3,7 +3,9 @@ one job (``horovodrun -np 2 python -m fit_api_checks OUT_DIR``):
 
 1. a user's callback raises on rank 1 only: rank 1 gets its own error, rank 0 a
    ``PeerFailed`` at once (not a wait in a collective), and a second ``fit`` in the same
-   processes trains normally;
+   processes trains normally, with ``verbose=2`` and Keras callbacks that print
+   (``EarlyStopping``, ``ReduceLROnPlateau`` with ``verbose=1``): Keras' console on rank 0
+   alone;
 2. ``BackupAndRestore``: a run interrupted after epoch 2 (a callback raises on every rank),
    run again with the same callback, continues at epoch 3 and ends with the weights of an
    uninterrupted run;
@@ -74,9 +76,14 @@ def failure_then_another_fit(out: Path, x, y) -> dict:
     except Exception as error:  # noqa: BLE001 - what the user's script catches
         failure = f"{type(error).__name__}: {error}"
     failed_after = time.monotonic() - started
-    again = hvdtrain.fit(model(), x, y, epochs=2, run_dir=str(out / "again"), **OPTIONS)
+    # Each stops or lowers the rate after epoch 2, saying so once (rank 0).
+    saying = [keras.callbacks.EarlyStopping("loss", min_delta=10, patience=0, verbose=1),
+              keras.callbacks.ReduceLROnPlateau("loss", min_delta=10, patience=0, verbose=1)]
+    again = hvdtrain.fit(model(), x, y, epochs=2, run_dir=str(out / "again"), verbose=2,
+                         callbacks=saying, **OPTIONS)
     return {"failure": failure, "failed_after_s": failed_after,
-            "again": again.metrics, "again_fingerprints": again.fingerprints}
+            "again": again.metrics, "again_fingerprints": again.fingerprints,
+            "again_history": again.history.history}
 
 
 def backup_and_restore(out: Path, x, y) -> dict:

@@ -259,30 +259,34 @@ def test_structures_keras_would_not_take_are_refused_in_one_line(arguments, mess
 
 
 def test_fit_trains_on_every_structure_as_model_fit_does(tmp_path):
-    """One process, the same start and order: a siamese model's list of inputs of two shapes
-    with validation ``(x_list, y, sample_weight)`` under hvdtrain's step, and a two-output
-    model's per-output sample weights under the model's own train_step."""
+    """One process, the same start and order, as ``model.fit``: a siamese model's list of
+    inputs of two shapes, two outputs with a sample weight per output, and validation
+    ``(x_list, y_list, sample_weight)`` under hvdtrain's step; per-output weights under the
+    model's own train_step."""
     class OwnStep(keras.Model):
         def train_step(self, data):
             return super().train_step(data)
 
+    def outputs(hidden: keras.KerasTensor) -> list:
+        return [keras.layers.Dense(1, name="one")(hidden),
+                keras.layers.Dense(2, name="two")(hidden)]
+
     def siamese():
         a, b = keras.Input((3,)), keras.Input((5,))
         joined = keras.layers.Concatenate()([keras.layers.Dense(4, activation="tanh")(a), b])
-        return keras.Model([a, b], keras.layers.Dense(1)(joined))
+        return keras.Model([a, b], outputs(joined))
 
-    def two_outputs():
+    def own_step():
         a = keras.Input((3,))
-        hidden = keras.layers.Dense(4, activation="tanh")(a)
-        return OwnStep(a, [keras.layers.Dense(1, name="one")(hidden),
-                           keras.layers.Dense(2, name="two")(hidden)])
+        return OwnStep(a, outputs(keras.layers.Dense(4, activation="tanh")(a)))
 
     rng = np.random.default_rng(3)
     x1, x2, y1, y2 = (rng.standard_normal((12, width)).astype(np.float32)
                       for width in (3, 5, 1, 2))
-    cases = [(siamese, {"x": [x1, x2], "y": y1,
-                        "validation_data": ([x1, x2], y1, W1 / 12)}),
-             (two_outputs, {"x": x1, "y": [y1, y2], "sample_weight": [W1 / 12, W2 / 100]})]
+    weights = [W1 / 12, W2 / 100]
+    cases = [(siamese, {"x": [x1, x2], "y": [y1, y2], "sample_weight": weights,
+                        "validation_data": ([x1, x2], [y1, y2], W1 / 12)}),
+             (own_step, {"x": x1, "y": [y1, y2], "sample_weight": weights})]
     for build, data in cases:
         keras.utils.set_random_seed(1)
         ours, theirs = build(), build()

@@ -158,3 +158,24 @@ def test_synchronized_moments_are_computed_by_the_function_sync_moments_replaced
     assert nn._compute_moments_sync is keras_own
     assert seen == [(tf.float32, [0], False)]
     assert mean.dtype == tf.float16 and float(variance[0]) == 1.0
+
+
+def test_keras_callbacks_print_through_the_function_silenced_on_other_ranks(capsys):
+    """Keras' printing callbacks (``EarlyStopping(verbose=1)`` here) and its progress bar print
+    through the function ``keras_messages_silenced`` replaces: nothing inside it, Keras' own
+    printing again after it (and always where it is not asked to silence)."""
+    stopping = keras.callbacks.EarlyStopping(verbose=1)
+    stopping.stopped_epoch = 3                   # what it prints at train end: it stopped
+    bar = keras.callbacks.ProgbarLogger()
+    bar.set_params({"verbose": 1, "epochs": 2, "steps": 1})
+
+    def print_both() -> str:
+        stopping.on_train_end()
+        bar.on_epoch_begin(0)
+        return capsys.readouterr().out
+
+    with internals.keras_messages_silenced():
+        assert print_both() == ""
+    with internals.keras_messages_silenced(False):
+        assert "Epoch 1/2" in print_both()
+    assert print_both() == "Epoch 4: early stopping\nEpoch 1/2\n"

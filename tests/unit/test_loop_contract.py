@@ -1,7 +1,8 @@
 """One callback contract for the training loops (single process, a world of one): Keras ``fit``
 and the custom loop fire the same hooks in the same order with the same ``params``, for a
 whole run, for one resumed mid-epoch, and for ``steps_per_epoch`` that does not divide a pass
-(epochs of different lengths, Keras' reading: several ``fit`` calls over one stream)."""
+(epochs of different lengths, Keras' reading: several ``fit`` calls over one stream); both show
+Keras' console (``KerasConsole``) as one ``model.fit`` would, on rank 0 alone."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import tensorflow as tf
 
 from hvdtrain.collectives import LocalCollectives
 from hvdtrain.data.equal_steps import Passes
+from hvdtrain.training.callbacks import KerasConsole
 from hvdtrain.training.epoch_end import CallbackGroups
 from hvdtrain.training.loops import LOOPS
 from hvdtrain.training.objective import Objective, probe
@@ -62,7 +64,10 @@ class FinalizingSGD(keras.optimizers.SGD):
 RECORDING: list[Recorder] = []
 
 
-def _run(loop: str, initial_epoch: int, done_steps: int, passes: Passes) -> list[tuple]:
+def _run(loop: str, initial_epoch: int, done_steps: int, passes: Passes,
+         chief: bool = True) -> list[tuple]:
+    """The recorder's calls; the user's group holds a Keras callback that prints at every
+    epoch's begin, rank 0's ``after`` group Keras' console at ``verbose=2``."""
     keras.utils.set_random_seed(1)
     model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
     optimizer = FinalizingSGD(0.1)
@@ -78,18 +83,35 @@ def _run(loop: str, initial_epoch: int, done_steps: int, passes: Passes) -> list
     probe(model, objective, next(iter(dataset)), [step.train_metrics], "test model")
     recorder = Recorder()
     RECORDING[:] = [recorder]
+    says_rate = keras.callbacks.LearningRateScheduler(lambda epoch, rate: rate, verbose=1)
+    console = [KerasConsole(2)] if chief else []
     LOOPS[loop](step, dataset, EPOCHS, initial_epoch, passes,
-                CallbackGroups([recorder], [], [], [], None), done_steps)
+                CallbackGroups([recorder], [], [says_rate], console, None, verbose=2,
+                               chief=chief), done_steps)
     return recorder.calls
+
+
+def _shows_keras_console(shown: str, initial_epoch: int, steps: int) -> None:
+    """Keras' console, one line per epoch (verbose=2) across the fit calls of the run, after
+    the user's callback's line, as one ``model.fit`` shows them."""
+    expected = [line for epoch in range(initial_epoch + 1, EPOCHS + 1) for line in (
+        f"Epoch {epoch}: LearningRateScheduler setting learning rate to 0.1",
+        f"Epoch {epoch}/{EPOCHS}", f"{steps}/{steps} - ")]
+    lines = [line for line in shown.splitlines() if line]
+    assert len(lines) == len(expected), shown
+    assert all(line.startswith(start) for line, start in zip(lines, expected)), shown
+    assert all(" - loss: " in line for line in lines[2::3]), shown
 
 
 @pytest.mark.parametrize("initial_epoch,done_steps,steps_per_epoch",
                          [(0, 0, None), (1, 2, None), (0, 0, 2), (0, 1, 2)])
 def test_fit_and_the_custom_loop_fire_the_same_hooks_with_the_same_params(
-        initial_epoch, done_steps, steps_per_epoch):
+        initial_epoch, done_steps, steps_per_epoch, capsys):
     passes = Passes(STEPS, steps_per_epoch, initial_epoch)
     fit = _run("fit", initial_epoch, done_steps, passes)
+    _shows_keras_console(capsys.readouterr().out, initial_epoch, steps_per_epoch or STEPS)
     custom = _run("custom", initial_epoch, done_steps, passes)
+    _shows_keras_console(capsys.readouterr().out, initial_epoch, steps_per_epoch or STEPS)
     assert fit == custom
     assert fit[0][0] == "train_begin" and fit[-1][0] == "train_end"
     hooks = [call[0] for call in fit]
@@ -105,3 +127,16 @@ def test_fit_and_the_custom_loop_fire_the_same_hooks_with_the_same_params(
         expected += list(range(length))
     assert batches == expected
     assert {(c[2], c[3]) for c in fit} == {(EPOCHS, steps_per_epoch or STEPS)}
+
+
+@pytest.mark.parametrize("loop", ["fit", "custom"])
+def test_keras_prints_nothing_on_other_ranks_and_again_after_training(loop, capsys):
+    """Not rank 0: a user's Keras callback with ``verbose=1`` trains as written and prints
+    nothing while the loop runs; Keras prints again once it ends."""
+    calls = _run(loop, 0, 0, Passes(STEPS, None, 0), chief=False)
+    assert [call[0] for call in calls].count("epoch_end") == EPOCHS
+    assert capsys.readouterr().out == ""
+    stopping = keras.callbacks.EarlyStopping(verbose=1)
+    stopping.stopped_epoch = 1
+    stopping.on_train_end()
+    assert capsys.readouterr().out == "Epoch 2: early stopping\n"

@@ -1,11 +1,13 @@
 """``hvdtrain.fit`` as a script or notebook uses it, with real ranks (``fit_api_checks``): a
 failure on one rank leaves no rank waiting and the next ``fit`` works; Keras'
 ``BackupAndRestore`` continues an interrupted run exactly; a user pipeline shards without
-overlap; synchronized batch normalisation trains as one process with the global batch."""
+overlap; synchronized batch normalisation trains as one process with the global batch;
+Keras' console and its callbacks' messages show once, from rank 0."""
 
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -15,12 +17,18 @@ pytestmark = pytest.mark.distributed
 
 
 @pytest.fixture(scope="module")
-def checks(tmp_path_factory) -> list[dict]:
+def launched(tmp_path_factory) -> tuple[list[dict], str]:
+    """What every rank saw, and what the job printed (both ranks' stdout)."""
     out = tmp_path_factory.mktemp("fit-api")
     result = launch(LAUNCHER, 2, [str(out)], module="fit_api_checks", cwd=out, timeout=300,
                     PYTHONPATH=RANK_PYTHONPATH)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    return json.loads((out / "checks.json").read_text())
+    return json.loads((out / "checks.json").read_text()), result.stdout
+
+
+@pytest.fixture(scope="module")
+def checks(launched) -> list[dict]:
+    return launched[0]
 
 
 def test_an_error_on_one_rank_ends_both_at_once_and_the_next_fit_works(checks):
@@ -30,6 +38,24 @@ def test_an_error_on_one_rank_ends_both_at_once_and_the_next_fit_works(checks):
     assert rank0["failed_after_s"] < 30 and rank1["failed_after_s"] < 30
     assert len(set(rank0["again_fingerprints"])) == 1
     assert rank0["again_fingerprints"] == rank1["again_fingerprints"]
+
+
+def test_keras_console_and_callback_messages_show_once_with_the_exact_values(launched):
+    """``verbose=2``: Keras' line per epoch, from rank 0 alone, ending with the exact global
+    values the History holds (Keras' order); ``EarlyStopping`` and ``ReduceLROnPlateau`` with
+    ``verbose=1`` say their one message once, not once per rank."""
+    checks, output = launched
+    history = checks[0]["failure"]["again_history"]
+    assert history == checks[1]["failure"]["again_history"]
+    assert list(history) == ["accuracy", "loss", "learning_rate"]
+    assert output.count("Epoch 2/2") == 1
+    lines = re.findall(r"\d+/\d+ - \d+s - [^\n]*", output)
+    assert len(lines) == 2, output[-3000:]
+    for epoch, line in enumerate(lines):
+        assert (f"- accuracy: {history['accuracy'][epoch]:.4f} - loss: "
+                f"{history['loss'][epoch]:.4f} - learning_rate: ") in line, line
+    assert output.count("Epoch 2: early stopping") == 1
+    assert output.count("Epoch 2: ReduceLROnPlateau reducing learning rate") == 1
 
 
 def test_backup_and_restore_continues_an_interrupted_run_exactly(checks):
