@@ -10,7 +10,7 @@ tested range.
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Iterator
 
 import keras
 
@@ -23,33 +23,9 @@ def compile_arguments(model: keras.Model) -> dict[str, Any]:
     return dict(getattr(getattr(model, "_compile_config", None), "config", {}) or {})
 
 
-def compile_metrics(metrics: Any, weighted_metrics: Any,
-                    output_names: Sequence[str] | None) -> keras.metrics.Metric:
-    """A fresh copy of Keras' own container of compiled metrics (it resolves names such as
-    "accuracy" per output exactly as ``compile`` does)."""
-    from keras.src.trainers.compile_utils import CompileMetrics
-
-    return CompileMetrics(metrics, weighted_metrics, output_names=output_names)
-
-
-def flat_compiled_metrics(container: keras.metrics.Metric) -> list[keras.metrics.Metric]:
-    """The metric objects a ``compile_metrics`` container holds (None where an output has
-    none)."""
-    return [metric for metric in getattr(container, "_flat_metrics", []) +
-            getattr(container, "_flat_weighted_metrics", []) if metric is not None]
-
-
 def sublayers(model: keras.Model) -> list[keras.layers.Layer]:
     """Every layer inside ``model``, nested models' layers included."""
     return list(model._flatten_layers(include_self=False))
-
-
-def same_rank(y_true: Any, y_pred: Any) -> tuple[Any, Any]:
-    """Targets and predictions as a Keras ``Loss`` sees them: a trailing axis of size 1 added
-    or removed so the ranks match (labels of shape (N,) against an output of (N, 1))."""
-    from keras.src.losses.loss import squeeze_or_expand_to_same_rank
-
-    return squeeze_or_expand_to_same_rank(y_true, y_pred)
 
 
 def optimizer_variables_built_for(optimizer: keras.optimizers.Optimizer) -> list[Any]:
@@ -231,13 +207,45 @@ def set_op_determinism(enabled: bool) -> None:
     (config.enable_op_determinism if enabled else config.disable_op_determinism)()
 
 
-def build_compiled_metrics(model: keras.Model, y_true: Any, y_pred: Any) -> None:
-    """Create the state of the model's compiled metrics (it depends on the outputs' shapes)
-    without updating them: Keras builds them at the first ``compute_metrics``, which would
-    count a batch the user's metrics must not see (``model._compile_metrics``)."""
-    metrics = getattr(model, "_compile_metrics", None)
-    if metrics is not None and not metrics.built:
-        metrics.build(y_true, y_pred)
+def build_symbolically(model: keras.Model, x: Any, y: Any, sample_weight: Any) -> None:
+    """Keras' own build before ``fit`` (``model._symbolic_build``): the model, its compiled
+    loss and metrics and its optimizer built from the shapes of a batch, with symbolic tensors
+    only, so no real row reaches the model's ``call`` and no metric counts one."""
+    model._symbolic_build(data_batch=(x, y, sample_weight))
+
+
+def output_specs(model: keras.Model, x: Any) -> Any:
+    """The model's outputs on ``x`` as Keras' symbolic pass gives them (shapes and dtypes)."""
+    from keras.src import backend
+
+    symbolic = _symbolic(x)
+    return backend.compute_output_spec(model, symbolic, training=False)
+
+
+def _symbolic(values: Any) -> Any:
+    import tensorflow as tf
+    from keras.src import backend
+
+    return tf.nest.map_structure(lambda v: backend.KerasTensor(
+        v.shape, backend.standardize_dtype(v.dtype)), values)
+
+
+def first_rows(value: Any, count: Any) -> Any:
+    """``value[:count]`` with the Keras mask that Keras' losses read from a masked output
+    (``_keras_mask``) cut the same way."""
+    from keras.src.backend import get_keras_mask, set_keras_mask
+
+    mask = get_keras_mask(value)
+    cut = value[:count]
+    if mask is not None:
+        set_keras_mask(cut, mask[:count])
+    return cut
+
+
+def loss_tracker(model: keras.Model) -> keras.metrics.Metric:
+    """The ``Mean`` that Keras' ``train_step`` and ``test_step`` feed each batch's loss
+    (weighted by its rows), reported as ``loss`` (``model._loss_tracker``)."""
+    return model._loss_tracker
 
 
 @contextlib.contextmanager

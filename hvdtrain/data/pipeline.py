@@ -7,8 +7,8 @@ last global batch is spread evenly over the ranks (each rank's batch is then sho
 rows, marked by a loss weight > 0, come first and the rest of its slots are weight-0 padding
 the step leaves out), under ``drop`` it is skipped. Each real example weighs 1/(examples in its
 global batch, or in the k batches of one accumulated update). Evaluation under a model's own
-``test_step`` (``equal_steps`` false) takes examples r, r+N, ... unpadded. The plan is made of TensorFlow ops,
-so one ``tf.data`` pipeline covers every epoch.
+``test_step`` (``equal_steps`` false) takes examples r, r+N, ... unpadded. The plan is made of
+TensorFlow ops, so one ``tf.data`` pipeline covers every epoch.
 """
 
 from __future__ import annotations

@@ -36,9 +36,12 @@ def resolved_remainder(config: Config, own_step: str | None, planned: bool = Tru
     remainder = config.data.remainder
     cannot_pad = own_step is not None and (not planned or config.optim.zero_stage)
     if cannot_pad and remainder == "pad":
-        raise AgreedError(f"--remainder pad would fill a short rank of this data with a batch "
-                          f"repeated at weight zero, which the model's own step ({own_step}) "
-                          "would count in its metrics; use --remainder drop (or auto)")
+        why = ("under --zero-stage its optimizers average the ranks' gradients unweighted, so "
+               "a rank's short last batch would count as much as a whole one" if planned else
+               "a short rank of this data would repeat a batch at weight zero, which its own "
+               "metrics would count")
+        raise AgreedError(f"--remainder pad cannot be exact for the model's own step "
+                          f"({own_step}): {why}; use --remainder drop (or auto)")
     if remainder == "auto":
         return "drop" if cannot_pad else "pad"
     return remainder

@@ -126,30 +126,38 @@ def _rows(values: Any, start: int, stop: int) -> Any:
 
 def measured_share(model: keras.Model, batch: tuple) -> LossShare:
     """The model's ``LossShare``, measured with Keras' own ``compute_loss`` on a real batch's
-    targets, predictions of the outputs' shapes and uneven sample weights, whole and in two
-    parts: the loss that equals its parts' mean weighted by rows, by sample weights, or their
-    sum, divides by that. Nothing a program sees is called (not the model, no metric kept)."""
+    targets and predictions of the outputs' shapes, whole and in two parts: a loss equal to
+    its parts' mean weighted by rows divides by rows, unless with uneven sample weights it is
+    their mean weighted by summed sample weights (then it divides by those); one equal to its
+    parts' sum is a ``sum``; any other couples rows. Nothing a program sees is called (not the
+    model, no metric kept)."""
     x, y = batch[0], batch[1]
     rows = int(tf.shape(tf.nest.flatten(x)[0])[0])
     if rows < 2:
         return LossShare()
     predictions = _synthetic_predictions(model, x)
-    weights = tf.constant(np.linspace(0.5, 1.5, rows), tf.float32)
-    half = rows // 2
     # Keras adds the model's own losses (regularisers) to every batch's loss: left out here.
     own = float(own_losses(model))
-    whole = _loss_value(model, y, predictions, weights) - own
-    parts = [_loss_value(model, _rows(y, lo, hi), _rows(predictions, lo, hi), weights[lo:hi])
-             - own for lo, hi in ((0, half), (half, rows))]
+    half = rows // 2
+    cuts = ((0, half), (half, rows))
+
+    def values(weights: tf.Tensor) -> tuple[float, list[float]]:
+        whole = _loss_value(model, y, predictions, weights) - own
+        return whole, [_loss_value(model, _rows(y, lo, hi), _rows(predictions, lo, hi),
+                                   weights[lo:hi]) - own for lo, hi in cuts]
+
+    def mean_of(parts: list[float], sizes: list[float]) -> float:
+        return (sizes[0] * parts[0] + sizes[1] * parts[1]) / sum(sizes)
+
+    whole, parts = values(tf.ones([rows]))
+    uneven = tf.constant(np.linspace(0.5, 1.5, rows), tf.float32)
+    weighted_whole, weighted_parts = values(uneven)
     model.reset_metrics()      # the compiled loss's per-output trackers counted the probes
-    by_rows = (half * parts[0] + (rows - half) * parts[1]) / rows
-    summed_weights = [float(tf.reduce_sum(weights[:half])), float(tf.reduce_sum(weights[half:]))]
-    by_weights = ((summed_weights[0] * parts[0] + summed_weights[1] * parts[1])
-                  / sum(summed_weights))
-    if _close(whole, by_weights) and not _close(whole, by_rows):
-        return LossShare("sample_weight")
-    if _close(whole, by_rows):
-        return LossShare("rows")
+    if _close(whole, mean_of(parts, [half, rows - half])):
+        summed = [float(tf.reduce_sum(uneven[lo:hi])) for lo, hi in cuts]
+        by_weights = _close(weighted_whole, mean_of(weighted_parts, summed))
+        by_rows = _close(weighted_whole, mean_of(weighted_parts, [half, rows - half]))
+        return LossShare("sample_weight" if by_weights and not by_rows else "rows")
     if _close(whole, parts[0] + parts[1]):
         return LossShare("sum")
     return LossShare("rows", coupled=True)

@@ -248,12 +248,12 @@ class StepMath:
         with tf.GradientTape() as tape:
             predictions = self.model(leading(x, computed_rows(weights)), training=True)
             y, predictions, sample_weight = leading((y, predictions, sample_weight), count)
-            loss = self.model.compute_loss(y=y, y_pred=predictions, sample_weight=sample_weight,
-                                           training=True)
+            loss = batch_loss(self.model.compute_loss(
+                y=y, y_pred=predictions, sample_weight=sample_weight, training=True))
             share = self.share.of(count, sample_weight)
             if self.share.divides:    # counted against the global batch: a mean's scale
                 share /= self.options.global_batch
-            weighted = self.share.weighted(tf.cast(loss, tf.float32), share,
+            weighted = self.share.weighted(loss, share,
                                            own_losses(self.model), self.collectives.world.size)
             scaled = self.optimizer.scale_loss(weighted) if self.loss_scaling else weighted
         gradients = tape.gradient(scaled, self.model.trainable_variables)
@@ -271,6 +271,12 @@ class StepMath:
             self._apply(gradients, weighted, share)
             loss = self.global_loss.read_value()
         return keras_metrics(self.model, loss, *real)
+
+
+def batch_loss(loss: tf.Tensor) -> tf.Tensor:
+    """Keras' loss of a batch as one float32 value: a batch of no rows (a filler's) gives an
+    empty tensor in Keras, here 0."""
+    return tf.reduce_sum(tf.cast(loss, tf.float32))
 
 
 def divided(gradient: Any, total: tf.Tensor) -> Any:
@@ -323,8 +329,8 @@ class Evaluation:
         count = real_rows(weights)
         predictions = self.model(leading(x, computed_rows(weights)), training=False)
         y, predictions, sample_weight = leading((y, predictions, sample_weight), count)
-        loss = self.model.compute_loss(y=y, y_pred=predictions, sample_weight=sample_weight,
-                                       training=False)
+        loss = batch_loss(self.model.compute_loss(
+            y=y, y_pred=predictions, sample_weight=sample_weight, training=False))
         return loss, y, predictions, sample_weight, count
 
     def _eval_step(self, x, y, sample_weight: Any, weights: tf.Tensor) -> None:

@@ -30,7 +30,7 @@ from hvdtrain.training.callbacks import Reporting, RunHooks
 from hvdtrain.training.checkpointing import Checkpointing, CheckpointPlan, ResumePoint
 from hvdtrain.training.data_plan import agreed_pass_steps
 from hvdtrain.training.liveness import Liveness
-from hvdtrain.training.objective import Objective
+from hvdtrain.training.objective import LossShare, build_for_training
 from hvdtrain.training.own_step import OwnStep
 from hvdtrain.training.restore import starting_point
 from hvdtrain.training.schedule import RateControl, make_schedule
@@ -93,7 +93,7 @@ def _model(dropout: bool = False) -> keras.Model:
 
 def _step(collectives: ScriptedCollectives, model: keras.Model,
           options: StepOptions = StepOptions()) -> StepMath:
-    return StepMath(model, model.optimizer, collectives, Objective.for_model(model), options)
+    return StepMath(model, model.optimizer, collectives, LossShare(), options)
 
 
 def _checkpointing(collectives: ScriptedCollectives, step: StepMath, run_dir: Path,
@@ -124,9 +124,10 @@ def _batch(rows: int = 4) -> tuple:
 
 
 def _peer_votes(stop: float, callback_stop: float = 0.0):
-    """The other rank's share of one step's reduction: no gradient, no loss, its two votes
-    (the step sends gradients, then loss, stop vote and callback stop vote)."""
-    return lambda sent: [*(tf.zeros_like(t) for t in sent[:-3]), 0.0, stop, callback_stop]
+    """The other rank's share of one step's reduction: no gradient, no loss, no rows (a filler
+    batch), its two votes (the step sends gradients, then its weighted loss, its share of the
+    global batch, stop vote and callback stop vote)."""
+    return lambda sent: [*(tf.zeros_like(t) for t in sent[:-4]), 0.0, 0.0, stop, callback_stop]
 
 
 # --- checkpoint agreement ----------------------------------------------------------------------
@@ -215,7 +216,8 @@ def test_the_other_ranks_stop_vote_reaches_this_rank_in_the_steps_own_reduction(
     """Rank 1 casts no vote, rank 0 does: the sum reaches rank 1 with the step's update, in
     the gradients' reduction (or, with fp16 gradients, in the loss's own allreduce)."""
     if fp16:
-        script = [Sum([[0.0, 1.0, 0.0]]), Sum([lambda sent: [tf.zeros_like(t) for t in sent]])]
+        script = [Sum([[0.0, 0.0, 1.0, 0.0]]),
+                  Sum([lambda sent: [tf.zeros_like(t) for t in sent]])]
     else:
         script = [Sum([_peer_votes(stop=1.0)])]
     other = ScriptedCollectives(1, 2, script)
@@ -327,8 +329,7 @@ def test_only_rank_0_restores_the_epoch_state_of_a_resumed_epoch(tmp_path):
     for rank in (0, 1):
         collectives = ScriptedCollectives(rank, 2, [])
         step = _step(collectives, _model())
-        x, y = _batch()[:2]
-        step.train_metrics.build(y, step.model(x))
+        build_for_training(step.model, _batch(), "dense")
         saved = tuple(np.full(v.shape, 2.0 + i).tolist()
                       for i, v in enumerate(step.epoch_state_variables))
         callback = _checkpointing(collectives, step, tmp_path, ResumePoint(1, 3, saved))
@@ -348,7 +349,7 @@ def _resumable(rank: int, run_dir: Path) -> tuple[Config, CheckpointState, Check
     schedule = make_schedule(config.optim, 2, 4, config.train.epochs, 0.1)
     trainable = Trainable(model, None, model.optimizer, schedule,
                           RateControl(schedule, {"optimizer": (model.optimizer, 0.1)}),
-                          step.objective, "sgd")
+                          "sgd", LossShare())
     run = CheckpointState(model="dense", dataset="digits", input_shape=[3], num_classes=None,
                           examples=16, optimizer_classes={"optimizer": "SGD"}, world_size=2,
                           config=config.to_dict())

@@ -18,7 +18,7 @@ from hvdtrain.config import Config, DataConfig, OptimConfig, TrainConfig
 from hvdtrain.data.contract import ArraySplit, DataBundle
 from hvdtrain.data.pipeline import ShardSpec
 from hvdtrain.training.elastic import ElasticRun, elastic_loop
-from hvdtrain.training.objective import Objective
+from hvdtrain.training.objective import build_for_training
 from hvdtrain.training.run_columns import RunColumnsLog
 from hvdtrain.training.schedule import RateControl, make_schedule
 from hvdtrain.training.step import Evaluation, StepMath
@@ -116,9 +116,10 @@ def train_elastic(tmp_path: Path, changes: set[int], user: Hooks) -> ScriptedEla
                                       progress=False),
                     data=DataConfig(shuffle=False), optim=OptimConfig(warmup_epochs=0))
     schedule = make_schedule(config.optim, 1, EXAMPLES // BATCH, EPOCHS, 0.1)
-    objective = Objective.for_model(model)
-    step = StepMath(model, model.optimizer, collectives, objective)
-    evaluation = Evaluation(model, collectives, objective)
+    build_for_training(model, next(iter(data.train.dataset(
+        ShardSpec(EXAMPLES, collectives.world, BATCH), 0, 1))), "dense")
+    step = StepMath(model, model.optimizer, collectives)
+    evaluation = Evaluation(model, collectives)
 
     def evaluate(spec: ShardSpec) -> dict[str, float]:
         return evaluation.run(data.val.dataset(spec))

@@ -15,7 +15,6 @@ from packaging.version import Version
 
 from conftest import REPO
 from hvdtrain import keras_internals as internals
-from hvdtrain.training.objective import leaf_metrics
 
 
 def _compiled() -> keras.Model:
@@ -66,27 +65,19 @@ def test_backup_and_restore_sets_the_epoch_fit_starts_at(tmp_path):
     assert seen == [0, 2] and internals.initial_epoch_of(resumed) == 2
 
 
-def test_compile_arguments_and_compiled_metrics():
+def test_compile_arguments():
     model = _compiled()
     arguments = internals.compile_arguments(model)
     assert arguments["loss"] == "sparse_categorical_crossentropy"
     assert arguments["metrics"] == ["accuracy"] and "optimizer" in arguments
-    container = internals.compile_metrics(arguments["metrics"], None, None)
-    y, predictions = np.array([0, 1]), np.array([[0.9, 0.05, 0.05], [0.1, 0.8, 0.1]])
-    container.update_state(y, predictions)
-    flat = leaf_metrics(internals.flat_compiled_metrics(container))
-    assert [m.name for m in flat] == ["accuracy"]
-    assert float(container.result()["accuracy"]) == 1.0
 
 
-def test_sublayers_same_rank_and_optimizer_variables():
+def test_sublayers_and_optimizer_variables():
     inner = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)], name="inner")
     outer = keras.Sequential([keras.Input((4,)), inner, keras.layers.Dense(1)])
     assert any(layer.name == "inner" for layer in internals.sublayers(outer))
     assert len([layer for layer in internals.sublayers(outer)
                 if isinstance(layer, keras.layers.Dense)]) == 2
-    labels, outputs = internals.same_rank(tf.zeros([5]), tf.zeros([5, 1]))
-    assert labels.shape == (5, 1) and outputs.shape == (5, 1)
     optimizer = keras.optimizers.Adam()
     optimizer.build(outer.trainable_variables)
     assert [v.path for v in internals.optimizer_variables_built_for(optimizer)] == [
@@ -111,15 +102,22 @@ def test_batched_datasets_are_recognised():
         np.zeros((20, 2)), None, sequence_length=4, batch_size=3))
 
 
-def test_compiled_metrics_build_without_counting_a_batch():
-    """The probe builds the model's compiled metrics (Keras reads them at epoch ends) without
-    the update Keras' own first ``compute_metrics`` would make."""
+def test_the_symbolic_build_builds_loss_and_metrics_without_counting_a_batch():
+    """Keras' own build before ``fit`` builds the compiled loss and metrics from a batch's
+    shapes (Keras reads them at epoch ends) without an update; the outputs' specs come from
+    the same symbolic pass; the loss tracker is the metric reported as ``loss``; a masked
+    output's first rows keep their mask cut alike."""
     model = _compiled()
-    y = np.array([0, 1])
-    internals.build_compiled_metrics(model, y, model(np.ones((2, 4), np.float32)))
-    metrics = model._compile_metrics
-    assert metrics.built
-    assert all(float(np.sum(v.numpy())) == 0.0 for v in metrics.variables)
+    x, y = np.ones((2, 4), np.float32), np.array([0, 1])
+    internals.build_symbolically(model, x, y, None)
+    assert model._compile_metrics.built and model._compile_loss.built
+    assert all(float(np.sum(v.numpy())) == 0.0 for v in model._compile_metrics.variables)
+    assert internals.output_specs(model, x).shape == (2, 3)
+    assert internals.loss_tracker(model).name == "loss"
+    values = tf.ones((4, 2))
+    keras.src.backend.set_keras_mask(values, tf.constant([True, False, True, True]))
+    cut = internals.first_rows(values, 3)
+    assert keras.src.backend.get_keras_mask(cut).numpy().tolist() == [True, False, True]
 
 
 def test_random_states_and_op_determinism_round_trip():

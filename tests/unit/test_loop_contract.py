@@ -16,7 +16,7 @@ from hvdtrain.data.equal_steps import Passes
 from hvdtrain.training.callbacks import KerasConsole
 from hvdtrain.training.epoch_end import CallbackGroups
 from hvdtrain.training.loops import LOOPS
-from hvdtrain.training.objective import Objective, probe
+from hvdtrain.training.objective import build_for_training
 from hvdtrain.training.step import StepMath
 
 STEPS, EPOCHS = 3, 3
@@ -73,14 +73,13 @@ def _run(loop: str, initial_epoch: int, done_steps: int, passes: Passes,
     optimizer = FinalizingSGD(0.1)
     model.compile(optimizer=optimizer,
                   loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-    objective = Objective.for_model(model)
-    step = StepMath(model, optimizer, LocalCollectives(), objective)
+    step = StepMath(model, optimizer, LocalCollectives())
     rows = 8 * STEPS * (EPOCHS - initial_epoch)
     x = np.random.default_rng(0).standard_normal((rows, 4)).astype(np.float32)
     y = (x[:, 0] > 0).astype(np.int32)
     ones, weights = np.ones((rows,), np.float32), np.full((rows,), 1 / 8, np.float32)
     dataset = tf.data.Dataset.from_tensor_slices((x, y, ones, weights)).batch(8)
-    probe(model, objective, next(iter(dataset)), [step.train_metrics], "test model")
+    build_for_training(model, next(iter(dataset)), "test model")
     recorder = Recorder()
     RECORDING[:] = [recorder]
     says_rate = keras.callbacks.LearningRateScheduler(lambda epoch, rate: rate, verbose=1)

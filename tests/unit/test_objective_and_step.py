@@ -1,7 +1,9 @@
 """Single-process unit tests of the step math and the objective (LocalCollectives, no MPI):
-hvdtrain's loss and metrics equal Keras' own for the same compiled model, accumulation equals a
-larger batch, a non-finite loss skips the update, padding counts nowhere, and the mistakes a
-user's model can make are named before training."""
+Keras computes the loss and the metrics, so one step of hvdtrain's equals one step of Keras'
+own ``train_step`` for the same compiled model; what each loss divides by is measured right;
+accumulation equals a larger batch, a non-finite loss skips the update, padding and filler rows
+count nowhere, the model is not called on real rows before training, and a metric that cannot
+be summed is named."""
 
 from __future__ import annotations
 
@@ -9,9 +11,11 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
+from keras import ops
 
 from hvdtrain.collectives import LocalCollectives
-from hvdtrain.training.objective import BatchShares, Objective, ObjectiveError, check_output_kind
+from hvdtrain.training.objective import (LossShare, ObjectiveError, build_for_training,
+                                         measured_share)
 from hvdtrain.training.step import StepMath, StepOptions
 from workloads import two_tower_data, two_tower_model
 
@@ -20,83 +24,93 @@ def _two_tower(seed: int = 0):
     keras.utils.set_random_seed(seed)
     data = two_tower_data()
     shapes = {name: values.shape[1:] for name, values in data.x.items()}
-    return two_tower_model(shapes, 10), data
+    model = two_tower_model(shapes, 10)
+    model.optimizer = keras.optimizers.SGD(0.1)   # compiled without one: Keras' default
+    return model, data
 
 
-def test_loss_and_metrics_equal_keras_evaluate_for_a_compiled_two_output_model():
-    """Dict inputs and outputs, dict losses with loss_weights, sample weights: hvdtrain's
-    per-example loss, weighted and summed over the batch, and its metrics are what Keras'
-    own ``evaluate`` reports for the same model and batch."""
-    model, data = _two_tower()
-    rows = slice(0, 64)
-    x = {name: values[rows] for name, values in data.x.items()}
-    y = {name: values[rows] for name, values in data.y.items()}
-    weights = data.sample_weight[rows]
-    expected = model.evaluate(x, y, sample_weight=weights, batch_size=64, verbose=0,
-                              return_dict=True)
-
-    objective = Objective.for_model(model)
-    predictions = model(x, training=False)
-    total, parts = objective.per_example_losses(y, predictions)
-    loss = float(tf.reduce_sum(total * weights) / 64)
-    assert loss == pytest.approx(expected["loss"], rel=1e-5)
-    metrics = objective.new_metrics()
-    metrics.build(y, predictions)
-    metrics.update(y, predictions, total, parts, tf.constant(weights), tf.ones(64, tf.bool))
-    ours = metrics.global_results(LocalCollectives())
-    for name in ("digit_loss", "ink_loss", "digit_accuracy", "ink_mae"):
-        assert ours[name] == pytest.approx(expected[name], rel=1e-5), name
+def _rows(values, count):
+    return {name: value[:count] for name, value in values.items()}
 
 
-def test_per_output_losses_are_keras_means_of_batch_means():
-    """Keras 3 reports ``digit_loss``/``ink_loss`` as the plain mean of its batches' means (a
-    short last batch counts as much as a full one), the total loss and compiled metrics as
-    means over examples: 64 rows in batches of 48 and 16, each a global batch of two ranks'
-    halves, give Keras' columns."""
-    model, data = _two_tower()
-    x = {name: values[:64] for name, values in data.x.items()}
-    y = {name: values[:64] for name, values in data.y.items()}
-    weights = data.sample_weight[:64]
-    expected = model.evaluate(x, y, sample_weight=weights, batch_size=48, verbose=0,
-                              return_dict=True)
-    objective = Objective.for_model(model)
-    metrics = objective.new_metrics()
-    for batch in (slice(0, 48), slice(48, 64)):
-        rows = batch.stop - batch.start
-        for half in (slice(batch.start, batch.start + rows // 2),
-                     slice(batch.start + rows // 2, batch.stop)):
-            xs = {name: values[half] for name, values in x.items()}
-            ys = {name: values[half] for name, values in y.items()}
-            predictions = model(xs, training=False)
-            metrics.build(ys, predictions)
-            total, parts = objective.per_example_losses(ys, predictions)
-            count = half.stop - half.start
-            metrics.update(ys, predictions, total, parts, tf.constant(weights[half]),
-                           tf.ones(count, tf.bool),
-                           batch_shares=BatchShares(tf.fill([count], 1.0 / rows), 0.5))
-    ours = metrics.global_results(LocalCollectives())
-    assert set(ours) == set(expected)
-    for name in expected:
-        assert ours[name] == pytest.approx(expected[name], rel=1e-5), name
+def test_one_step_equals_keras_own_train_step_for_a_compiled_two_output_model():
+    """Dict inputs and outputs, dict losses with loss_weights, sample weights, a short batch
+    padded to the batch size: hvdtrain's step on the real rows updates the weights and reports
+    the metrics that Keras' own ``train_on_batch`` does for the same model and rows."""
+    keras_model, data = _two_tower()
+    ours, _ = _two_tower()
+    ours.set_weights(keras_model.get_weights())
+    x, y, sample_weight = _rows(data.x, 48), _rows(data.y, 48), data.sample_weight[:48]
+    expected = keras_model.train_on_batch(_rows(x, 40), _rows(y, 40), sample_weight[:40],
+                                          return_dict=True)
+    weights = np.where(np.arange(48) < 40, 1 / 40, 0.0).astype(np.float32)   # 8 padding rows
+    batch = (x, y, sample_weight, weights)
+    build_for_training(ours, batch, "two towers")
+    step = StepMath(ours, ours.optimizer, LocalCollectives(), options=StepOptions(global_batch=48))
+    logs = tf.function(step.keras_step)(batch)
+    for a, b in zip(keras_model.get_weights(), ours.get_weights()):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    assert sorted(logs) == sorted(expected)
+    for name, value in expected.items():
+        assert float(logs[name]) == pytest.approx(value, rel=1e-5), name
 
 
-def test_padding_rows_count_in_no_metric():
-    model, data = _two_tower()
-    x = {name: values[:8] for name, values in data.x.items()}
-    y = {name: values[:8] for name, values in data.y.items()}
-    objective = Objective.for_model(model)
-    predictions = model(x)
-    total, parts = objective.per_example_losses(y, predictions)
-    full, half = objective.new_metrics(), objective.new_metrics()
-    for metrics in (full, half):
-        metrics.build(y, predictions)
-    real = tf.constant([True] * 4 + [False] * 4)
-    half.update(y, predictions, total, parts, tf.ones(8), real)
-    first = lambda values: {k: v[:4] for k, v in values.items()}   # noqa: E731
-    total4, parts4 = objective.per_example_losses(first(y), first(predictions))
-    full.update(first(y), first(predictions), total4, parts4, tf.ones(4), tf.ones(4, tf.bool))
-    expected = full.global_results(LocalCollectives())
-    assert half.global_results(LocalCollectives()) == pytest.approx(expected, rel=1e-6)
+def contrastive(y_true, y_pred):
+    """Each prediction against the batch's mean: a loss that couples a batch's rows."""
+    return ops.mean(ops.square(y_pred - ops.mean(y_pred, axis=0)) - y_true * y_pred)
+
+
+def batch_mean(y_true, y_pred):
+    return ops.mean(ops.square(y_true - y_pred))       # one value for the whole batch
+
+
+class OwnCall(keras.losses.Loss):
+    def __call__(self, y_true, y_pred, sample_weight=None):
+        return ops.mean(ops.square(y_true - y_pred))
+
+
+@pytest.mark.parametrize("loss, expected", [
+    ("mse", LossShare("rows")),
+    (keras.losses.MeanSquaredError(reduction="mean_with_sample_weight"),
+     LossShare("sample_weight")),
+    (keras.losses.MeanSquaredError(reduction="sum"), LossShare("sum")),
+    (batch_mean, LossShare("rows")),
+    (OwnCall(), LossShare("rows")),
+    (contrastive, LossShare("rows", coupled=True)),
+])
+def test_what_the_loss_divides_by_is_measured_with_keras_own_code(loss, expected):
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((3,)),
+                              keras.layers.Dense(1, kernel_regularizer="l2")])
+    model.compile(loss=loss, optimizer="sgd")
+    rng = np.random.default_rng(0)
+    batch = (rng.standard_normal((8, 3)).astype(np.float32),
+             rng.standard_normal((8, 1)).astype(np.float32), tf.ones(8), tf.fill([8], 0.125))
+    assert measured_share(model, batch) == expected
+
+
+class Counting(keras.Model):
+    """A subclassed model that counts the calls a program could see."""
+
+    def __init__(self):
+        super().__init__()
+        self.dense = keras.layers.Dense(2, activation="softmax")
+        self.eager_calls = 0
+
+    def call(self, x):
+        if tf.executing_eagerly():
+            self.eager_calls += 1
+        return self.dense(x)
+
+
+def test_nothing_is_called_on_real_rows_or_counted_before_training():
+    model = Counting()
+    model.compile(loss="sparse_categorical_crossentropy", metrics=["accuracy"],
+                  optimizer="sgd")
+    batch = (np.ones((4, 3), np.float32), np.array([0, 1, 0, 1]), tf.ones(4), tf.fill([4], 0.25))
+    build_for_training(model, batch, "counting")
+    assert model.eager_calls == 0
+    assert all(float(value) == 0.0 for value in model.get_metrics_result().values())
 
 
 def _regression_step(accumulation: int) -> tuple[StepMath, keras.Model]:
@@ -105,8 +119,8 @@ def _regression_step(accumulation: int) -> tuple[StepMath, keras.Model]:
     model.compile(loss="mse")
     optimizer = keras.optimizers.SGD(0.1)
     optimizer.build(model.trainable_variables)
-    step = StepMath(model, optimizer, LocalCollectives(), Objective.for_model(model),
-                    StepOptions(accumulation_steps=accumulation))
+    step = StepMath(model, optimizer, LocalCollectives(), LossShare(),
+                    StepOptions(accumulation_steps=accumulation, global_batch=16))
     return step, model
 
 
@@ -135,15 +149,19 @@ def test_a_non_finite_loss_skips_the_update_and_is_reported():
         np.testing.assert_array_equal(a, b)
 
 
-def test_weights_make_the_step_loss_the_mean_over_real_examples():
-    step, _ = _regression_step(1)
+def test_padding_rows_count_nowhere_and_a_filler_batch_weighs_nothing():
+    step, model = _regression_step(1)
     x = np.ones((4, 3), np.float32)
     y = np.array([[1.0], [2.0], [3.0], [100.0]], np.float32)
-    weights = tf.constant([1 / 3, 1 / 3, 1 / 3, 0.0])          # the last row is padding
     predicted = step.model(x).numpy()
-    step.train_step(x, y, tf.ones(4), weights)
+    step.train_step(x, y, tf.ones(4), tf.constant([1 / 3, 1 / 3, 1 / 3, 0.0]))
     expected = float(np.mean((predicted[:3] - y[:3]) ** 2))
     assert float(step.global_loss.numpy()) == pytest.approx(expected, rel=1e-5)
+    before = [w.copy() for w in model.get_weights()]
+    step.train_step(x, y, tf.ones(4), tf.zeros(4))               # a filler batch
+    for a, b in zip(before, model.get_weights()):
+        np.testing.assert_array_equal(a, b)
+    assert float(model.get_metrics_result()["loss"]) == pytest.approx(expected, rel=1e-5)
 
 
 class LastValue(keras.metrics.Metric):
@@ -163,40 +181,12 @@ class LastValue(keras.metrics.Metric):
 
 def test_a_metric_without_additive_state_is_refused_by_name():
     model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
-    model.compile(loss="mse", metrics=[LastValue()])
-    objective = Objective.for_model(model)
-    x, y = np.zeros((2, 3), np.float32), np.zeros((2, 1), np.float32)
+    model.compile(loss="mse", metrics=[LastValue()], optimizer="sgd")
+    batch = (np.zeros((2, 3), np.float32), np.zeros((2, 1), np.float32), tf.ones(2),
+             tf.fill([2], 0.5))
     with pytest.raises(ObjectiveError, match="metric 'last_value' keeps state 'value' with "
                                              "aggregation 'mean'"):
-        objective.new_metrics().build(y, model(x))
-
-
-@pytest.mark.parametrize("activation, loss, message", [
-    (None, "sparse_categorical_crossentropy", "is not a probability distribution"),
-    ("softmax", keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-     "is already a probability distribution"),
-    (None, "binary_crossentropy", "has values outside \\[0, 1\\]"),
-    ("sigmoid", keras.losses.BinaryCrossentropy(from_logits=True), "lies entirely in \\[0, 1\\]"),
-])
-def test_outputs_that_do_not_fit_their_loss_are_named(activation, loss, message):
-    keras.utils.set_random_seed(2)
-    units = 1 if "binary" in str(getattr(loss, "name", loss)) else 4
-    layer = keras.layers.Dense(units, activation=activation, bias_initializer="ones")
-    model = keras.Sequential([keras.Input((3,)), layer])
-    model.compile(loss=loss)
-    x = np.random.default_rng(0).standard_normal((32, 3)).astype(np.float32) * 3
-    with pytest.raises(ObjectiveError, match=message):
-        check_output_kind(Objective.for_model(model), model(x))
-
-
-def test_an_uncompiled_model_gets_the_default_objective():
-    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(4, activation="softmax")])
-    objective = Objective.for_model(model)
-    assert not objective.compiled.compiled
-    metrics = objective.new_metrics()
-    y, predictions = np.array([0, 1]), model(np.zeros((2, 3), np.float32))
-    metrics.build(y, predictions)
-    assert set(metrics.local_results()) == {"loss", "accuracy"}
+        build_for_training(model, batch, "last value")
 
 
 def test_the_models_jit_compile_compiles_the_forward_and_backward_pass_alone():
@@ -214,14 +204,14 @@ def test_the_models_jit_compile_compiles_the_forward_and_backward_pass_alone():
                                   keras.layers.Dense(3, activation="softmax")])
         model.compile(optimizer=keras.optimizers.Adam(0.01), jit_compile=True,
                       loss="sparse_categorical_crossentropy")
-        model.optimizer.build(model.trainable_variables)
-        step = StepMath(model, model.optimizer, LocalCollectives(), Objective.for_model(model),
-                        StepOptions(xla=xla))
+        build_for_training(model, batch, "xla")
+        step = StepMath(model, model.optimizer, LocalCollectives(),
+                        options=StepOptions(xla=xla, global_batch=32))
         train = tf.function(step.keras_step, jit_compile=False)
         for _ in range(3):
             train(batch)
         weights[xla] = model.get_weights()
-        validate, _ = step.validation()
+        validate = step.validation()
         validated[xla] = validate(tf.data.Dataset.from_tensors(batch))
         if xla:
             compiled = step._forward_backward.get_concrete_function(*batch).function_def
@@ -229,7 +219,7 @@ def test_the_models_jit_compile_compiles_the_forward_and_backward_pass_alone():
             assert not any("Horovod" in node.op or "Collective" in node.op
                            for node in compiled.node_def)
             evaluation = validate.__self__
-            assert evaluation._forward.get_concrete_function(*batch[:2]).function_def.attr[
+            assert evaluation._forward.get_concrete_function(*batch).function_def.attr[
                 "_XlaMustCompile"].b
     for plain, compiled in zip(weights[False], weights[True]):
         np.testing.assert_allclose(compiled, plain, rtol=1e-5, atol=1e-6)
