@@ -4,11 +4,14 @@ Unbatched, rank r keeps elements r, r+N, ... and batches them by ``--batch-size`
 compute what 1 x N*b does; batched (or a ``PyDataset``), it keeps batches r, r+N, ... as given.
 Every rank runs the same number of steps per pass (``data.equal_steps``), and a dataset whose
 order differs across ranks is refused (``data.order``), since sharding by position needs the
-same order everywhere.
+same order everywhere. A shuffled ``PyDataset``'s order is hvdtrain's own (by seed and pass, so a
+resume replays it); ``PythonShuffleDraws`` makes the draw Keras would make for it from Python's
+generator, so a user's code sees that generator where one process leaves it.
 """
 
 from __future__ import annotations
 
+import random
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -16,7 +19,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from hvdtrain.data.equal_steps import count_batches, equal_passes, first_element
+from hvdtrain.data.equal_steps import Passes, count_batches, equal_passes, first_element
 from hvdtrain.data.order import check_same_order
 from hvdtrain.data.pipeline import ShardSpec
 from hvdtrain.errors import UserError
@@ -64,6 +67,37 @@ def py_dataset_as_tf(source: keras.utils.PyDataset, spec: ShardSpec,
         source.on_epoch_end()
 
     return tf.data.Dataset.from_generator(batches, output_signature=signature)
+
+
+class PythonShuffleDraws(keras.callbacks.Callback):
+    """Keras' ``fit`` shuffles a ``PyDataset``'s batch indices with Python's ``random.shuffle``
+    when a pass begins (on its first step: after that step's ``on_train_batch_begin``, before
+    its ``on_train_batch_end``). hvdtrain orders the batches with a generator of its own, so it
+    makes that draw here, on every rank at that point and over one process's batch count (the
+    steps of a pass: one process's batches of the global batch), and throws the list away:
+    Python's generator is where one process's is for every callback after it (it goes before
+    the user's callbacks)."""
+
+    def __init__(self, passes: Passes) -> None:
+        super().__init__()
+        self.passes = passes
+        self.offset = 0          # steps of the current pass before this epoch's first
+
+    def on_epoch_begin(self, epoch: int, logs: dict | None = None) -> None:
+        self.offset = self.passes.start(epoch)[1]
+
+    def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
+        if self.offset + batch == 0:         # an epoch never runs across a pass's end
+            random.shuffle(list(range(self.passes.pass_steps)))
+
+
+def python_draws(split: Any, spec: ShardSpec, passes: Passes) -> list[keras.callbacks.Callback]:
+    """The callbacks that draw from Python's generator what Keras' ``fit`` would for this
+    training split (a shuffled ``PyDataset``; nothing for any other data)."""
+    if (isinstance(split, DatasetSplit) and isinstance(split.source, keras.utils.PyDataset)
+            and spec.shuffle and passes.pass_steps is not None):
+        return [PythonShuffleDraws(passes)]
+    return []
 
 
 @dataclass(frozen=True)

@@ -49,7 +49,8 @@ def order_facts(dataset: tf.data.Dataset, batched: bool,
 def refusal(what: str, facts: list[tuple[str | None, str | None]]) -> str | None:
     """The one-line refusal for every rank's ``order_facts`` (None: the order is the same)."""
     fixes = ("give the shuffle a seed (shuffle(n, seed=1)), or pass a function that builds the "
-             "dataset (x=make_dataset), which hvdtrain calls after seeding every rank alike")
+             "dataset (x=make_dataset), which hvdtrain calls with rank 0's random state on every "
+             "rank")
     found = next((reason for reason, _ in facts if reason), None)
     if found:
         return (f"the {what} dataset's order differs on every rank ({found}, built before "

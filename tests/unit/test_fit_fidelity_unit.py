@@ -15,11 +15,13 @@ import tensorflow as tf
 
 from conftest import BIN, REPO, RUN_TIMEOUT, rank_env
 from hvdtrain.data.contract import DataError
-from hvdtrain.data.datasets import keras_parts
+from hvdtrain.data.datasets import PythonShuffleDraws, keras_parts
 from hvdtrain.data.order import fingerprint, refusal
 from hvdtrain.data.user import KerasData, built
-from hvdtrain.keras_internals import op_determinism_enabled
-from hvdtrain.training.process_state import run_environment, seed_alike, seed_per_rank
+from hvdtrain.keras_internals import keras_random_state, op_determinism_enabled, tf_random_state
+from hvdtrain.data.equal_steps import Passes
+from hvdtrain.training.process_state import (run_environment, seed_alike, seeded_per_rank,
+                                             share_random_state)
 
 ROWS = np.arange(101, dtype=np.int64)
 
@@ -130,9 +132,9 @@ def test_validation_split_holds_out_what_keras_does(examples, fraction):
     np.testing.assert_array_equal(bundle.val.x, held[0])
 
 
-def test_a_run_puts_every_random_generator_and_op_determinism_back():
-    """What the program draws after the run is what it would draw had the run not been there,
-    whatever the run seeded (alike, then per rank)."""
+def test_a_run_refused_before_sharing_puts_every_random_generator_and_op_determinism_back():
+    """What the program draws after a run that ends before its generators are shared is what it
+    would draw had the run not been there, whatever the run seeded."""
     keras.utils.set_random_seed(11)
     _draws()
     expected = _draws()
@@ -143,10 +145,61 @@ def test_a_run_puts_every_random_generator_and_op_determinism_back():
         assert op_determinism_enabled()
         seed_alike(42)
         _draws()
-        seed_per_rank(42, 1)
-        _draws()
     assert op_determinism_enabled() == before
     assert _draws() == expected
+
+
+def _seeded_state(seed: int) -> tuple:
+    """A program's generators after ``keras.utils.set_random_seed(seed)``, as a rank sends
+    them to the others."""
+    keras.utils.set_random_seed(seed)
+    return (random.getstate(), np.random.get_state(), tf_random_state(),
+            keras_random_state()[::2])
+
+
+def test_a_run_continues_from_rank_zeros_generators_and_leaves_them_where_its_draws_did():
+    """Inside a run, after the sharing, every generator draws rank 0's sequence (here a program
+    seeded 11 while this rank was seeded 5); a model built with per-rank seeds leaves them as
+    they were; at the end they stay where the run's draws left them, as one process's fit."""
+    rank_zero = _seeded_state(11)
+    one_process = [_draws() for _ in range(3)]
+    keras.utils.set_random_seed(5)
+    with run_environment("float32"):
+        share_random_state(42, lambda mine: [rank_zero, mine])
+        with seeded_per_rank(42, 1):
+            keras.layers.Dropout(0.5)
+            _draws()
+        assert [_draws() for _ in range(2)] == one_process[:2]
+    assert _draws() == one_process[2]
+
+
+def test_a_program_without_a_tensorflow_seed_gets_one_alike_inside_a_run_and_none_after():
+    """An unseeded TensorFlow generator draws differently in every process: inside the run it
+    is seeded from the run's seed on every rank, and unseeded again after."""
+    tf.random.set_seed(None)
+    with run_environment("float32"):
+        share_random_state(42, lambda mine: [mine, mine])
+        inside = float(tf.random.uniform(()))
+        tf.random.set_seed(42)
+        assert inside == float(tf.random.uniform(()))
+    assert tf_random_state()[0] is None
+
+
+def test_a_shuffled_pydatasets_python_draw_is_made_on_the_first_step_of_every_pass():
+    """Keras shuffles a PyDataset's batch indices with Python's generator when a pass begins;
+    hvdtrain makes that draw over one process's batch count (the steps of a pass) at the first
+    step's end, epochs split by steps_per_epoch included (passes of 6 steps, epochs of 4)."""
+    draws = PythonShuffleDraws(Passes(6, steps_per_epoch=4))
+    random.seed(3)
+    for epoch, steps in enumerate([4, 2, 4, 2]):
+        draws.on_epoch_begin(epoch)
+        for batch in range(steps):
+            draws.on_train_batch_end(batch)
+    ours = random.random()
+    random.seed(3)
+    for _ in range(2):
+        random.shuffle(list(range(6)))
+    assert ours == random.random()
 
 
 PLACEMENT = """

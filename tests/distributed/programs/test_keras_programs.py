@@ -291,6 +291,19 @@ def test_random_state_after_fit_is_one_processes(run, reference):
             np.testing.assert_array_equal(np.array(ours), np.array(theirs))
 
 
+def test_random_draws_during_fit_are_one_processes_on_every_rank(run, reference):
+    """A user's callback drawing from Python's, NumPy's, TensorFlow's and Keras' generators at
+    each epoch's end of a fit on a shuffled PyDataset (which Keras shuffles with Python's
+    generator each epoch), and the draws after that fit: one process's exactly, on both ranks."""
+    name = "random_draws_during_fit"
+    in_mode(run, name)
+    expected = reference.record(name)["notes"]
+    for rank in (0, 1):
+        notes = run.record(name, rank)["notes"]
+        assert notes["draws"] == expected["draws"], rank
+        assert notes["after"] == expected["after"], rank
+
+
 def test_steps_per_epoch_beyond_the_data_ends_each_epoch_with_the_pass(run, reference):
     """steps_per_epoch computed from the raw row count (13 per rank's batch, 7 in one process)
     is beyond a pass of 6 batches: every epoch ends with the pass, as in one process, and
