@@ -33,7 +33,8 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from keras_programs import PROGRAMS, Context, Outcome
+from keras_examples import PROGRAMS
+from keras_programs import Context, Outcome
 
 
 class EpochSteps(keras.callbacks.Callback):

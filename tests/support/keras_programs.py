@@ -132,6 +132,9 @@ class Spec:
     loss_tolerance: float = 0.0
     rank_averaged: dict[str, str] = field(default_factory=dict)   # metric -> count | ratio
     counted: str = ""                 # what the counters must show ("" not counted)
+    # Rows coupled within a batch (a loss over the batch, batch normalisation): hvdtrain is
+    # exact (1e-5) or says so on rank 0 in one line containing one of these.
+    coupled: tuple[str, ...] = ()
 
 
 def _digits() -> tuple[np.ndarray, np.ndarray]:
