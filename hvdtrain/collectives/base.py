@@ -109,6 +109,14 @@ def submitted_after(previous: Sequence[Any], tensors: Sequence[Any]) -> list[Any
         return [tf.identity(tensor) for tensor in tensors]
 
 
+def positions_by_dtype(tensors: Sequence[Any]) -> list[list[int]]:
+    """The tensors' positions grouped by dtype (one collective carries each group)."""
+    groups: dict[Any, list[int]] = {}
+    for index, tensor in enumerate(tensors):
+        groups.setdefault(tensor.dtype, []).append(index)
+    return list(groups.values())
+
+
 def static_bytes(tensor: Any) -> int:
     """Bytes of a tensor or variable (TensorFlow's or Keras') whose shape is known when the
     graph is built (0 otherwise)."""
@@ -254,6 +262,55 @@ def differentiable_sum(collectives: Collectives, tensors: Sequence[Any]) -> list
         return collectives.allreduce_sum(list(values)), backward
 
     return list(summed(*[tf.convert_to_tensor(t) for t in tensors])) if tensors else []
+
+
+def gathered_rows(collectives: Collectives, values: Any, differentiable: Any, count: Any,
+                  capacity: Any) -> tuple[Any, Any]:
+    """Every rank's first ``count`` rows of each tensor in ``values`` and in ``differentiable``
+    (two structures), concatenated in rank order: the global batch, on every rank, in one
+    all-gather (each rank's rows padded to the longest ``capacity``). ``differentiable``'s
+    gradient is this rank's rows of the upstream gradient: every rank computes the same loss
+    of the global batch, so the ranks' gradients, summed, are its gradient once."""
+    import tensorflow as tf
+
+    size, rank = collectives.world.size, collectives.world.rank
+    facts = tf.stack([tf.cast(count, tf.int64), tf.cast(capacity, tf.int64)])
+    counts, capacities = tf.unstack(tf.reshape(collectives.allgather([facts])[0], [size, 2]),
+                                    axis=1)
+    longest = tf.reduce_max(capacities)
+    real = tf.reshape(tf.range(longest)[tf.newaxis, :] < counts[:, tf.newaxis], [-1])
+    offset = tf.reduce_sum(counts[:rank])
+    plain, trained = tf.nest.flatten(values), tf.nest.flatten(differentiable)
+
+    def padded(value: Any) -> Any:
+        rows = value[:count]
+        pad = [[0, longest - tf.cast(tf.shape(rows)[0], tf.int64)]] + [[0, 0]] * (
+            len(value.shape) - 1)
+        return tf.reshape(tf.pad(rows, tf.cast(pad, tf.int32)), [-1])
+
+    def everyone(tensors: list[Any]) -> list[Any]:
+        flat = collectives.allgather([padded(t) for t in tensors]) if tensors else []
+        return [tf.boolean_mask(tf.reshape(g, tf.concat(
+            [[size * longest], tf.shape(t, out_type=tf.int64)[1:]], 0)), real)
+            for g, t in zip(flat, tensors)]
+
+    @tf.custom_gradient
+    def gathered(*tensors: Any) -> Any:
+        outputs = everyone(list(tensors))
+
+        def backward(*upstream: Any) -> list[Any]:
+            return [tf.zeros_like(t) if u is None else
+                    tf.pad(u[offset:offset + tf.cast(count, tf.int64)],
+                           [[0, tf.shape(t)[0] - tf.cast(count, tf.int32)]]
+                           + [[0, 0]] * (len(t.shape) - 1))
+                    for u, t in zip(upstream, tensors)]
+
+        return outputs, backward
+
+    global_plain = everyone(plain)
+    global_trained = list(gathered(*trained)) if trained else []
+    return (tf.nest.pack_sequence_as(values, global_plain),
+            tf.nest.pack_sequence_as(differentiable, global_trained))
 
 
 def assign_across_ranks(collectives: Collectives, variables: Sequence[Any],

@@ -10,7 +10,8 @@ import os
 from types import ModuleType
 from typing import Any, Callable, Iterator, Sequence
 
-from hvdtrain.collectives.base import GradientReduction, scaled_rows, tf_variables
+from hvdtrain.collectives.base import (GradientReduction, positions_by_dtype, scaled_rows,
+                                       tf_variables)
 from hvdtrain.collectives.world import World, gpus_visible
 from hvdtrain.launchers import MPI_LAUNCHER_VARIABLES, apply_runtime_defaults
 
@@ -110,9 +111,13 @@ class HorovodCollectives:
         return list(self._hvd.grouped_reducescatter(list(tensors), op=self._hvd.Sum))
 
     def allgather(self, tensors: Sequence[Any]) -> list[Any]:
-        if not tensors:
-            return []
-        return list(self._hvd.grouped_allgather(list(tensors)))
+        """One grouped all-gather per dtype (Horovod's groups hold one dtype)."""
+        gathered: list[Any] = [None] * len(tensors)
+        for indices in positions_by_dtype(tensors):
+            for index, value in zip(indices, self._hvd.grouped_allgather(
+                    [tensors[i] for i in indices])):
+                gathered[index] = value
+        return gathered
 
     def broadcast_variables(self, variables: Sequence[Any], root_rank: int = 0) -> Any:
         """Horovod's, without TensorFlow's retracing warning: Horovod traces its one cached

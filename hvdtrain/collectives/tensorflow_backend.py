@@ -18,7 +18,7 @@ import socket
 import threading
 from typing import Any, Callable, Sequence
 
-from hvdtrain.collectives.base import GradientReduction, tf_variables
+from hvdtrain.collectives.base import GradientReduction, positions_by_dtype, tf_variables
 from hvdtrain.collectives.tf_graph_mode import SessionNodes, eagerly, in_session_graph
 from hvdtrain.collectives.world import World
 from hvdtrain.errors import UserError
@@ -236,7 +236,7 @@ class TensorFlowCollectives:
         tf = self._tf
         tensors = [tf.convert_to_tensor(t) for t in tensors]
         reduced: list[Any] = [None] * len(tensors)
-        for indices in _positions_by_dtype(tensors):
+        for indices in positions_by_dtype(tensors):
             flats = [tf.reshape(tensors[i], [-1]) for i in indices]
             total = self.all_reduce(flats[0] if len(flats) == 1 else tf.concat(flats, 0))
             parts = (tf.split(total, [tf.size(tensors[i]) for i in indices])
@@ -258,7 +258,7 @@ class TensorFlowCollectives:
         tf = self._tf
         tensors = [tf.convert_to_tensor(t) for t in tensors]
         gathered: list[Any] = [None] * len(tensors)
-        for indices in _positions_by_dtype(tensors):
+        for indices in positions_by_dtype(tensors):
             if len(indices) == 1:    # as it is: no copy into a concatenation
                 gathered[indices[0]] = self.all_gather(tensors[indices[0]])
                 continue
@@ -406,14 +406,6 @@ class TensorFlowCollectives:
         every = tf.cast(tf.boolean_mask(rows, tf.sequence_mask(firsts, slots)), dtype)
         every.set_shape(tf.TensorShape([None]).concatenate(tensor.shape[1:]))
         return every
-
-
-def _positions_by_dtype(tensors: Sequence[Any]) -> list[list[int]]:
-    """The tensors' positions grouped by dtype (one collective carries each group)."""
-    groups: dict[Any, list[int]] = {}
-    for index, tensor in enumerate(tensors):
-        groups.setdefault(tensor.dtype, []).append(index)
-    return list(groups.values())
 
 
 def on_the_wire(tensor: Any) -> tuple[Any, Any]:

@@ -24,6 +24,7 @@ import numpy as np
 import tensorflow as tf
 
 from hvdtrain.collectives import Collectives, assign_across_ranks
+from hvdtrain.config import OptimConfig
 from hvdtrain.errors import UserError, first_sentence
 from hvdtrain.keras_internals import build_symbolically, first_rows, output_specs
 
@@ -44,21 +45,13 @@ class LossShare:
     default ``sum_over_batch_size``, and a loss function that returns a batch mean),
     ``sample_weight`` (``mean_with_sample_weight``: the batch's summed sample weights) or
     ``sum`` (reduction ``"sum"``: nothing, so the ranks' losses simply add). ``coupled``: the
-    loss is none of these (it couples a batch's rows, e.g. a contrastive loss over the batch),
-    so ranks weight it by rows and the run says it is not exact."""
+    loss is none of these (it couples a batch's rows, e.g. a contrastive loss over the batch):
+    then ``gathered``, every rank computes it on the global batch (``gathered_rows``), or, where
+    that cannot be (``unexact``, the reason), ranks weight it by rows and the run says so."""
 
     divisor: str = "rows"
     coupled: bool = False
-
-    def weighted(self, loss: tf.Tensor, share: tf.Tensor, own: tf.Tensor,
-                 world_size: int) -> tf.Tensor:
-        """What this rank adds to the global loss: its loss times its ``share`` (the summed
-        contributions are divided by the summed shares). Under ``sum`` the ranks' losses add
-        and nothing divides them, so the model's ``own`` losses (regularisers, which Keras adds
-        to every batch's loss) count once in all: a 1/N part on each rank."""
-        if self.divides:
-            return loss * share
-        return (loss - own) * share + own / world_size
+    unexact: str = ""
 
     def of(self, rows: tf.Tensor, sample_weight: Any) -> tf.Tensor:
         """This rank's divisor for a batch of ``rows`` real rows (0: a filler batch)."""
@@ -67,24 +60,66 @@ class LossShare:
             return tf.reduce_sum(tf.cast(tf.nest.flatten(sample_weight)[0], tf.float32))
         if self.divisor == "sum":
             return tf.minimum(rows, 1.0)
+        if self.divisor == "gathered":
+            return tf.constant(1.0)
         return rows
 
     @property
     def divides(self) -> bool:
-        """Whether the summed gradients are divided by the summed shares (not for ``sum``)."""
-        return self.divisor != "sum"
+        """Whether the summed gradients are divided by the summed shares (not for ``sum``, whose
+        losses add, nor ``gathered``, whose ranks' gradients are parts of one)."""
+        return self.divisor not in ("sum", "gathered")
+
+    def weighted(self, loss: tf.Tensor, share: tf.Tensor, own: tf.Tensor,
+                 world_size: int) -> tf.Tensor:
+        """What this rank differentiates: its loss times its ``share`` (the summed gradients
+        are divided by the summed shares). Where nothing divides (``sum``, ``gathered``) the
+        model's ``own`` losses (regularisers, which Keras adds to every batch's loss) must
+        count once in all: a 1/N part on each rank."""
+        if self.divides:
+            return loss * share
+        return (loss - own) * share + own / world_size
+
+    def reported(self, loss: tf.Tensor, weighted: tf.Tensor, world_size: int) -> tf.Tensor:
+        """What this rank adds to the step's global loss (summed across ranks, then divided by
+        the summed shares where ``divides``): a gathered loss is every rank's alike."""
+        return loss / world_size if self.divisor == "gathered" else weighted
+
+    def on_ranks(self, world_size: int, unexact: str) -> "LossShare":
+        """This share for a job of ``world_size`` ranks: a coupled loss gathered, unless
+        ``unexact`` says why it cannot be."""
+        if not self.coupled or world_size == 1:
+            return self
+        return LossShare("rows", True, unexact) if unexact else LossShare("gathered", True)
 
     def describe(self) -> str:
         """The run log's line on how the ranks' losses combine."""
+        coupled = ("the compiled loss couples the rows of a batch (its value on a batch is not a "
+                   "weighted mean of its values on the batch's parts, e.g. a contrastive loss)")
+        if self.divisor == "gathered":
+            return (f"loss: {coupled}: every rank computes it on the global batch, the ranks' "
+                    "predictions, targets and sample weights gathered in each step (the "
+                    "predictions differentiably)")
         if self.coupled:
-            return ("note: the compiled loss couples the rows of a batch (its value on a batch "
-                    "is not a weighted mean of its values on the batch's parts, e.g. a "
-                    "contrastive loss): each rank computes it over its own rows, so training "
-                    "is close to, but not exactly, one process with the global batch")
+            return (f"note: {coupled}; {self.unexact}, so each rank computes it over its own "
+                    "rows: training is close to, but not exactly, one process with the global "
+                    "batch")
         what = {"rows": "its rows", "sample_weight": "its summed sample weights",
                 "sum": "nothing (reduction 'sum': the ranks' losses add)"}[self.divisor]
         return (f"loss: Keras' own compute_loss on each rank, weighted by what its reduction "
                 f"divides by ({what}), so the ranks' gradients sum to one process's")
+
+
+def unexact_reason(optim: OptimConfig, xla: bool) -> str:
+    """Why a loss that couples a batch's rows cannot be computed on the global batch in this
+    run ("" where it can)."""
+    if xla:
+        return "the model's jit_compile has XLA compile the loss, which cannot hold the gather"
+    if optim.accumulation_steps > 1:
+        return "--accumulation-steps spreads the global batch over micro-steps"
+    if optim.reduction == "adasum":
+        return "--reduction adasum combines each rank's own gradient"
+    return ""
 
 
 def own_losses(model: keras.Model) -> tf.Tensor:

@@ -27,6 +27,7 @@ from hvdtrain.training.distributed_optimizer import distributed_for_the_run
 from hvdtrain.training.objective import (computed_rows, global_metric_results, leading,
                                          metric_variables, real_rows)
 from hvdtrain.training.step import divided, vote_variables
+from hvdtrain.training.sync_batch_norm import batch_rows
 from hvdtrain.training.zero import Sharding, gradient_bytes_kept, sharded_for_the_run
 
 # The Trainer methods whose override makes a step the model's own.
@@ -123,10 +124,11 @@ class OwnStep:
 
     def keras_step(self, data: Any) -> dict[str, Any]:
         x, y, sample_weight, weights = data
-        rows = computed_rows(weights)
-        self._share = tf.cast(real_rows(weights), tf.float32) / self._global_batch
-        logs = self._model_step(self.keras_element(
-            *leading((x, y, sample_weight), rows)))
+        rows, count = computed_rows(weights), real_rows(weights)
+        self._share = tf.cast(count, tf.float32) / self._global_batch
+        with batch_rows(tf.range(rows) < count):   # a filler counts in no BN statistics
+            logs = self._model_step(self.keras_element(
+                *leading((x, y, sample_weight), rows)))
         if not isinstance(logs, dict):
             logs = {"loss": logs}
         return self._agreed(logs)

@@ -22,9 +22,10 @@ from typing import Any, Callable, ContextManager, Protocol
 import keras
 import tensorflow as tf
 
-from hvdtrain.collectives import Collectives, GradientReduction
+from hvdtrain.collectives import Collectives, GradientReduction, gathered_rows
 from hvdtrain.training.accumulation import Accumulation
 from hvdtrain.training.memory import variable_bytes
+from hvdtrain.training.sync_batch_norm import batch_rows
 from hvdtrain.keras_internals import loss_tracker
 from hvdtrain.training.objective import (LossShare, computed_rows, global_metric_results, leading,
                                          metric_variables, own_losses, real_rows)
@@ -219,7 +220,7 @@ class StepMath:
         self.model.reset_metrics()
 
     def validation(self) -> Callable[[Any], dict[str, float]]:
-        return Evaluation(self.model, self.collectives, xla=self.options.xla).run
+        return Evaluation(self.model, self.collectives, self.options.xla, self.share).run
 
     def training(self, end_in_pieces: bool = False) -> ContextManager[None]:
         """hvdtrain's step reduces gradients itself; sharded, the optimizer holds pieces."""
@@ -244,20 +245,22 @@ class StepMath:
         batch's real rows, Keras' loss weighted by this rank's share and its gradients
         (compiled with XLA when the options say so: collectives have no XLA kernels, so they
         stay outside). A filler batch is computed but weighs nothing."""
-        count = real_rows(weights)
+        count, size = real_rows(weights), self.collectives.world.size
+        rows = computed_rows(weights)
         with tf.GradientTape() as tape:
-            predictions = self.model(leading(x, computed_rows(weights)), training=True)
+            with batch_rows(tf.range(rows) < count):   # a filler counts in no BN statistics
+                predictions = self.model(leading(x, rows), training=True)
             y, predictions, sample_weight = leading((y, predictions, sample_weight), count)
-            loss = batch_loss(self.model.compute_loss(
-                y=y, y_pred=predictions, sample_weight=sample_weight, training=True))
+            loss = keras_loss(self.model, self.collectives, self.share, y, predictions,
+                              sample_weight, count, tf.shape(weights)[0], training=True)
             share = self.share.of(count, sample_weight)
             if self.share.divides:    # counted against the global batch: a mean's scale
                 share /= self.options.global_batch
-            weighted = self.share.weighted(loss, share,
-                                           own_losses(self.model), self.collectives.world.size)
+            weighted = self.share.weighted(loss, share, own_losses(self.model), size)
             scaled = self.optimizer.scale_loss(weighted) if self.loss_scaling else weighted
         gradients = tape.gradient(scaled, self.model.trainable_variables)
-        return gradients, loss, weighted, share, (y, predictions, sample_weight, count)
+        return (gradients, loss, self.share.reported(loss, weighted, size), share,
+                (y, predictions, sample_weight, count))
 
     def train_step(self, x, y, sample_weight: Any, weights: tf.Tensor) -> dict[str, tf.Tensor]:
         variables = self.model.trainable_variables
@@ -273,9 +276,17 @@ class StepMath:
         return keras_metrics(self.model, loss, *real)
 
 
-def batch_loss(loss: tf.Tensor) -> tf.Tensor:
-    """Keras' loss of a batch as one float32 value: a batch of no rows (a filler's) gives an
-    empty tensor in Keras, here 0."""
+def keras_loss(model: keras.Model, collectives: Collectives, share: LossShare, y: Any,
+               predictions: Any, sample_weight: Any, count: tf.Tensor, capacity: tf.Tensor,
+               training: bool) -> tf.Tensor:
+    """Keras' loss of this rank's real rows (``model.compute_loss``), or of the global batch
+    where the share is ``gathered``, as one float32 value (Keras gives a batch of no rows, a
+    filler's, an empty tensor: here 0)."""
+    if share.divisor == "gathered":
+        (y, sample_weight), predictions = gathered_rows(collectives, (y, sample_weight),
+                                                        predictions, count, capacity)
+    loss = model.compute_loss(y=y, y_pred=predictions, sample_weight=sample_weight,
+                              training=training)
     return tf.reduce_sum(tf.cast(loss, tf.float32))
 
 
@@ -316,11 +327,14 @@ class Evaluation:
     """Exact distributed evaluation as Keras' ``test_step`` computes it: the model's metrics
     over this rank's shard, their state summed across ranks once."""
 
-    def __init__(self, model: keras.Model, collectives: Collectives, xla: bool = False) -> None:
+    def __init__(self, model: keras.Model, collectives: Collectives, xla: bool = False,
+                 share: LossShare = LossShare()) -> None:
         """``xla``: the forward pass and the loss compiled with XLA (the model's
-        ``jit_compile``), the metrics and their sums outside."""
+        ``jit_compile``), the metrics and their sums outside; ``share``: the training loss's
+        (a ``gathered`` loss is measured on each global batch too)."""
         self.model = model
         self.collectives = collectives
+        self.share = share
         self._step = tf.function(self._eval_step, jit_compile=False)
         self._forward = tf.function(self.forward, jit_compile=True) if xla else self.forward
 
@@ -329,8 +343,8 @@ class Evaluation:
         count = real_rows(weights)
         predictions = self.model(leading(x, computed_rows(weights)), training=False)
         y, predictions, sample_weight = leading((y, predictions, sample_weight), count)
-        loss = batch_loss(self.model.compute_loss(
-            y=y, y_pred=predictions, sample_weight=sample_weight, training=False))
+        loss = keras_loss(self.model, self.collectives, self.share, y, predictions,
+                          sample_weight, count, tf.shape(weights)[0], training=False)
         return loss, y, predictions, sample_weight, count
 
     def _eval_step(self, x, y, sample_weight: Any, weights: tf.Tensor) -> None:
