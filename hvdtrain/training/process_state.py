@@ -30,8 +30,8 @@ from hvdtrain.keras_internals import (keras_random_state, op_determinism_enabled
 
 
 def seed_alike(seed: int) -> None:
-    """Every generator from ``seed``, the same on every rank: before a prediction or evaluation
-    job builds its data (no user code draws there, so rank 0's state need not be kept)."""
+    """Every generator from ``seed``, the same on every rank: before the ``evaluate`` command
+    builds its data (a process of its own, whose generators no user code sees afterwards)."""
     keras.utils.set_random_seed(seed)
 
 
