@@ -11,8 +11,11 @@ every rate is scaled and warmed up as configured (``schedule``). Each choice is 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import keras
+import numpy as np
+import tensorflow as tf
 
 from hvdtrain.collectives import World
 from hvdtrain.config import DEFAULT_LEARNING_RATE, Config
@@ -63,6 +66,8 @@ class Trainable:
     rates: RateControl
     description: str
     share: LossShare | None = None
+    # The model came uncompiled and got hvdtrain's default loss, which expects probabilities.
+    default_loss: bool = False
 
 
 def _checked_compile(model: keras.Model, own_step: str | None, config: Config) -> None:
@@ -138,7 +143,7 @@ def prepare(config: Config, model: keras.Model, data: DataBundle, world: World,
         what = ", ".join(f"{name} ({type(o).__name__})" for name, o in optimizers.items())
     description = _describe(what, bases, fixed, schedule, config, world)
     return Trainable(model, own_step, optimizer, schedule, RateControl(schedule, bases),
-                     description)
+                     description, default_loss=own_step is None and compiled is None)
 
 
 def _describe(what: str, bases: dict, fixed: list[str], schedule: WarmupScaledRate,
@@ -158,6 +163,22 @@ def _describe(what: str, bases: dict, fixed: list[str], schedule: WarmupScaledRa
     return line
 
 
+def check_default_output(model: keras.Model, x: Any) -> None:
+    """Stop before training when hvdtrain chose the loss (the model came uncompiled) and the
+    model's outputs are not the probabilities that loss expects: it would train, badly, on
+    logits. Computed in a graph (no eager call a program could count)."""
+    predictions = tf.nest.flatten(tf.function(lambda inputs: model(inputs, training=False))(x))
+    values = np.asarray(tf.cast(predictions[0], tf.float32))
+    in_unit = bool(np.all((values >= 0) & (values <= 1)))
+    if values.ndim < 2 or values.shape[-1] < 2 or not (
+            in_unit and np.allclose(values.sum(axis=-1), 1.0, atol=1e-3)):
+        raise UserError(f"the model's output is not a probability distribution (values "
+                        f"{values.min():.3g}..{values.max():.3g}) but hvdtrain's default loss "
+                        f"for an uncompiled model, {DEFAULT_LOSS}, expects one; compile the model "
+                        "with keras.losses.SparseCategoricalCrossentropy(from_logits=True) (or "
+                        "your loss) or end it with a softmax")
+
+
 def probe_trainable(trainable: Trainable, batch: tuple, label: str) -> LossShare | None:
     """One real batch before training: hvdtrain's step has Keras build the model, its loss and
     metrics from the batch's shapes and measures what the loss divides by (kept as
@@ -166,6 +187,8 @@ def probe_trainable(trainable: Trainable, batch: tuple, label: str) -> LossShare
     model = trainable.model
     if trainable.own_step is None:
         trainable.share = build_for_training(model, batch, label)
+        if trainable.default_loss:
+            check_default_output(model, batch[0])
         return trainable.share
     if all(layer.built for layer in sublayers(model)) and model.weights:
         return None
