@@ -35,12 +35,13 @@ tests, see ``RUNS``.) The checks, per program and run:
   callbacks that write files writing each once, the drop-in keeping the user's optimizer (a
   schedule without ``get_config``).
 
-Cost on the project's 2-core VM, shared with other work (load 6-9 on its 2 cores): the file
-took 248 s (hvdtrain 142 s, the drop-in 47 s, one process 53 s) where, run just before under the
-same load, the four jobs of issue 27's programs alone took 331 s (hvdtrain on Horovod 129 s, on
-TensorFlow's collectives 115 s, the drop-in 46 s, one process 34 s); at load 2 those took
-126 s. Four of issue 46's programs still failed early there (hvdtrain's step raised), so their
-hvdtrain runs will cost a little more. Each job's wall time is printed (``-s``) and its output
+Cost on the project's 2-core VM, shared with other work, each measured right after the four
+jobs of issue 27's programs alone (hvdtrain on Horovod and on TensorFlow's collectives, the
+drop-in, one process) under the same load: at load 2-3, 104 s (hvdtrain 59 s, the drop-in 18 s,
+one process 24 s) against their 110 s (28, 40, 29 and 11 s); at load 6-9, 248 s (142, 47 and
+53 s) against 331 s (129, 115, 46 and 34 s). Four of issue 46's programs still failed early
+there (hvdtrain's step raised, each under a second), so their hvdtrain runs will cost about a
+second or two more each. Each job's wall time is printed (``-s``) and its output
 kept in ``<mode>.log`` under the test's temporary directory. Working on the checks alone,
 ``KERAS_PROGRAMS_REUSE=DIR`` reads earlier jobs' files from ``DIR/<mode>-<backend>/`` instead of
 running them (``keras-auto``, ``dropin-auto``, ``hvdtrain-horovod``).
