@@ -379,7 +379,7 @@ SPLIT = "drop-in: validation_split of each rank's shard holds out other rows tha
 # Coupled rows: the loss tolerance is what each rank's own 16 rows give, measured by running
 # the program under the drop-in (a mean of the ranks' batch losses): supervised contrastive
 # 32% off one process (fewer rows to contrast with), batch normalisation 5.6%, the token loss
-# 0.6%, mean_with_sample_weight 1.7%, Keras' mask weighting 0.03%.
+# 0.6%, Keras' mask weighting 0.03% (mean_with_sample_weight 1.7%, but hvdtrain is exact).
 EXAMPLES: dict[str, Spec] = {
     "siamese_contrastive": Spec(siamese_contrastive, WITH_DROPIN),
     "supervised_contrastive": Spec(supervised_contrastive, NO_DROPIN, NOT_THE_DROPINS,
@@ -401,16 +401,16 @@ EXAMPLES: dict[str, Spec] = {
                            loss_tolerance=0.03,
                            coupled=("CustomNonPaddingTokenLoss", "custom_ner_loss")),
     "ticket_lists": Spec(ticket_lists, NO_DROPIN, NOT_THE_DROPINS),
-    # Sampling draws per rank (the drop-in's loss measured 0.2% off one process).
+    # Sampling draws per rank: README promises within 10% (the drop-in's loss measured 0.2% off
+    # one process).
     "vae_add_loss": Spec(vae_add_loss, NO_DROPIN, NOT_THE_DROPINS, tolerance=None,
-                         loss_tolerance=0.02),
+                         loss_tolerance=0.1),
     "huber_sum_boxes": Spec(
         huber_sum_boxes, NO_DROPIN,
         "drop-in: Horovod averages the ranks' gradients, so a summed loss trains at half one "
         "process's rate (Horovod's rule: scale the rate)"),
-    "mean_with_sample_weight": Spec(mean_with_sample_weight, NO_DROPIN, NOT_THE_DROPINS,
-                                    tolerance=None, loss_tolerance=0.05,
-                                    coupled=("mean_with_sample_weight",)),
+    # One output: one process's to 1e-5 (measured so, and README's promise).
+    "mean_with_sample_weight": Spec(mean_with_sample_weight, NO_DROPIN, NOT_THE_DROPINS),
     "cct_label_smoothing": Spec(cct_label_smoothing, NO_DROPIN, SPLIT),
     "custom_metric_class": Spec(custom_metric_class, WITH_DROPIN,
                                 rank_averaged={"categorical_true_positives": "count"}),
