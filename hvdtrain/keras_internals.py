@@ -208,10 +208,38 @@ def set_op_determinism(enabled: bool) -> None:
 
 
 def build_symbolically(model: keras.Model, x: Any, y: Any, sample_weight: Any) -> None:
-    """Keras' own build before ``fit`` (``model._symbolic_build``): the model, its compiled
-    loss and metrics and its optimizer built from the shapes of a batch, with symbolic tensors
-    only, so no real row reaches the model's ``call`` and no metric counts one."""
-    model._symbolic_build(data_batch=(x, y, sample_weight))
+    """Keras' own build before ``fit`` (its ``_symbolic_build``): the model, its compiled loss
+    and metrics built from the shapes of a batch, with symbolic tensors only, so no real row
+    reaches the model's ``call`` and no metric counts one. The optimizer is left to the caller
+    (whole, or in pieces under ZeRO), once every weight exists."""
+    from keras.src import backend
+
+    x, y, sample_weight = _symbolic((x, y, sample_weight))
+    predictions = backend.compute_output_spec(model, x, training=False)
+    if model._compile_metrics is not None and not model._compile_metrics.built:
+        backend.compute_output_spec(model.compute_metrics, x, y, predictions,
+                                    sample_weight=sample_weight)
+    if model._compile_loss is not None and not model._compile_loss.built:
+        backend.compute_output_spec(model._compute_loss, x, y, predictions,
+                                    sample_weight=sample_weight, training=False)
+
+
+def output_masked(model: keras.Model, x: Any) -> bool:
+    """Whether an output of the model carries a Keras mask (``_keras_mask``, which Keras'
+    losses read), found by a symbolic call."""
+    import tensorflow as tf
+    from keras.src import backend
+    from keras.src.backend import get_keras_mask
+
+    found: list[bool] = []
+
+    def call(inputs: Any) -> Any:
+        outputs = model(inputs, training=False)
+        found.extend(get_keras_mask(output) is not None for output in tf.nest.flatten(outputs))
+        return outputs
+
+    backend.compute_output_spec(call, _symbolic(x))
+    return any(found)
 
 
 def output_specs(model: keras.Model, x: Any) -> Any:
@@ -226,8 +254,15 @@ def _symbolic(values: Any) -> Any:
     import tensorflow as tf
     from keras.src import backend
 
-    return tf.nest.map_structure(lambda v: backend.KerasTensor(
+    return tf.nest.map_structure(lambda v: None if v is None else backend.KerasTensor(
         v.shape, backend.standardize_dtype(v.dtype)), values)
+
+
+def keras_mask(value: Any) -> Any:
+    """The Keras mask an output carries (None: none)."""
+    from keras.src.backend import get_keras_mask
+
+    return get_keras_mask(value)
 
 
 def first_rows(value: Any, count: Any) -> Any:
@@ -240,6 +275,15 @@ def first_rows(value: Any, count: Any) -> Any:
     if mask is not None:
         set_keras_mask(cut, mask[:count])
     return cut
+
+
+def output_loss_trackers(model: keras.Model) -> list[keras.metrics.Metric]:
+    """The ``Mean`` per output that Keras' compiled loss feeds each output's loss of a batch
+    (the ``<output>_loss`` columns of a model with several losses), each with the ``total``
+    it sums; empty for one loss (``model._compile_loss.metrics``)."""
+    compiled = getattr(model, "_compile_loss", None)
+    return [metric for metric in (compiled.metrics if compiled is not None else [])
+            if hasattr(metric, "total")]
 
 
 def loss_tracker(model: keras.Model) -> keras.metrics.Metric:

@@ -16,6 +16,7 @@ ranks, so a metric whose state is not additive is refused.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -26,7 +27,8 @@ import tensorflow as tf
 from hvdtrain.collectives import Collectives, assign_across_ranks
 from hvdtrain.config import OptimConfig
 from hvdtrain.errors import UserError, first_sentence
-from hvdtrain.keras_internals import build_symbolically, first_rows, output_specs
+from hvdtrain.keras_internals import (build_symbolically, compile_arguments, first_rows, keras_mask,
+                                      output_masked, output_specs)
 
 DEFAULT_LOSS = "sparse_categorical_crossentropy"
 DEFAULT_METRICS = ("accuracy",)
@@ -52,17 +54,29 @@ class LossShare:
     divisor: str = "rows"
     coupled: bool = False
     unexact: str = ""
+    # An output carries a Keras mask: Keras' mean then divides by the unmasked entries.
+    masked: bool = False
+    # The compiled loss, by name, for the run's line about it.
+    named: str = "the compiled loss"
 
-    def of(self, rows: tf.Tensor, sample_weight: Any) -> tf.Tensor:
-        """This rank's divisor for a batch of ``rows`` real rows (0: a filler batch)."""
+    def of(self, rows: tf.Tensor, sample_weight: Any, predictions: Any = None) -> tf.Tensor:
+        """This rank's divisor for a batch of ``rows`` real rows (0: a filler batch) with
+        these ``predictions`` (whose Keras mask a masked loss divides by)."""
         rows = tf.cast(rows, tf.float32)
-        if self.divisor == "sample_weight" and sample_weight is not None:
-            return tf.reduce_sum(tf.cast(tf.nest.flatten(sample_weight)[0], tf.float32))
         if self.divisor == "sum":
             return tf.minimum(rows, 1.0)
         if self.divisor == "gathered":
             return tf.constant(1.0)
-        return rows
+        weights = (tf.cast(tf.nest.flatten(sample_weight)[0], tf.float32)
+                   if self.divisor == "sample_weight" and sample_weight is not None else None)
+        mask = next((keras_mask(p) for p in tf.nest.flatten(predictions)
+                     if keras_mask(p) is not None), None) if self.masked else None
+        if mask is not None:
+            mask = tf.cast(mask, tf.float32)
+            if weights is not None:
+                mask *= tf.reshape(weights, [-1] + [1] * (len(mask.shape) - 1))
+            return tf.reduce_sum(mask)
+        return rows if weights is None else tf.reduce_sum(weights)
 
     @property
     def divides(self) -> bool:
@@ -80,6 +94,16 @@ class LossShare:
             return loss * share
         return (loss - own) * share + own / world_size
 
+    def column_factor(self, share: tf.Tensor, shares: tf.Tensor, world_size: int) -> tf.Tensor:
+        """What this rank's per-output loss (Keras' ``<output>_loss`` column, a mean over
+        batches of each batch's value) is multiplied by so that the ranks' mean is the global
+        batch's value: the ranks times its part of the global loss, given the summed
+        ``shares`` (a gathered loss is already the global batch's)."""
+        if self.divisor == "gathered":
+            return tf.constant(1.0)
+        part = tf.math.divide_no_nan(share, shares) if self.divides else share
+        return part * world_size
+
     def reported(self, loss: tf.Tensor, weighted: tf.Tensor, world_size: int) -> tf.Tensor:
         """What this rank adds to the step's global loss (summed across ranks, then divided by
         the summed shares where ``divides``): a gathered loss is every rank's alike."""
@@ -87,14 +111,18 @@ class LossShare:
 
     def on_ranks(self, world_size: int, unexact: str) -> "LossShare":
         """This share for a job of ``world_size`` ranks: a coupled loss gathered, unless
-        ``unexact`` says why it cannot be."""
+        ``unexact`` says why it cannot be (or an output's Keras mask, which the gather does
+        not carry)."""
         if not self.coupled or world_size == 1:
             return self
-        return LossShare("rows", True, unexact) if unexact else LossShare("gathered", True)
+        if self.masked and not unexact:
+            unexact = "an output carries a Keras mask, which the gather does not carry"
+        return dataclasses.replace(self, divisor="rows" if unexact else "gathered",
+                                   unexact=unexact)
 
     def describe(self) -> str:
         """The run log's line on how the ranks' losses combine."""
-        coupled = ("the compiled loss couples the rows of a batch (its value on a batch is not a "
+        coupled = (f"{self.named} couples the rows of a batch (its value on a batch is not a "
                    "weighted mean of its values on the batch's parts, e.g. a contrastive loss)")
         if self.divisor == "gathered":
             return (f"loss: {coupled}: every rank computes it on the global batch, the ranks' "
@@ -159,6 +187,17 @@ def _rows(values: Any, start: int, stop: int) -> Any:
     return tf.nest.map_structure(lambda value: value[start:stop], values)
 
 
+def loss_names(model: keras.Model) -> str:
+    """The compiled loss in words for a log line: its class or function name(s)."""
+    def name(loss: Any) -> str:
+        return loss if isinstance(loss, str) else getattr(loss, "__name__", type(loss).__name__)
+
+    loss = compile_arguments(model).get("loss")
+    losses = [each for each in tf.nest.flatten(loss) if each is not None]
+    return ("the compiled loss " + ", ".join(name(each) for each in losses)) if losses else (
+        "the compiled loss")
+
+
 def measured_share(model: keras.Model, batch: tuple) -> LossShare:
     """The model's ``LossShare``, measured with Keras' own ``compute_loss`` on a real batch's
     targets and predictions of the outputs' shapes, whole and in two parts: a loss equal to
@@ -168,41 +207,50 @@ def measured_share(model: keras.Model, batch: tuple) -> LossShare:
     model, no metric kept)."""
     x, y = batch[0], batch[1]
     rows = int(tf.shape(tf.nest.flatten(x)[0])[0])
+    masked, named = output_masked(model, x), loss_names(model)
     if rows < 2:
-        return LossShare()
+        return LossShare(masked=masked, named=named)
     predictions = _synthetic_predictions(model, x)
     # Keras adds the model's own losses (regularisers) to every batch's loss: left out here.
     own = float(own_losses(model))
     half = rows // 2
     cuts = ((0, half), (half, rows))
 
-    def values(weights: tf.Tensor) -> tuple[float, list[float]]:
+    def values(weights: tf.Tensor | None) -> tuple[float, list[float]]:
         whole = _loss_value(model, y, predictions, weights) - own
         return whole, [_loss_value(model, _rows(y, lo, hi), _rows(predictions, lo, hi),
-                                   weights[lo:hi]) - own for lo, hi in cuts]
+                                   None if weights is None else weights[lo:hi]) - own
+                       for lo, hi in cuts]
 
     def mean_of(parts: list[float], sizes: list[float]) -> float:
         return (sizes[0] * parts[0] + sizes[1] * parts[1]) / sum(sizes)
 
-    whole, parts = values(tf.ones([rows]))
+    whole, parts = values(None)
     uneven = tf.constant(np.linspace(0.5, 1.5, rows), tf.float32)
-    weighted_whole, weighted_parts = values(uneven)
+    try:
+        weighted_whole, weighted_parts = values(uneven)
+    except (ValueError, tf.errors.InvalidArgumentError):   # no weight per row (per token)
+        weighted_whole, weighted_parts = whole, parts
     model.reset_metrics()      # the compiled loss's per-output trackers counted the probes
     if _close(whole, mean_of(parts, [half, rows - half])):
         summed = [float(tf.reduce_sum(uneven[lo:hi])) for lo, hi in cuts]
         by_weights = _close(weighted_whole, mean_of(weighted_parts, summed))
         by_rows = _close(weighted_whole, mean_of(weighted_parts, [half, rows - half]))
-        return LossShare("sample_weight" if by_weights and not by_rows else "rows")
+        return LossShare("sample_weight" if by_weights and not by_rows else "rows",
+                         masked=masked, named=named)
     if _close(whole, parts[0] + parts[1]):
-        return LossShare("sum")
-    return LossShare("rows", coupled=True)
+        return LossShare("sum", named=named)
+    return LossShare("rows", coupled=True, masked=masked, named=named)
 
 
-def build_for_training(model: keras.Model, batch: tuple, label: str) -> LossShare:
+def build_for_training(model: keras.Model, batch: tuple, label: str,
+                       sample_weights: bool = True) -> LossShare:
     """Before training: Keras' own symbolic build of the model, its compiled loss and metrics
     (what ``fit`` does first; no call on real rows), a one-line refusal when the model cannot
-    take the data, then the loss's ``LossShare`` and a check that every metric can be summed."""
-    features, targets, sample_weight = batch[0], batch[1], batch[2]
+    take the data, then the loss's ``LossShare`` and a check that every metric can be summed.
+    ``sample_weights``: the batch's weights are the user's (else Keras sees none)."""
+    features, targets = batch[0], batch[1]
+    sample_weight = batch[2] if sample_weights else None
     try:
         build_symbolically(model, features, targets, sample_weight)
         share = measured_share(model, batch)
@@ -247,9 +295,10 @@ def metric_variables(model: keras.Model) -> list[Any]:
     return list(seen.values())
 
 
-def _scalar(value: Any) -> bool:
-    return (isinstance(value, (tf.Tensor, tf.Variable, float, int, np.floating))
-            and getattr(value, "shape", ()) == ())
+def scalar(value: Any) -> bool:
+    """Whether a log value is one number (a tensor, a Keras or TensorFlow variable, a float)."""
+    return (isinstance(value, (float, int, np.number))
+            or (hasattr(value, "shape") and tuple(value.shape) == ()))
 
 
 def global_metric_results(model: keras.Model, collectives: Collectives,
@@ -259,7 +308,7 @@ def global_metric_results(model: keras.Model, collectives: Collectives,
     check_additive(model.metrics)
     assign_across_ranks(collectives, metric_variables(model))
     return {prefix + name: float(value) for name, value in model.get_metrics_result().items()
-            if _scalar(value)}
+            if scalar(value)}
 
 
 def real_rows(weights: tf.Tensor) -> tf.Tensor:
@@ -277,5 +326,5 @@ def computed_rows(weights: tf.Tensor) -> tf.Tensor:
 
 def leading(values: Any, count: tf.Tensor) -> Any:
     """The first ``count`` rows of each tensor in ``values`` (Keras masks kept)."""
-    return None if values is None else tf.nest.map_structure(
-        lambda value: first_rows(value, count), values)
+    return tf.nest.map_structure(
+        lambda value: None if value is None else first_rows(value, count), values)

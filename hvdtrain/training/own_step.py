@@ -25,7 +25,7 @@ import tensorflow as tf
 from hvdtrain.collectives import Collectives, GradientReduction
 from hvdtrain.training.distributed_optimizer import distributed_for_the_run
 from hvdtrain.training.objective import (computed_rows, global_metric_results, leading,
-                                         metric_variables, real_rows)
+                                         metric_variables, real_rows, scalar)
 from hvdtrain.training.step import divided, vote_variables
 from hvdtrain.training.sync_batch_norm import batch_rows
 from hvdtrain.training.zero import Sharding, gradient_bytes_kept, sharded_for_the_run
@@ -56,11 +56,6 @@ def scaled(gradient: Any, share: tf.Tensor) -> Any:
         return tf.IndexedSlices(gradient.values * tf.cast(share, gradient.values.dtype),
                                 gradient.indices, gradient.dense_shape)
     return gradient * tf.cast(share, gradient.dtype)
-
-
-def _scalar(value: Any) -> bool:
-    return (isinstance(value, (tf.Tensor, tf.Variable, float, int))
-            and getattr(value, "shape", ()) == ())
 
 
 class OwnStep:
@@ -136,7 +131,7 @@ class OwnStep:
     def _agreed(self, logs: dict[str, Any]) -> dict[str, Any]:
         """The step's scalar logs averaged across ranks, with the votes in the same
         allreduce."""
-        names = [name for name, value in logs.items() if _scalar(value)]
+        names = [name for name, value in logs.items() if scalar(value)]
         values = [tf.cast(logs[name], tf.float32) for name in names]
         *totals, votes, callback_votes = self.collectives.allreduce_sum(
             [*values, tf.identity(self.stop_vote), tf.identity(self.callback_stop_vote)])
@@ -159,7 +154,7 @@ class OwnStep:
     def _global_logs(self, logs: dict[str, Any]) -> dict[str, float]:
         """Each scalar log from the global metric of its name, else the mean over ranks."""
         results = global_metric_results(self.model, self.collectives)
-        others = [name for name, value in logs.items() if name not in results and _scalar(value)]
+        others = [name for name, value in logs.items() if name not in results and scalar(value)]
         means = self.collectives.allreduce_sum([tf.constant(float(logs[name]), tf.float32)
                                                 for name in others])
         size = self.collectives.world.size

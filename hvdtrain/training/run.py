@@ -262,7 +262,8 @@ class Run:
             xla_line(asks_xla, own_step is not None))
         with data_errors_named(data):
             first = next(iter(data.train.dataset(plan.spec, 0, 1)))
-            share = probe_trainable(trainable, first, self.model_label)
+            share = probe_trainable(trainable, first, self.model_label,
+                                    not optim.zero_stage, data.sample_weights)
         plan = dataclasses.replace(plan, first_rows=int(tf.shape(tf.nest.flatten(first[0])[0])[0]))
         note = batch_norm_note(trainable.model, world.size, plan.global_batch(data.train)[0],
                                config.train.sync_batch_norm, asks_xla and own_step is None)
@@ -332,10 +333,15 @@ class Run:
                                              in_issue_order=optim.bucket_order == "issued"),
                            optim.zero_stage, global_batch)
         return StepMath(trainable.model, trainable.optimizer, collectives, trainable.share,
-                        StepOptions(optim.accumulation_steps, optim.reduction == "adasum",
-                                    optim.compression == "fp16", global_batch,
-                                    optim.bucket_bytes, bool(trainable.model.jit_compile),
-                                    optim.zero_stage, optim.bucket_order == "issued"))
+                        StepOptions(accumulation_steps=optim.accumulation_steps,
+                                    adasum=optim.reduction == "adasum",
+                                    fp16_compression=optim.compression == "fp16",
+                                    global_batch=global_batch,
+                                    sample_weights=data.sample_weights,
+                                    bucket_bytes=optim.bucket_bytes,
+                                    xla=bool(trainable.model.jit_compile),
+                                    zero_stage=optim.zero_stage,
+                                    in_issue_order=optim.bucket_order == "issued"))
 
     # --- autotune (instead of restore, train and finish) ---------------------------------------
 

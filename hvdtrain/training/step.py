@@ -26,7 +26,7 @@ from hvdtrain.collectives import Collectives, GradientReduction, gathered_rows
 from hvdtrain.training.accumulation import Accumulation
 from hvdtrain.training.memory import variable_bytes
 from hvdtrain.training.sync_batch_norm import batch_rows
-from hvdtrain.keras_internals import loss_tracker
+from hvdtrain.keras_internals import loss_tracker, output_loss_trackers
 from hvdtrain.training.objective import (LossShare, computed_rows, global_metric_results, leading,
                                          metric_variables, own_losses, real_rows)
 from hvdtrain.training.zero import Sharding, gradient_bytes_kept, sharded_for_the_run
@@ -94,6 +94,9 @@ class StepOptions:
     adasum: bool = False
     fp16_compression: bool = False
     global_batch: int = 1
+    # Whether the data carries the user's sample (or class) weights: else Keras' loss and
+    # metrics get none, as in Keras' own fit (a masked loss broadcasts them differently).
+    sample_weights: bool = True
     bucket_bytes: int = 0
     xla: bool = False
     zero_stage: int = 0
@@ -166,11 +169,11 @@ class StepMath:
         return [divided(gradient, shares) for gradient in gradients]
 
     def _apply(self, gradients: list[Any], weighted_loss: tf.Tensor, share: tf.Tensor,
-               pieces: bool = False) -> None:
+               pieces: bool = False) -> tf.Tensor:
         """Reduce across ranks and update, unless the global loss is not finite: then the
         update is skipped on every rank and ``global_loss`` tells the caller to stop. Sharded
         (ZeRO), the gradients are reduce-scattered (``pieces``: they already were) and the
-        scalars travel in an allreduce of their own."""
+        scalars travel in an allreduce of their own. Returns the summed shares."""
         variables = self.model.trainable_variables
         scalars = [weighted_loss, share, tf.identity(self.stop_vote),
                    tf.identity(self.callback_stop_vote)]
@@ -195,6 +198,7 @@ class StepMath:
             return tf.constant(True)
 
         tf.cond(tf.math.is_finite(self.global_loss), update, lambda: tf.constant(False))
+        return shares
 
     def _accumulate(self, accumulation: Accumulation, gradients: list[tf.Tensor],
                     weighted_loss: tf.Tensor, share: tf.Tensor) -> None:
@@ -220,7 +224,8 @@ class StepMath:
         self.model.reset_metrics()
 
     def validation(self) -> Callable[[Any], dict[str, float]]:
-        return Evaluation(self.model, self.collectives, self.options.xla, self.share).run
+        return Evaluation(self.model, self.collectives, self.options.xla, self.share,
+                          self.options.sample_weights, equal_steps=True).run
 
     def training(self, end_in_pieces: bool = False) -> ContextManager[None]:
         """hvdtrain's step reduces gradients itself; sharded, the optimizer holds pieces."""
@@ -250,10 +255,11 @@ class StepMath:
         with tf.GradientTape() as tape:
             with batch_rows(tf.range(rows) < count):   # a filler counts in no BN statistics
                 predictions = self.model(leading(x, rows), training=True)
+            sample_weight = sample_weight if self.options.sample_weights else None
             y, predictions, sample_weight = leading((y, predictions, sample_weight), count)
             loss = keras_loss(self.model, self.collectives, self.share, y, predictions,
                               sample_weight, count, tf.shape(weights)[0], training=True)
-            share = self.share.of(count, sample_weight)
+            share = self.share.of(count, sample_weight, predictions)
             if self.share.divides:    # counted against the global batch: a mean's scale
                 share /= self.options.global_batch
             weighted = self.share.weighted(loss, share, own_losses(self.model), size)
@@ -264,6 +270,7 @@ class StepMath:
 
     def train_step(self, x, y, sample_weight: Any, weights: tf.Tensor) -> dict[str, tf.Tensor]:
         variables = self.model.trainable_variables
+        columns = OutputColumns(self.model)
         gradients, loss, weighted, share, real = self._forward_backward(
             x, y, sample_weight, weights)
         if self.accumulation is not None:
@@ -271,7 +278,8 @@ class StepMath:
                              [tf.zeros_like(v) if g is None else tf.convert_to_tensor(g)
                               for g, v in zip(gradients, variables)], weighted, share)
         else:   # the tracker gets the global batch's loss, as one process's does
-            self._apply(gradients, weighted, share)
+            shares = self._apply(gradients, weighted, share)
+            columns.scale(self.share.column_factor(share, shares, self.collectives.world.size))
             loss = self.global_loss.read_value()
         return keras_metrics(self.model, loss, *real)
 
@@ -301,6 +309,22 @@ def divided(gradient: Any, total: tf.Tensor) -> Any:
     return tf.math.divide_no_nan(gradient, tf.cast(total, gradient.dtype))
 
 
+class OutputColumns:
+    """Keras' per-output loss trackers as a step begins: each batch adds its output's loss (a
+    mean over the rank's rows) with weight one, so after the step this rank's addition is
+    scaled by ``column_factor``, and the trackers summed across ranks hold one process's
+    means of its global batches' values."""
+
+    def __init__(self, model: keras.Model) -> None:
+        self.trackers = output_loss_trackers(model)
+        self.before = [tf.identity(tracker.total) for tracker in self.trackers]
+
+    def scale(self, factor: tf.Tensor) -> None:
+        for tracker, before in zip(self.trackers, self.before):
+            added = tf.convert_to_tensor(tracker.total) - before
+            tracker.total.assign(before + added * tf.cast(factor, added.dtype))
+
+
 def keras_metrics(model: keras.Model, loss: tf.Tensor, y: Any, predictions: Any,
                   sample_weight: Any, count: tf.Tensor) -> dict[str, tf.Tensor]:
     """Keras' own bookkeeping of a step on this rank's real rows (as its ``train_step`` and
@@ -328,13 +352,20 @@ class Evaluation:
     over this rank's shard, their state summed across ranks once."""
 
     def __init__(self, model: keras.Model, collectives: Collectives, xla: bool = False,
-                 share: LossShare = LossShare()) -> None:
+                 share: LossShare = LossShare(), sample_weights: bool = True,
+                 equal_steps: bool = False) -> None:
         """``xla``: the forward pass and the loss compiled with XLA (the model's
         ``jit_compile``), the metrics and their sums outside; ``share``: the training loss's
-        (a ``gathered`` loss is measured on each global batch too)."""
+        (a ``gathered`` loss is measured on each global batch too); ``sample_weights``: as
+        ``StepOptions``'; ``equal_steps``: every rank runs every step (a validation plan), so a
+        loss whose batch value is not a mean over rows, and the per-output loss columns, are
+        made the global batch's with one small allreduce a step."""
         self.model = model
         self.collectives = collectives
         self.share = share
+        self.sample_weights = sample_weights
+        self.summed = equal_steps and collectives.world.size > 1 and (
+            share.divisor != "rows" or share.masked or bool(output_loss_trackers(model)))
         self._step = tf.function(self._eval_step, jit_compile=False)
         self._forward = tf.function(self.forward, jit_compile=True) if xla else self.forward
 
@@ -342,13 +373,24 @@ class Evaluation:
         """The loss and what the metrics read, on the batch's real rows (no collective)."""
         count = real_rows(weights)
         predictions = self.model(leading(x, computed_rows(weights)), training=False)
+        sample_weight = sample_weight if self.sample_weights else None
         y, predictions, sample_weight = leading((y, predictions, sample_weight), count)
         loss = keras_loss(self.model, self.collectives, self.share, y, predictions,
                           sample_weight, count, tf.shape(weights)[0], training=False)
-        return loss, y, predictions, sample_weight, count
+        return loss, own_losses(self.model), (y, predictions, sample_weight, count)
 
     def _eval_step(self, x, y, sample_weight: Any, weights: tf.Tensor) -> None:
-        keras_metrics(self.model, *self._forward(x, y, sample_weight, weights))
+        columns = OutputColumns(self.model)
+        loss, own, real = self._forward(x, y, sample_weight, weights)
+        if self.summed:    # the global batch's loss and columns, as in the training step
+            size = self.collectives.world.size
+            share = self.share.of(real[3], real[2], real[1])
+            weighted = self.share.weighted(loss, share, own, size)
+            part, shares = self.collectives.allreduce_sum(
+                [self.share.reported(loss, weighted, size), share])
+            columns.scale(self.share.column_factor(share, shares, size))
+            loss = tf.math.divide_no_nan(part, shares) if self.share.divides else part
+        keras_metrics(self.model, loss, *real)
 
     def run(self, dataset: tf.data.Dataset, prefix: str = "val_") -> dict[str, float]:
         self.model.reset_metrics()

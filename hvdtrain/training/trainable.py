@@ -129,8 +129,6 @@ def prepare(config: Config, model: keras.Model, data: DataBundle, world: World,
         schedule = make_schedule(optim, world.size, updates_per_epoch, config.train.epochs,
                                  base)
         optimizer, what = _exact_optimizer(config, model, compiled, schedule)
-        if not optim.zero_stage:   # sharded, it is built in pieces when training starts
-            optimizer.build(model.trainable_variables)
         bases = {"optimizer": (optimizer, base)} if settable_rate(optimizer) is not None else {}
         fixed = [] if bases else ["optimizer"]
     else:
@@ -179,14 +177,19 @@ def check_default_output(model: keras.Model, x: Any) -> None:
                         "your loss) or end it with a softmax")
 
 
-def probe_trainable(trainable: Trainable, batch: tuple, label: str) -> LossShare | None:
+def probe_trainable(trainable: Trainable, batch: tuple, label: str,
+                    build_optimizer: bool = True, sample_weights: bool = True
+                    ) -> LossShare | None:
     """One real batch before training: hvdtrain's step has Keras build the model, its loss and
-    metrics from the batch's shapes and measures what the loss divides by (kept as
-    ``trainable.share`` and returned); a model's own step is built (as its first step
-    would)."""
+    metrics from the batch's shapes, then its optimizer (``build_optimizer``: not under ZeRO,
+    which builds it in pieces when training starts), and measures what the loss divides by
+    (kept as ``trainable.share`` and returned); a model's own step is built (as its first
+    step would)."""
     model = trainable.model
     if trainable.own_step is None:
-        trainable.share = build_for_training(model, batch, label)
+        trainable.share = build_for_training(model, batch, label, sample_weights)
+        if build_optimizer and not trainable.optimizer.built:   # once every weight exists
+            trainable.optimizer.build(model.trainable_variables)
         if trainable.default_loss:
             check_default_output(model, batch[0])
         return trainable.share

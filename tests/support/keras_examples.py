@@ -387,7 +387,7 @@ EXAMPLES: dict[str, Spec] = {
                                    coupled=("SupervisedContrastiveLoss",
                                             "supervised_contrastive_loss")),
     "bn_convnet": Spec(bn_convnet, NO_DROPIN, NOT_THE_DROPINS, tolerance=None,
-                       loss_tolerance=0.1, coupled=("each rank normalises by its own batch",)),
+                       loss_tolerance=0.1, coupled=("by each rank's own batch",)),
     # Cross-rank batch statistics: one process's to 1e-5.
     "fcn_synchronized_bn": Spec(fcn_synchronized_bn, NO_DROPIN, SPLIT),
     # hvdtrain orders the batches itself: another shuffle of the same data (measured 1.3% off

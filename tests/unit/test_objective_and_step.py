@@ -70,13 +70,12 @@ class OwnCall(keras.losses.Loss):
 
 
 @pytest.mark.parametrize("loss, expected", [
-    ("mse", LossShare("rows")),
-    (keras.losses.MeanSquaredError(reduction="mean_with_sample_weight"),
-     LossShare("sample_weight")),
-    (keras.losses.MeanSquaredError(reduction="sum"), LossShare("sum")),
-    (batch_mean, LossShare("rows")),
-    (OwnCall(), LossShare("rows")),
-    (contrastive, LossShare("rows", coupled=True)),
+    ("mse", ("rows", False)),
+    (keras.losses.MeanSquaredError(reduction="mean_with_sample_weight"), ("sample_weight", False)),
+    (keras.losses.MeanSquaredError(reduction="sum"), ("sum", False)),
+    (batch_mean, ("rows", False)),
+    (OwnCall(), ("rows", False)),
+    (contrastive, ("rows", True)),
 ])
 def test_what_the_loss_divides_by_is_measured_with_keras_own_code(loss, expected):
     keras.utils.set_random_seed(0)
@@ -86,7 +85,12 @@ def test_what_the_loss_divides_by_is_measured_with_keras_own_code(loss, expected
     rng = np.random.default_rng(0)
     batch = (rng.standard_normal((8, 3)).astype(np.float32),
              rng.standard_normal((8, 1)).astype(np.float32), tf.ones(8), tf.fill([8], 0.125))
-    assert measured_share(model, batch) == expected
+    share = measured_share(model, batch)
+    assert (share.divisor, share.coupled) == expected
+    if share.coupled:
+        assert share.named == "the compiled loss contrastive"
+        assert share.on_ranks(2, "").divisor == "gathered"
+        assert "contrastive couples" in share.on_ranks(2, "because").describe()
 
 
 class Counting(keras.Model):
@@ -101,6 +105,20 @@ class Counting(keras.Model):
         if tf.executing_eagerly():
             self.eager_calls += 1
         return self.dense(x)
+
+
+def test_a_masked_loss_divides_by_the_unmasked_entries():
+    """Keras' mean of a masked output's loss is over its unmasked tokens, so a rank's share is
+    its count of them, not its rows."""
+    model = keras.Sequential([keras.Input((5,), dtype="int32"),
+                              keras.layers.Embedding(9, 4, mask_zero=True),
+                              keras.layers.Dense(3, activation="softmax")])
+    model.compile(loss="sparse_categorical_crossentropy", optimizer="sgd")
+    x = np.array([[1, 2, 0, 0, 0], [3, 4, 5, 0, 0]], np.int32)
+    batch = (x, np.zeros((2, 5), np.int64), tf.ones(2), tf.fill([2], 0.5))
+    share = build_for_training(model, batch, "tagger", sample_weights=False)
+    assert share.masked and share.divisor == "rows"
+    assert float(share.of(2, None, model(x))) == 5.0
 
 
 def test_nothing_is_called_on_real_rows_or_counted_before_training():
