@@ -265,16 +265,16 @@ def keras_mask(value: Any) -> Any:
     return get_keras_mask(value)
 
 
-def first_rows(value: Any, count: Any) -> Any:
-    """``value[:count]`` with the Keras mask that Keras' losses read from a masked output
-    (``_keras_mask``) cut the same way."""
-    from keras.src.backend import get_keras_mask, set_keras_mask
+def keras_logits(value: Any) -> Any:
+    """The logits a softmax or sigmoid output of Keras carries (``_keras_logits``): Keras'
+    crossentropy computes from them, which rounds otherwise than from the probabilities."""
+    return getattr(value, "_keras_logits", None)
 
-    mask = get_keras_mask(value)
-    cut = value[:count]
-    if mask is not None:
-        set_keras_mask(cut, mask[:count])
-    return cut
+
+def with_logits(value: Any, logits: Any) -> Any:
+    """``value`` carrying ``logits`` as a softmax or sigmoid output of Keras does."""
+    value._keras_logits = logits
+    return value
 
 
 def output_loss_trackers(model: keras.Model) -> list[keras.metrics.Metric]:

@@ -289,10 +289,12 @@ def gathered_rows(collectives: Collectives, values: Any, differentiable: Any, co
         return tf.reshape(tf.pad(rows, tf.cast(pad, tf.int32)), [-1])
 
     def everyone(tensors: list[Any]) -> list[Any]:
-        flat = collectives.allgather([padded(t) for t in tensors]) if tensors else []
-        return [tf.boolean_mask(tf.reshape(g, tf.concat(
+        """Each tensor's global rows (a None, an absent sample weight, stays None)."""
+        present = [t for t in tensors if t is not None]
+        flat = iter(collectives.allgather([padded(t) for t in present]) if present else [])
+        return [None if t is None else tf.boolean_mask(tf.reshape(next(flat), tf.concat(
             [[size * longest], tf.shape(t, out_type=tf.int64)[1:]], 0)), real)
-            for g, t in zip(flat, tensors)]
+            for t in tensors]
 
     @tf.custom_gradient
     def gathered(*tensors: Any) -> Any:
@@ -307,8 +309,18 @@ def gathered_rows(collectives: Collectives, values: Any, differentiable: Any, co
 
         return outputs, backward
 
-    global_plain = everyone(plain)
-    global_trained = list(gathered(*trained)) if trained else []
+    def shaped(outputs: list[Any], tensors: list[Any]) -> list[Any]:
+        """The static shapes the gather (and a custom gradient's identity) leaves unknown: the
+        rows unknown, the rest each tensor's own."""
+        for output, tensor in zip(outputs, tensors):
+            if output is not None and tensor.shape.rank is not None:
+                output.set_shape([None, *tensor.shape[1:]])
+        return outputs
+
+    global_plain = shaped(everyone(plain), plain)
+    present = [t for t in trained if t is not None]
+    outputs = iter(shaped(list(gathered(*present)), present) if present else [])
+    global_trained = [None if t is None else next(outputs) for t in trained]
     return (tf.nest.pack_sequence_as(values, global_plain),
             tf.nest.pack_sequence_as(differentiable, global_trained))
 

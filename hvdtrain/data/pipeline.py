@@ -140,6 +140,20 @@ def array_dataset(x: Any, y: Any, spec: ShardSpec, first_epoch: int = 0, end_epo
     return dataset.prefetch(tf.data.AUTOTUNE)
 
 
+def real_rows_only(dataset: tf.data.Dataset) -> tf.data.Dataset:
+    """Batches ``(x, y, sample_weight, weight)`` cut to their real rows (weight > 0), as Keras'
+    own last batch is shorter; a filler batch (no real row) is left whole, at weight zero. Done
+    in the pipeline, not in the step, so a whole batch keeps its static shape when the step is
+    traced (a user's loss may squeeze or reshape by it, as under Keras' ``fit``)."""
+    def cut(x: Any, y: Any, sample_weight: Any, weight: tf.Tensor) -> tuple:
+        real = weight > 0
+        keep = tf.logical_or(real, tf.logical_not(tf.reduce_any(real)))
+        return tf.nest.map_structure(lambda value: tf.boolean_mask(value, keep),
+                                     (x, y, sample_weight, weight))
+
+    return dataset.map(cut, deterministic=True)
+
+
 def uneven_plan(spec: ShardSpec) -> tf.data.Dataset:
     """This rank's examples r, r+N, ... in batches of b, unpadded (see the module doc)."""
     ids = tf.range(spec.world.rank, spec.num_examples, spec.world.size, dtype=tf.int64)

@@ -23,7 +23,7 @@ from hvdtrain.config import Config
 from hvdtrain.data.contract import DataBundle, Split
 from hvdtrain.data.equal_steps import Passes, agreed_steps, left_out_line
 from hvdtrain.data.files import FileSplit
-from hvdtrain.data.pipeline import ShardSpec
+from hvdtrain.data.pipeline import ShardSpec, real_rows_only
 from hvdtrain.errors import AgreedError
 
 
@@ -108,11 +108,11 @@ class DataPlan:
         """The training batches from step ``done_steps`` of ``epoch`` to the end of the epoch
         before ``end_epoch``, back to back: each epoch takes ``passes.epoch_steps`` of them."""
         if getattr(split, "infinite", False):     # one endless pass, in the dataset's order
-            return split.dataset(self.spec, 0, 1).skip(done_steps)
+            return real_rows_only(split.dataset(self.spec, 0, 1).skip(done_steps))
         first_pass, offset, _ = self.passes.start(epoch)
         dataset = split.dataset(self.spec, first_pass, self.passes.passes_until(end_epoch))
         skip = offset + done_steps
-        return dataset.skip(skip) if skip else dataset
+        return real_rows_only(dataset.skip(skip) if skip else dataset)
 
 
 def agreed_pass_steps(split: Split, spec: ShardSpec,

@@ -25,7 +25,7 @@ from hvdtrain.checkpoint_state import CheckpointState
 from hvdtrain.collectives import Collectives, tf_variables
 from hvdtrain.config import Config
 from hvdtrain.data.contract import DataBundle
-from hvdtrain.data.pipeline import ShardSpec
+from hvdtrain.data.pipeline import ShardSpec, real_rows_only
 from hvdtrain.log import logger
 from hvdtrain.training.callbacks import Reporting, RunHooks
 from hvdtrain.training.checkpointing import CheckpointPlan
@@ -126,8 +126,8 @@ def elastic_loop(run: ElasticRun) -> None:
             hooks.on_epoch_begin(state.epoch)
             logs: dict = {}
             remaining = spec.remaining
-            for index, batch in enumerate(data.train.dataset(spec, state.epoch,
-                                                             state.epoch + 1)):
+            for index, batch in enumerate(real_rows_only(data.train.dataset(
+                    spec, state.epoch, state.epoch + 1))):
                 hooks.on_train_batch_begin(index)
                 logs = train_step(batch)
                 state.offset += min(spec.global_batch, remaining - index * spec.global_batch)

@@ -27,7 +27,7 @@ import tensorflow as tf
 from hvdtrain.collectives import Collectives, assign_across_ranks
 from hvdtrain.config import OptimConfig
 from hvdtrain.errors import UserError, first_sentence
-from hvdtrain.keras_internals import (build_symbolically, compile_arguments, first_rows, keras_mask,
+from hvdtrain.keras_internals import (build_symbolically, compile_arguments, keras_mask,
                                       output_masked, output_specs)
 
 DEFAULT_LOSS = "sparse_categorical_crossentropy"
@@ -315,16 +315,3 @@ def real_rows(weights: tf.Tensor) -> tf.Tensor:
     """A batch's real rows: those with a loss weight (the data plan puts them first; a filler
     batch, repeated at weight zero so every rank runs the step, has none)."""
     return tf.reduce_sum(tf.cast(weights > 0, tf.int32))
-
-
-def computed_rows(weights: tf.Tensor) -> tf.Tensor:
-    """The rows the forward pass runs on: the real ones, or a whole filler batch (a model
-    cannot run on no rows: batch normalisation's statistics would be undefined)."""
-    real = real_rows(weights)
-    return tf.where(real > 0, real, tf.shape(weights)[0])
-
-
-def leading(values: Any, count: tf.Tensor) -> Any:
-    """The first ``count`` rows of each tensor in ``values`` (Keras masks kept)."""
-    return tf.nest.map_structure(
-        lambda value: None if value is None else first_rows(value, count), values)

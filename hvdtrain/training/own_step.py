@@ -24,8 +24,8 @@ import tensorflow as tf
 
 from hvdtrain.collectives import Collectives, GradientReduction
 from hvdtrain.training.distributed_optimizer import distributed_for_the_run
-from hvdtrain.training.objective import (computed_rows, global_metric_results, leading,
-                                         metric_variables, real_rows, scalar)
+from hvdtrain.training.objective import (global_metric_results, metric_variables, real_rows,
+                                         scalar)
 from hvdtrain.training.step import divided, vote_variables
 from hvdtrain.training.sync_batch_norm import batch_rows
 from hvdtrain.training.zero import Sharding, gradient_bytes_kept, sharded_for_the_run
@@ -119,11 +119,9 @@ class OwnStep:
 
     def keras_step(self, data: Any) -> dict[str, Any]:
         x, y, sample_weight, weights = data
-        rows, count = computed_rows(weights), real_rows(weights)
-        self._share = tf.cast(count, tf.float32) / self._global_batch
-        with batch_rows(tf.range(rows) < count):   # a filler counts in no BN statistics
-            logs = self._model_step(self.keras_element(
-                *leading((x, y, sample_weight), rows)))
+        self._share = tf.cast(real_rows(weights), tf.float32) / self._global_batch
+        with batch_rows(weights > 0):   # a filler counts in no synchronized BN statistics
+            logs = self._model_step(self.keras_element(x, y, sample_weight))
         if not isinstance(logs, dict):
             logs = {"loss": logs}
         return self._agreed(logs)

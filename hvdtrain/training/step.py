@@ -23,12 +23,13 @@ import keras
 import tensorflow as tf
 
 from hvdtrain.collectives import Collectives, GradientReduction, gathered_rows
+from hvdtrain.data.pipeline import real_rows_only
 from hvdtrain.training.accumulation import Accumulation
 from hvdtrain.training.memory import variable_bytes
 from hvdtrain.training.sync_batch_norm import batch_rows
-from hvdtrain.keras_internals import loss_tracker, output_loss_trackers
-from hvdtrain.training.objective import (LossShare, computed_rows, global_metric_results, leading,
-                                         metric_variables, own_losses, real_rows)
+from hvdtrain.keras_internals import keras_logits, loss_tracker, output_loss_trackers, with_logits
+from hvdtrain.training.objective import (LossShare, global_metric_results, metric_variables,
+                                         own_losses, real_rows)
 from hvdtrain.training.zero import Sharding, gradient_bytes_kept, sharded_for_the_run
 
 
@@ -251,15 +252,14 @@ class StepMath:
         (compiled with XLA when the options say so: collectives have no XLA kernels, so they
         stay outside). A filler batch is computed but weighs nothing."""
         count, size = real_rows(weights), self.collectives.world.size
-        rows = computed_rows(weights)
+        sample_weight = sample_weight if self.options.sample_weights else None
         with tf.GradientTape() as tape:
-            with batch_rows(tf.range(rows) < count):   # a filler counts in no BN statistics
-                predictions = self.model(leading(x, rows), training=True)
-            sample_weight = sample_weight if self.options.sample_weights else None
-            y, predictions, sample_weight = leading((y, predictions, sample_weight), count)
+            with batch_rows(weights > 0):   # a filler counts in no synchronized BN statistics
+                predictions = self.model(x, training=True)
             loss = keras_loss(self.model, self.collectives, self.share, y, predictions,
                               sample_weight, count, tf.shape(weights)[0], training=True)
-            share = self.share.of(count, sample_weight, predictions)
+            share = self.share.of(count, sample_weight, predictions) * tf.cast(count > 0,
+                                                                               tf.float32)
             if self.share.divides:    # counted against the global batch: a mean's scale
                 share /= self.options.global_batch
             weighted = self.share.weighted(loss, share, own_losses(self.model), size)
@@ -277,9 +277,11 @@ class StepMath:
             self._accumulate(self.accumulation,
                              [tf.zeros_like(v) if g is None else tf.convert_to_tensor(g)
                               for g, v in zip(gradients, variables)], weighted, share)
+            columns.scale(tf.constant(1.0), real[3] > 0)
         else:   # the tracker gets the global batch's loss, as one process's does
             shares = self._apply(gradients, weighted, share)
-            columns.scale(self.share.column_factor(share, shares, self.collectives.world.size))
+            columns.scale(self.share.column_factor(share, shares, self.collectives.world.size),
+                          real[3] > 0)
             loss = self.global_loss.read_value()
         return keras_metrics(self.model, loss, *real)
 
@@ -290,9 +292,14 @@ def keras_loss(model: keras.Model, collectives: Collectives, share: LossShare, y
     """Keras' loss of this rank's real rows (``model.compute_loss``), or of the global batch
     where the share is ``gathered``, as one float32 value (Keras gives a batch of no rows, a
     filler's, an empty tensor: here 0)."""
-    if share.divisor == "gathered":
-        (y, sample_weight), predictions = gathered_rows(collectives, (y, sample_weight),
-                                                        predictions, count, capacity)
+    if share.divisor == "gathered":   # the logits too, which Keras' crossentropy reads
+        leaves = tf.nest.flatten(predictions)
+        logits = [keras_logits(leaf) for leaf in leaves]
+        (y, sample_weight), (leaves, logits) = gathered_rows(
+            collectives, (y, sample_weight), (leaves, logits), count, capacity)
+        predictions = tf.nest.pack_sequence_as(predictions, [
+            leaf if each is None else with_logits(leaf, each)
+            for leaf, each in zip(leaves, logits)])
     loss = model.compute_loss(y=y, y_pred=predictions, sample_weight=sample_weight,
                               training=training)
     return tf.reduce_sum(tf.cast(loss, tf.float32))
@@ -317,12 +324,17 @@ class OutputColumns:
 
     def __init__(self, model: keras.Model) -> None:
         self.trackers = output_loss_trackers(model)
-        self.before = [tf.identity(tracker.total) for tracker in self.trackers]
+        self.before = [(tf.identity(tracker.total), tf.identity(tracker.count))
+                       for tracker in self.trackers]
 
-    def scale(self, factor: tf.Tensor) -> None:
-        for tracker, before in zip(self.trackers, self.before):
-            added = tf.convert_to_tensor(tracker.total) - before
-            tracker.total.assign(before + added * tf.cast(factor, added.dtype))
+    def scale(self, factor: tf.Tensor, real: tf.Tensor) -> None:
+        """This step's additions times ``factor``; none at all for a filler (``real`` false)."""
+        kept = tf.cast(real, tf.float32)
+        for tracker, (total, count) in zip(self.trackers, self.before):
+            for variable, before, times in ((tracker.total, total, factor * kept),
+                                            (tracker.count, count, kept)):
+                added = tf.convert_to_tensor(variable) - before
+                variable.assign(before + added * tf.cast(times, added.dtype))
 
 
 def keras_metrics(model: keras.Model, loss: tf.Tensor, y: Any, predictions: Any,
@@ -331,7 +343,13 @@ def keras_metrics(model: keras.Model, loss: tf.Tensor, y: Any, predictions: Any,
     ``test_step`` end): the loss tracker fed the batch's loss weighted by its rows, then
     ``compute_metrics``; its logs are this rank's running values."""
     loss_tracker(model).update_state(loss, sample_weight=count)
-    return model.compute_metrics(None, y, predictions, sample_weight=sample_weight)
+
+    def update() -> tf.Tensor:
+        model.compute_metrics(None, y, predictions, sample_weight=sample_weight)
+        return tf.constant(True)
+
+    tf.cond(count > 0, update, lambda: tf.constant(False))   # a filler counts in no metric
+    return model.get_metrics_result()
 
 
 def xla_line(jit_compile: bool, own_step: bool) -> str:
@@ -372,9 +390,8 @@ class Evaluation:
     def forward(self, x, y, sample_weight: Any, weights: tf.Tensor) -> tuple:
         """The loss and what the metrics read, on the batch's real rows (no collective)."""
         count = real_rows(weights)
-        predictions = self.model(leading(x, computed_rows(weights)), training=False)
+        predictions = self.model(x, training=False)
         sample_weight = sample_weight if self.sample_weights else None
-        y, predictions, sample_weight = leading((y, predictions, sample_weight), count)
         loss = keras_loss(self.model, self.collectives, self.share, y, predictions,
                           sample_weight, count, tf.shape(weights)[0], training=False)
         return loss, own_losses(self.model), (y, predictions, sample_weight, count)
@@ -384,16 +401,16 @@ class Evaluation:
         loss, own, real = self._forward(x, y, sample_weight, weights)
         if self.summed:    # the global batch's loss and columns, as in the training step
             size = self.collectives.world.size
-            share = self.share.of(real[3], real[2], real[1])
+            share = self.share.of(real[3], real[2], real[1]) * tf.cast(real[3] > 0, tf.float32)
             weighted = self.share.weighted(loss, share, own, size)
             part, shares = self.collectives.allreduce_sum(
                 [self.share.reported(loss, weighted, size), share])
-            columns.scale(self.share.column_factor(share, shares, size))
+            columns.scale(self.share.column_factor(share, shares, size), real[3] > 0)
             loss = tf.math.divide_no_nan(part, shares) if self.share.divides else part
         keras_metrics(self.model, loss, *real)
 
     def run(self, dataset: tf.data.Dataset, prefix: str = "val_") -> dict[str, float]:
         self.model.reset_metrics()
-        for batch in dataset:
+        for batch in real_rows_only(dataset):
             self._step(*batch)
         return global_metric_results(self.model, self.collectives, prefix)

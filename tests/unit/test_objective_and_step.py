@@ -14,6 +14,7 @@ import tensorflow as tf
 from keras import ops
 
 from hvdtrain.collectives import LocalCollectives
+from hvdtrain.data.pipeline import real_rows_only
 from hvdtrain.training.objective import (LossShare, ObjectiveError, build_for_training,
                                          measured_share)
 from hvdtrain.training.step import StepMath, StepOptions
@@ -44,7 +45,8 @@ def test_one_step_equals_keras_own_train_step_for_a_compiled_two_output_model():
     expected = keras_model.train_on_batch(_rows(x, 40), _rows(y, 40), sample_weight[:40],
                                           return_dict=True)
     weights = np.where(np.arange(48) < 40, 1 / 40, 0.0).astype(np.float32)   # 8 padding rows
-    batch = (x, y, sample_weight, weights)
+    batch = next(iter(real_rows_only(tf.data.Dataset.from_tensors(
+        (x, y, sample_weight, weights)))))
     build_for_training(ours, batch, "two towers")
     step = StepMath(ours, ours.optimizer, LocalCollectives(), options=StepOptions(global_batch=48))
     logs = tf.function(step.keras_step)(batch)
@@ -172,7 +174,8 @@ def test_padding_rows_count_nowhere_and_a_filler_batch_weighs_nothing():
     x = np.ones((4, 3), np.float32)
     y = np.array([[1.0], [2.0], [3.0], [100.0]], np.float32)
     predicted = step.model(x).numpy()
-    step.train_step(x, y, tf.ones(4), tf.constant([1 / 3, 1 / 3, 1 / 3, 0.0]))
+    padded = tf.data.Dataset.from_tensors((x, y, tf.ones(4), tf.constant([1 / 3] * 3 + [0.0])))
+    step.train_step(*next(iter(real_rows_only(padded))))
     expected = float(np.mean((predicted[:3] - y[:3]) ** 2))
     assert float(step.global_loss.numpy()) == pytest.approx(expected, rel=1e-5)
     before = [w.copy() for w in model.get_weights()]
