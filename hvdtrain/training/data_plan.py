@@ -154,6 +154,18 @@ def _check_orders(data: DataBundle, gather: Callable) -> list[str]:
     return notes
 
 
+def _own_step_filler(examples: int, spec: ShardSpec, own_step: str | None) -> list[str]:
+    """Rank 0's line where a model's own step will see a filler: the last global batch has
+    fewer examples than there are ranks, so some rank has none of it."""
+    short, ranks = examples % spec.global_batch, spec.world.size
+    if own_step is None or spec.remainder != "pad" or not 0 < short < ranks:
+        return []
+    return [f"training data: the last global batch of each pass has {short} example(s) for "
+            f"{ranks} ranks, so {ranks - short} rank(s) run that step on a filler batch whose "
+            f"gradients weigh nothing but which the model's own step ({own_step}) counts in "
+            "its metrics; a --batch-size that leaves no such remainder avoids it"]
+
+
 def plan_data(config: Config, data: DataBundle, collectives: Collectives,
               own_step: str | None) -> DataPlan:
     """The run's ``DataPlan``, or a one-line error. Evaluation under a model's own step runs
@@ -194,6 +206,7 @@ def plan_data(config: Config, data: DataBundle, collectives: Collectives,
         notes.append(f"training data: each pass leaves out {left} of {examples} examples "
                      f"(every rank trains {steps} whole batches of {batch}: --remainder drop), "
                      "a different part each epoch when shuffled")
+    notes += _own_step_filler(examples or 0, spec, own_step)
     if isinstance(data.train, FileSplit):
         notes.append(f"sharding {len(data.train.files)} file(s) across {world.size} rank(s) by "
                      f"{data.train.mode(world.size)}")
