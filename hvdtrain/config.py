@@ -99,10 +99,11 @@ class DataConfig:
     shuffle: bool = option(True, "shuffle the training examples every epoch (in-memory and "
                                  "file data; a user's dataset object shuffles itself)")
     remainder: str = option("auto", "last partial global batch each epoch: pad (every example "
-                                    "once; filled with real examples at weight zero), drop "
-                                    "(skip it), or auto (pad "
-                                    "for hvdtrain's step; drop for a model's own train_step, "
-                                    "whose per-rank mean needs equal batches)",
+                                    "once: spread over the ranks, a rank with none of it "
+                                    "repeating real examples at weight zero), drop (skip it), "
+                                    "or auto (pad; drop for a model's own train_step on a "
+                                    "dataset whose ranks count their own batches, or under "
+                                    "--zero-stage or Adasum)",
                             choices=("auto", "pad", "drop"))
     synthetic_examples: int = option(2048, "examples in the synthetic dataset", minimum=1)
     synthetic_shape: list[int] = option([32], "shape of one synthetic example", minimum=1)

@@ -265,6 +265,29 @@ def keras_mask(value: Any) -> Any:
     return get_keras_mask(value)
 
 
+def output_marks(values: Any) -> list[tuple[Any, Any]]:
+    """The Keras mask and logits each output carries (None where none): a tensor returned
+    from a compiled (XLA) function loses them, ``marked`` puts them back."""
+    import tensorflow as tf
+    from keras.src.backend import get_keras_mask
+
+    return [(get_keras_mask(value), keras_logits(value)) for value in tf.nest.flatten(values)]
+
+
+def marked(values: Any, marks: list[tuple[Any, Any]]) -> Any:
+    """``values`` carrying the masks and logits ``output_marks`` read (Keras' metrics and
+    losses read them)."""
+    import tensorflow as tf
+    from keras.src.backend import set_keras_mask
+
+    for value, (mask, logits) in zip(tf.nest.flatten(values), marks):
+        if mask is not None:
+            set_keras_mask(value, mask)
+        if logits is not None:
+            with_logits(value, logits)
+    return values
+
+
 def keras_logits(value: Any) -> Any:
     """The logits a softmax or sigmoid output of Keras carries (``_keras_logits``): Keras'
     crossentropy computes from them, which rounds otherwise than from the probabilities."""

@@ -143,15 +143,17 @@ def array_dataset(x: Any, y: Any, spec: ShardSpec, first_epoch: int = 0, end_epo
 def real_rows_only(dataset: tf.data.Dataset) -> tf.data.Dataset:
     """Batches ``(x, y, sample_weight, weight)`` cut to their real rows (weight > 0), as Keras'
     own last batch is shorter; a filler batch (no real row) is left whole, at weight zero. Done
-    in the pipeline, not in the step, so a whole batch keeps its static shape when the step is
-    traced (a user's loss may squeeze or reshape by it, as under Keras' ``fit``)."""
+    in the pipeline, not in the step, so the step is traced with each batch's own shape (a
+    whole batch's rows known, as Keras' ``fit`` traces it: a user's loss may squeeze or
+    reshape by them), which a slice inside the step would leave unknown."""
     def cut(x: Any, y: Any, sample_weight: Any, weight: tf.Tensor) -> tuple:
         real = weight > 0
         keep = tf.logical_or(real, tf.logical_not(tf.reduce_any(real)))
         return tf.nest.map_structure(lambda value: tf.boolean_mask(value, keep),
                                      (x, y, sample_weight, weight))
 
-    return dataset.map(cut, deterministic=True)
+    return dataset.map(cut, num_parallel_calls=tf.data.AUTOTUNE,
+                       deterministic=True).prefetch(tf.data.AUTOTUNE)
 
 
 def uneven_plan(spec: ShardSpec) -> tf.data.Dataset:

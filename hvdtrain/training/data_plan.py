@@ -34,10 +34,12 @@ def resolved_remainder(config: Config, own_step: str | None, planned: bool = Tru
     ranks count their own batches, would fill a short rank with a filler batch the model's own
     metrics would count, so there every rank stops at the fewest whole batches (drop)."""
     remainder = config.data.remainder
-    cannot_pad = own_step is not None and (not planned or config.optim.zero_stage)
+    unweighted = config.optim.zero_stage or config.optim.reduction == "adasum"
+    cannot_pad = own_step is not None and (not planned or unweighted)
     if cannot_pad and remainder == "pad":
-        why = ("under --zero-stage its optimizers average the ranks' gradients unweighted, so "
-               "a rank's short last batch would count as much as a whole one" if planned else
+        why = ("under --zero-stage or Adasum its optimizers combine the ranks' gradients "
+               "unweighted, so a rank's short last batch would count as much as a whole one"
+               if planned else
                "a short rank of this data would repeat a batch at weight zero, which its own "
                "metrics would count")
         raise AgreedError(f"--remainder pad cannot be exact for the model's own step "

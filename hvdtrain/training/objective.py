@@ -27,6 +27,7 @@ import tensorflow as tf
 from hvdtrain.collectives import Collectives, assign_across_ranks
 from hvdtrain.config import OptimConfig
 from hvdtrain.errors import UserError, first_sentence
+from hvdtrain.log import logger
 from hvdtrain.keras_internals import (build_symbolically, compile_arguments, keras_mask,
                                       output_masked, output_specs)
 
@@ -148,6 +149,21 @@ def unexact_reason(optim: OptimConfig, xla: bool) -> str:
     if optim.reduction == "adasum":
         return "--reduction adasum combines each rank's own gradient"
     return ""
+
+
+def agreed_share(share: LossShare, collectives: Collectives, optim: OptimConfig,
+                 xla: bool) -> LossShare:
+    """The share every rank trains with: each rank measured its own first batch, and ranks
+    must agree (a gathered loss holds a collective every step), so a loss coupled on any rank
+    is coupled on all, else rank 0's is taken; rank 0 says how the losses combine."""
+    world = collectives.world
+    if world.size > 1:
+        measured = collectives.allgather_object(share)
+        share = next((each for each in measured if each.coupled), measured[0])
+    share = share.on_ranks(world.size, unexact_reason(optim, xla))
+    if world.size > 1 and world.is_chief:   # one line, not one per rank
+        (logger.warning if share.unexact else logger.info)(share.describe())
+    return share
 
 
 def own_losses(model: keras.Model) -> tf.Tensor:

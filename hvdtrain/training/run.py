@@ -52,7 +52,7 @@ from hvdtrain.training.run_columns import RunColumns, RunColumnsLog
 from hvdtrain.training.schedule import PlateauDecay
 from hvdtrain.training.step import StepMath, StepOptions, TrainingStep, xla_line
 from hvdtrain.training.sync_batch_norm import batch_norm_note, synchronized_batch_norm
-from hvdtrain.training.objective import unexact_reason
+from hvdtrain.training.objective import agreed_share
 from hvdtrain.training.trainable import Trainable, own_step_reason, prepare, probe_trainable
 from hvdtrain.training.zero import check_shardable, saved_from_pieces
 from hvdtrain.training.zero import describe as describe_sharding
@@ -270,10 +270,7 @@ class Run:
         if note:
             logger.info(note)
         if share is not None:
-            share = trainable.share = share.on_ranks(world.size, unexact_reason(
-                config.optim, asks_xla))
-            if world.size > 1 and world.is_chief:   # one line, not one per rank
-                (logger.warning if share.unexact else logger.info)(share.describe())
+            trainable.share = agreed_share(share, collectives, config.optim, asks_xla)
         step = self._step(trainable, data, collectives, plan.global_batch(data.train)[0])
         if world.size > 1 and optim.reduction != "adasum":
             all_at_once = ("accumulated over micro-steps" if optim.accumulation_steps > 1 else

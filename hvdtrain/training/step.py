@@ -27,7 +27,8 @@ from hvdtrain.data.pipeline import real_rows_only
 from hvdtrain.training.accumulation import Accumulation
 from hvdtrain.training.memory import variable_bytes
 from hvdtrain.training.sync_batch_norm import batch_rows
-from hvdtrain.keras_internals import keras_logits, loss_tracker, output_loss_trackers, with_logits
+from hvdtrain.keras_internals import (keras_logits, loss_tracker, marked, output_loss_trackers,
+                                      output_marks, with_logits)
 from hvdtrain.training.objective import (LossShare, global_metric_results, metric_variables,
                                          own_losses, real_rows)
 from hvdtrain.training.zero import Sharding, gradient_bytes_kept, sharded_for_the_run
@@ -262,26 +263,27 @@ class StepMath:
                                                                                tf.float32)
             if self.share.divides:    # counted against the global batch: a mean's scale
                 share /= self.options.global_batch
-            weighted = self.share.weighted(loss, share, own_losses(self.model), size)
+            weighted = self.share.weighted(loss, share, own_losses(self.model),
+                                           size * self.options.accumulation_steps)
             scaled = self.optimizer.scale_loss(weighted) if self.loss_scaling else weighted
         gradients = tape.gradient(scaled, self.model.trainable_variables)
         return (gradients, loss, self.share.reported(loss, weighted, size), share,
-                (y, predictions, sample_weight, count))
+                (y, predictions, sample_weight, count), output_marks(predictions))
 
     def train_step(self, x, y, sample_weight: Any, weights: tf.Tensor) -> dict[str, tf.Tensor]:
         variables = self.model.trainable_variables
         columns = OutputColumns(self.model)
-        gradients, loss, weighted, share, real = self._forward_backward(
+        gradients, loss, weighted, share, real, marks = self._forward_backward(
             x, y, sample_weight, weights)
+        marked(real[1], marks)    # what XLA's boundary dropped
         if self.accumulation is not None:
             self._accumulate(self.accumulation,
                              [tf.zeros_like(v) if g is None else tf.convert_to_tensor(g)
                               for g, v in zip(gradients, variables)], weighted, share)
-            columns.scale(tf.constant(1.0), real[3] > 0)
+            columns.scale(tf.cast(real[3] > 0, tf.float32))
         else:   # the tracker gets the global batch's loss, as one process's does
             shares = self._apply(gradients, weighted, share)
-            columns.scale(self.share.column_factor(share, shares, self.collectives.world.size),
-                          real[3] > 0)
+            columns.scale(self.share.column_factor(share, shares, self.collectives.world.size))
             loss = self.global_loss.read_value()
         return keras_metrics(self.model, loss, *real)
 
@@ -289,9 +291,9 @@ class StepMath:
 def keras_loss(model: keras.Model, collectives: Collectives, share: LossShare, y: Any,
                predictions: Any, sample_weight: Any, count: tf.Tensor, capacity: tf.Tensor,
                training: bool) -> tf.Tensor:
-    """Keras' loss of this rank's real rows (``model.compute_loss``), or of the global batch
-    where the share is ``gathered``, as one float32 value (Keras gives a batch of no rows, a
-    filler's, an empty tensor: here 0)."""
+    """Keras' loss of this rank's batch (``model.compute_loss``), or of the global batch
+    where the share is ``gathered``, as one float32 value (a loss compiled with reduction
+    ``None`` gives one per row, summed here as Keras' gradient sums them)."""
     if share.divisor == "gathered":   # the logits too, which Keras' crossentropy reads
         leaves = tf.nest.flatten(predictions)
         logits = [keras_logits(leaf) for leaf in leaves]
@@ -324,17 +326,14 @@ class OutputColumns:
 
     def __init__(self, model: keras.Model) -> None:
         self.trackers = output_loss_trackers(model)
-        self.before = [(tf.identity(tracker.total), tf.identity(tracker.count))
-                       for tracker in self.trackers]
+        self.before = [tf.identity(tracker.total) for tracker in self.trackers]
 
-    def scale(self, factor: tf.Tensor, real: tf.Tensor) -> None:
-        """This step's additions times ``factor``; none at all for a filler (``real`` false)."""
-        kept = tf.cast(real, tf.float32)
-        for tracker, (total, count) in zip(self.trackers, self.before):
-            for variable, before, times in ((tracker.total, total, factor * kept),
-                                            (tracker.count, count, kept)):
-                added = tf.convert_to_tensor(variable) - before
-                variable.assign(before + added * tf.cast(times, added.dtype))
+    def scale(self, factor: tf.Tensor) -> None:
+        """This step's additions to each total times ``factor`` (0 for a filler: the count
+        still grows on every rank, as one process's grows once per global batch)."""
+        for tracker, total in zip(self.trackers, self.before):
+            added = tf.convert_to_tensor(tracker.total) - total
+            tracker.total.assign(total + added * tf.cast(factor, added.dtype))
 
 
 def keras_metrics(model: keras.Model, loss: tf.Tensor, y: Any, predictions: Any,
@@ -394,18 +393,20 @@ class Evaluation:
         sample_weight = sample_weight if self.sample_weights else None
         loss = keras_loss(self.model, self.collectives, self.share, y, predictions,
                           sample_weight, count, tf.shape(weights)[0], training=False)
-        return loss, own_losses(self.model), (y, predictions, sample_weight, count)
+        share = self.share.of(count, sample_weight, predictions) * tf.cast(count > 0, tf.float32)
+        return (loss, own_losses(self.model), share, (y, predictions, sample_weight, count),
+                output_marks(predictions))
 
     def _eval_step(self, x, y, sample_weight: Any, weights: tf.Tensor) -> None:
         columns = OutputColumns(self.model)
-        loss, own, real = self._forward(x, y, sample_weight, weights)
+        loss, own, share, real, marks = self._forward(x, y, sample_weight, weights)
+        marked(real[1], marks)    # what XLA's boundary dropped
         if self.summed:    # the global batch's loss and columns, as in the training step
             size = self.collectives.world.size
-            share = self.share.of(real[3], real[2], real[1]) * tf.cast(real[3] > 0, tf.float32)
             weighted = self.share.weighted(loss, share, own, size)
             part, shares = self.collectives.allreduce_sum(
                 [self.share.reported(loss, weighted, size), share])
-            columns.scale(self.share.column_factor(share, shares, size), real[3] > 0)
+            columns.scale(self.share.column_factor(share, shares, size))
             loss = tf.math.divide_no_nan(part, shares) if self.share.divides else part
         keras_metrics(self.model, loss, *real)
 

@@ -26,9 +26,9 @@ def test_a_model_with_its_own_step_refuses_hvdtrains_optimizer_and_padding(capsy
     fails_with(capsys, [*GAN, "--remainder", "pad", "--zero-stage", "1",
                         "--run-dir", str(tmp_path / "b")],
                "--remainder pad cannot be exact for the model's own step (it defines "
-               "train_step): under --zero-stage its optimizers average the ranks' gradients "
-               "unweighted, so a rank's short last batch would count as much as a whole one; "
-               "use --remainder drop (or auto)")
+               "train_step): under --zero-stage or Adasum its optimizers combine the ranks' "
+               "gradients unweighted, so a rank's short last batch would count as much as a "
+               "whole one; use --remainder drop (or auto)")
 
 
 def test_steps_per_execution_is_refused(capsys, tmp_path, monkeypatch):

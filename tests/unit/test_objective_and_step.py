@@ -245,3 +245,23 @@ def test_the_models_jit_compile_compiles_the_forward_and_backward_pass_alone():
     for plain, compiled in zip(weights[False], weights[True]):
         np.testing.assert_allclose(compiled, plain, rtol=1e-5, atol=1e-6)
     assert validated[True] == pytest.approx(validated[False], rel=1e-5)
+
+
+def test_xla_keeps_the_masks_and_logits_keras_metrics_read():
+    """A masked output computed by the compiled forward pass: its accuracy counts the
+    unmasked tokens alone, as without XLA (the compiled function's outputs lose the mask)."""
+    x = np.array([[1, 2, 0, 0], [3, 4, 5, 0]], np.int32)
+    batch = (x, np.ones((2, 4), np.int64), tf.ones(2), tf.fill([2], 0.5))
+    accuracy = {}
+    for xla in (False, True):
+        keras.utils.set_random_seed(0)
+        model = keras.Sequential([keras.Input((4,), dtype="int32"),
+                                  keras.layers.Embedding(9, 4, mask_zero=True),
+                                  keras.layers.Dense(3, activation="softmax")])
+        model.compile(loss="sparse_categorical_crossentropy", optimizer="sgd",
+                      metrics=["accuracy"])
+        share = build_for_training(model, batch, "tagger", sample_weights=False)
+        step = StepMath(model, model.optimizer, LocalCollectives(), share,
+                        StepOptions(xla=xla, global_batch=2, sample_weights=False))
+        accuracy[xla] = float(tf.function(step.keras_step)(batch)["accuracy"])
+    assert accuracy[True] == accuracy[False]
