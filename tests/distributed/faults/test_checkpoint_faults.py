@@ -176,5 +176,6 @@ def test_a_full_disk_at_a_metrics_write_stops_with_one_line_and_resume_auto_cont
         one_write_error(output, "the metrics files", run_dir, "epoch-0001")
         assert Checkpoint(run_dir / "checkpoints" / "epoch-0001").damage() is None
         assert_nothing_left(run_dir)
-        assert main(args) == 0, capsys.readouterr().err    # one process: the same plan
+        # one process at the same global batch (2 x 32 = 1 x 64): the same plan
+        assert main([*args, "--batch-size", "64"]) == 0, capsys.readouterr().err
     assert [row["epoch"] for row in read_metrics(run_dir)] == [1, 2]
