@@ -59,7 +59,7 @@ def _check_output_dir(output: Path | None) -> None:
 
 def evaluate(args: argparse.Namespace) -> int:
     from hvdtrain.checkpoint import atomic_write_text
-    from hvdtrain.data.pipeline import ShardSpec
+    from hvdtrain.data.pipeline import ShardSpec, real_rows_only
     from hvdtrain.data.arrays import targets_array
     from hvdtrain.data.contract import ArraySplit
     from hvdtrain.data.load import load_source
@@ -93,7 +93,7 @@ def evaluate(args: argparse.Namespace) -> int:
         check("validation", collectives.allgather_object)
     build_for_training(model, next(iter(split.dataset(spec))), str(args.run_dir))
     evaluation = Evaluation(model, collectives, xla=bool(model.jit_compile))
-    metrics = evaluation.run(split.dataset(spec), prefix="")
+    metrics = evaluation.run(real_rows_only(split.dataset(spec), spec), prefix="")
     if world.is_chief:
         shown = "  ".join(f"{name} {value:.4f}" for name, value in metrics.items())
         print(f"{shown}  on {split.num_examples} examples of {where} ({world.size} rank(s))",

@@ -224,6 +224,26 @@ def build_symbolically(model: keras.Model, x: Any, y: Any, sample_weight: Any) -
                                     sample_weight=sample_weight, training=False)
 
 
+def loss_takes_unknown_rows(model: keras.Model, y: Any, y_pred: Any) -> bool:
+    """Whether the model's loss can be traced on targets and predictions whose row count is
+    unknown (a global batch gathered from the ranks): a loss that squeezes or reshapes by the
+    batch size cannot. Found by a symbolic call of ``compute_loss``."""
+    import tensorflow as tf
+    from keras.src import backend
+
+    def unknown_rows(values: Any) -> Any:
+        return tf.nest.map_structure(lambda v: backend.KerasTensor(
+            (None, *v.shape[1:]), backend.standardize_dtype(v.dtype)), values)
+
+    try:
+        backend.compute_output_spec(lambda t, p: model.compute_loss(y=t, y_pred=p,
+                                                                    training=False),
+                                    unknown_rows(y), unknown_rows(y_pred))
+    except Exception:  # noqa: BLE001 - whatever the user's loss raises on such shapes
+        return False
+    return True
+
+
 def output_masked(model: keras.Model, x: Any) -> bool:
     """Whether an output of the model carries a Keras mask (``_keras_mask``, which Keras'
     losses read), found by a symbolic call."""

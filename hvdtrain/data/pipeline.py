@@ -69,6 +69,13 @@ class ShardSpec:
         return self.remaining // self.update_batch
 
     @property
+    def short_batches(self) -> bool:
+        """Whether a pass of this plan holds batches with fewer real rows than slots (a short
+        last global batch, spread over the ranks, or a filler step)."""
+        return (self.equal_steps and self.remainder == "pad" and self.rank_counts is None
+                and self.steps_per_epoch * self.global_batch > self.remaining)
+
+    @property
     def steps_per_epoch(self) -> int:
         """Batches per rank per epoch: a whole number of accumulation groups."""
         if self.agreed_steps is not None:
@@ -140,12 +147,18 @@ def array_dataset(x: Any, y: Any, spec: ShardSpec, first_epoch: int = 0, end_epo
     return dataset.prefetch(tf.data.AUTOTUNE)
 
 
-def real_rows_only(dataset: tf.data.Dataset) -> tf.data.Dataset:
+def real_rows_only(dataset: tf.data.Dataset,
+                   spec: ShardSpec | None = None) -> tf.data.Dataset:
     """Batches ``(x, y, sample_weight, weight)`` cut to their real rows (weight > 0), as Keras'
-    own last batch is shorter; a filler batch (no real row) is left whole, at weight zero. Done
-    in the pipeline, not in the step, so the step is traced with each batch's own shape (a
-    whole batch's rows known, as Keras' ``fit`` traces it: a user's loss may squeeze or
-    reshape by them), which a slice inside the step would leave unknown."""
+    own last batch is shorter; a filler batch (no real row) is left whole, at weight zero.
+    Only where ``spec``'s plan has short batches: as in Keras' ``fit``, whose batches have a
+    static row count unless a short one exists, the step then sees the batch size as known (a
+    user's loss may squeeze or reshape by it). Done in the pipeline, not in the step, whose
+    slice would leave every batch's rows unknown. A user's dataset (counted, not planned)
+    fills only whole batches and passes as it is. (No ``spec``: cut whatever it holds.)"""
+    if spec is not None and not spec.short_batches:
+        return dataset
+
     def cut(x: Any, y: Any, sample_weight: Any, weight: tf.Tensor) -> tuple:
         real = weight > 0
         keep = tf.logical_or(real, tf.logical_not(tf.reduce_any(real)))

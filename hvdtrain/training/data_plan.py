@@ -110,11 +110,11 @@ class DataPlan:
         """The training batches from step ``done_steps`` of ``epoch`` to the end of the epoch
         before ``end_epoch``, back to back: each epoch takes ``passes.epoch_steps`` of them."""
         if getattr(split, "infinite", False):     # one endless pass, in the dataset's order
-            return real_rows_only(split.dataset(self.spec, 0, 1).skip(done_steps))
+            return split.dataset(self.spec, 0, 1).skip(done_steps)
         first_pass, offset, _ = self.passes.start(epoch)
         dataset = split.dataset(self.spec, first_pass, self.passes.passes_until(end_epoch))
         skip = offset + done_steps
-        return real_rows_only(dataset.skip(skip) if skip else dataset)
+        return real_rows_only(dataset.skip(skip) if skip else dataset, self.spec)
 
 
 def agreed_pass_steps(split: Split, spec: ShardSpec,

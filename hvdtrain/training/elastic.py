@@ -127,7 +127,7 @@ def elastic_loop(run: ElasticRun) -> None:
             logs: dict = {}
             remaining = spec.remaining
             for index, batch in enumerate(real_rows_only(data.train.dataset(
-                    spec, state.epoch, state.epoch + 1))):
+                    spec, state.epoch, state.epoch + 1), spec)):
                 hooks.on_train_batch_begin(index)
                 logs = train_step(batch)
                 state.offset += min(spec.global_batch, remaining - index * spec.global_batch)

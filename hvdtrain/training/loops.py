@@ -167,7 +167,9 @@ def _custom_loop(step: TrainingStep, dataset: tf.data.Dataset, epochs: int, init
                  passes: Passes, callbacks: CallbackGroups,
                  done_steps: int) -> keras.callbacks.History:
     """``custom_loop`` inside its silencing of Keras' messages (not rank 0)."""
-    train_step = tf.function(step.keras_step, jit_compile=False)
+    # Traced from the data's element spec, as Keras' fit traces from its iterator.
+    train_step = tf.function(step.keras_step, jit_compile=False,
+                             input_signature=[dataset.element_spec])
     model = step.model
     model.stop_training = False
     history = keras.callbacks.History()

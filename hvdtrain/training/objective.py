@@ -29,7 +29,7 @@ from hvdtrain.config import OptimConfig
 from hvdtrain.errors import UserError, first_sentence
 from hvdtrain.log import logger
 from hvdtrain.keras_internals import (build_symbolically, compile_arguments, keras_mask,
-                                      output_masked, output_specs)
+                                      loss_takes_unknown_rows, output_masked, output_specs)
 
 DEFAULT_LOSS = "sparse_categorical_crossentropy"
 DEFAULT_METRICS = ("accuracy",)
@@ -116,6 +116,7 @@ class LossShare:
         not carry)."""
         if not self.coupled or world_size == 1:
             return self
+        unexact = unexact or self.unexact
         if self.masked and not unexact:
             unexact = "an output carries a Keras mask, which the gather does not carry"
         return dataclasses.replace(self, divisor="rows" if unexact else "gathered",
@@ -256,7 +257,10 @@ def measured_share(model: keras.Model, batch: tuple) -> LossShare:
                          masked=masked, named=named)
     if _close(whole, parts[0] + parts[1]):
         return LossShare("sum", named=named)
-    return LossShare("rows", coupled=True, masked=masked, named=named)
+    unexact = ("" if loss_takes_unknown_rows(model, y, predictions) else
+               "it needs the batch's row count when traced (it squeezes or reshapes by it), "
+               "which a batch gathered from the ranks leaves unknown")
+    return LossShare("rows", coupled=True, unexact=unexact, masked=masked, named=named)
 
 
 def build_for_training(model: keras.Model, batch: tuple, label: str,

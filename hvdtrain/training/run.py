@@ -28,7 +28,7 @@ from hvdtrain.config import Config, DataConfig, OptimConfig
 from hvdtrain.data.contract import DataBundle
 from hvdtrain.data.datasets import python_draws
 from hvdtrain.data.load import load_source
-from hvdtrain.data.pipeline import ShardSpec
+from hvdtrain.data.pipeline import ShardSpec, real_rows_only
 from hvdtrain.errors import PeerFailed, UserError
 from hvdtrain.log import for_run, logger
 from hvdtrain.models import build_model, check_input_shape
@@ -300,7 +300,8 @@ class Run:
         user_callbacks = self._callbacks()
         check_callbacks(config, user_callbacks)
         return Prepared(collectives, run_dir, resuming, data, trainable, step, plan,
-                        lambda spec: evaluate_dataset(data.val.dataset(spec)), plateau,
+                        lambda spec: evaluate_dataset(real_rows_only(data.val.dataset(spec),
+                                                                     spec)), plateau,
                         user_callbacks,
                         CheckpointStore(run_dir, config.train.keep_checkpoints), state, launched,
                         device=device)

@@ -23,7 +23,6 @@ import keras
 import tensorflow as tf
 
 from hvdtrain.collectives import Collectives, GradientReduction, gathered_rows
-from hvdtrain.data.pipeline import real_rows_only
 from hvdtrain.training.accumulation import Accumulation
 from hvdtrain.training.memory import variable_bytes
 from hvdtrain.training.sync_batch_norm import batch_rows
@@ -383,8 +382,8 @@ class Evaluation:
         self.sample_weights = sample_weights
         self.summed = equal_steps and collectives.world.size > 1 and (
             share.divisor != "rows" or share.masked or bool(output_loss_trackers(model)))
-        self._step = tf.function(self._eval_step, jit_compile=False)
         self._forward = tf.function(self.forward, jit_compile=True) if xla else self.forward
+        self._steps: dict[str, Any] = {}    # the step traced for each element spec
 
     def forward(self, x, y, sample_weight: Any, weights: tf.Tensor) -> tuple:
         """The loss and what the metrics read, on the batch's real rows (no collective)."""
@@ -411,7 +410,15 @@ class Evaluation:
         keras_metrics(self.model, loss, *real)
 
     def run(self, dataset: tf.data.Dataset, prefix: str = "val_") -> dict[str, float]:
+        """The metrics over ``dataset`` (cut to its real rows by the caller: ``real_rows_only``),
+        the step traced from its element spec, as Keras' ``evaluate`` traces it from its
+        iterator (a batch's rows known or not alike)."""
         self.model.reset_metrics()
-        for batch in real_rows_only(dataset):
-            self._step(*batch)
+        key = repr(dataset.element_spec)
+        if key not in self._steps:
+            self._steps[key] = tf.function(lambda batch: self._eval_step(*batch),
+                                           jit_compile=False,
+                                           input_signature=[dataset.element_spec])
+        for batch in dataset:
+            self._steps[key](batch)
         return global_metric_results(self.model, self.collectives, prefix)

@@ -7,9 +7,10 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import tensorflow as tf
 
 from hvdtrain.collectives import World
-from hvdtrain.data.pipeline import ShardSpec, array_dataset, epoch_plan
+from hvdtrain.data.pipeline import ShardSpec, array_dataset, epoch_plan, real_rows_only
 
 
 def plans(n: int, size: int, batch: int, remainder: str = "pad", epoch: int = 0):
@@ -72,3 +73,15 @@ def test_dataset_gathers_features_for_the_planned_ids():
         assert np.array_equal(labels.numpy()[real], row[real])
         assert np.array_equal(features.numpy()[real, 0], row[real] * 10)
         assert np.all(weights.numpy()[~real] == 0)
+
+
+def test_only_a_plan_with_short_batches_is_cut_to_real_rows():
+    """Whole global batches keep the batch size static (as Keras' fit keeps it when no batch is
+    short); a short last one is cut to each rank's real rows."""
+    whole = ShardSpec(64, World(0, 2), 8, "pad", False)
+    short = ShardSpec(50, World(1, 2), 8, "pad", False)
+    assert not whole.short_batches and short.short_batches
+    assert not ShardSpec(50, World(0, 2), 8, "drop", False).short_batches
+    batches = array_dataset(np.arange(50, dtype=np.float32)[:, None], np.zeros(50), short)
+    rows = [int(tf.shape(x)[0]) for x, *_ in real_rows_only(batches, short)]
+    assert rows == [8, 8, 8, 1]
