@@ -153,12 +153,14 @@ def unexact_reason(optim: OptimConfig, xla: bool) -> str:
 
 
 def agreed_share(share: LossShare, collectives: Collectives, optim: OptimConfig,
-                 xla: bool) -> LossShare:
+                 xla: bool, elastic: bool = False) -> LossShare:
     """The share every rank trains with: each rank measured its own first batch, and ranks
     must agree (a gathered loss holds a collective every step), so a loss coupled on any rank
-    is coupled on all, else rank 0's is taken; rank 0 says how the losses combine."""
+    is coupled on all, else rank 0's is taken; rank 0 says how the losses combine. An
+    elastic job's ranks each keep their own (its data is hvdtrain's plan, alike on every
+    rank), as a rank joining it mid-run can meet no collective here."""
     world = collectives.world
-    if world.size > 1:
+    if world.size > 1 and not elastic:   # a rank joining an elastic job meets no collective
         measured = collectives.allgather_object(share)
         share = next((each for each in measured if each.coupled), measured[0])
     share = share.on_ranks(world.size, unexact_reason(optim, xla))

@@ -232,7 +232,8 @@ class Run:
         check_backend(config, collectives)
         check_world(config, world)
         check_tracking(config, os.environ)
-        share_random_state(config.train.seed, collectives.allgather_object)
+        if not config.train.elastic:   # a rank joining an elastic job meets no collective
+            share_random_state(config.train.seed, collectives.allgather_object)
         run_dir, resuming = open_run_dir(config, collectives)
         if world.is_chief:
             output.log_to(run_dir)
@@ -270,7 +271,8 @@ class Run:
         if note:
             logger.info(note)
         if share is not None:
-            trainable.share = agreed_share(share, collectives, config.optim, asks_xla)
+            trainable.share = agreed_share(share, collectives, config.optim, asks_xla,
+                                           config.train.elastic)
         step = self._step(trainable, data, collectives, plan.global_batch(data.train)[0])
         if world.size > 1 and optim.reduction != "adasum":
             all_at_once = ("accumulated over micro-steps" if optim.accumulation_steps > 1 else
