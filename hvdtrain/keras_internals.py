@@ -244,9 +244,10 @@ def loss_takes_unknown_rows(model: keras.Model, y: Any, y_pred: Any) -> bool:
     return True
 
 
-def output_masked(model: keras.Model, x: Any) -> bool:
-    """Whether an output of the model carries a Keras mask (``_keras_mask``, which Keras'
-    losses read), found by a symbolic call."""
+def symbolic_outputs(model: keras.Model, x: Any) -> tuple[Any, bool]:
+    """(the model's outputs on ``x`` as Keras' symbolic pass gives them, shapes and dtypes;
+    whether one carries a Keras mask, ``_keras_mask``, which Keras' losses read), from one
+    symbolic call."""
     import tensorflow as tf
     from keras.src import backend
     from keras.src.backend import get_keras_mask
@@ -258,16 +259,8 @@ def output_masked(model: keras.Model, x: Any) -> bool:
         found.extend(get_keras_mask(output) is not None for output in tf.nest.flatten(outputs))
         return outputs
 
-    backend.compute_output_spec(call, _symbolic(x))
-    return any(found)
-
-
-def output_specs(model: keras.Model, x: Any) -> Any:
-    """The model's outputs on ``x`` as Keras' symbolic pass gives them (shapes and dtypes)."""
-    from keras.src import backend
-
-    symbolic = _symbolic(x)
-    return backend.compute_output_spec(model, symbolic, training=False)
+    specs = backend.compute_output_spec(call, _symbolic(x))
+    return specs, any(found)
 
 
 def _symbolic(values: Any) -> Any:

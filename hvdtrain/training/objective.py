@@ -29,7 +29,7 @@ from hvdtrain.config import OptimConfig
 from hvdtrain.errors import UserError, first_sentence
 from hvdtrain.log import logger
 from hvdtrain.keras_internals import (build_symbolically, compile_arguments, keras_mask,
-                                      loss_takes_unknown_rows, output_masked, output_specs)
+                                      loss_takes_unknown_rows, symbolic_outputs)
 
 DEFAULT_LOSS = "sparse_categorical_crossentropy"
 DEFAULT_METRICS = ("accuracy",)
@@ -182,19 +182,14 @@ def _close(value: float, expected: float) -> bool:
                            atol=DECOMPOSES_RTOL * 1e-2 * max(1.0, abs(expected))))
 
 
-def _synthetic_predictions(model: keras.Model, x: Any) -> Any:
-    """Predictions shaped and typed like the model's outputs on ``x``, in (0.05, 0.95) and
-    fixed, from Keras' symbolic pass (no call of the model on real rows)."""
-    specs = output_specs(model, x)
-    counter = iter(range(1, 1_000_000))
-
-    def values(spec: Any) -> tf.Tensor:
-        shape = [tf.shape(tf.nest.flatten(x)[0])[0], *spec.shape[1:]]
-        drawn = tf.random.stateless_uniform(shape, seed=[17, next(counter)], minval=0.05,
-                                            maxval=0.95)
-        return tf.cast(drawn, spec.dtype)
-
-    return tf.nest.map_structure(values, specs)
+def _synthetic_predictions(specs: Any, rows: int) -> Any:
+    """Predictions of ``rows`` rows shaped and typed like the outputs' ``specs`` (Keras'
+    symbolic pass: no call of the model on real rows), in (0.05, 0.95) and fixed."""
+    leaves = tf.nest.flatten(specs)
+    return tf.nest.pack_sequence_as(specs, [
+        tf.cast(tf.random.stateless_uniform([rows, *spec.shape[1:]], seed=[17, index],
+                                            minval=0.05, maxval=0.95), spec.dtype)
+        for index, spec in enumerate(leaves, start=1)])
 
 
 def _loss_value(model: keras.Model, y: Any, y_pred: Any, sample_weight: Any) -> float:
@@ -226,10 +221,10 @@ def measured_share(model: keras.Model, batch: tuple) -> LossShare:
     model, no metric kept)."""
     x, y = batch[0], batch[1]
     rows = int(tf.shape(tf.nest.flatten(x)[0])[0])
-    masked, named = output_masked(model, x), loss_names(model)
+    (specs, masked), named = symbolic_outputs(model, x), loss_names(model)
     if rows < 2:
         return LossShare(masked=masked, named=named)
-    predictions = _synthetic_predictions(model, x)
+    predictions = _synthetic_predictions(specs, rows)
     # Keras adds the model's own losses (regularisers) to every batch's loss: left out here.
     own = float(own_losses(model))
     half = rows // 2

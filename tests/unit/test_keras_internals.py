@@ -112,7 +112,8 @@ def test_the_symbolic_build_builds_loss_and_metrics_without_counting_a_batch():
     internals.build_symbolically(model, x, y, None)
     assert model._compile_metrics.built and model._compile_loss.built
     assert all(float(np.sum(v.numpy())) == 0.0 for v in model._compile_metrics.variables)
-    assert internals.output_specs(model, x).shape == (2, 3)
+    specs, masked = internals.symbolic_outputs(model, x)
+    assert specs.shape == (2, 3) and not masked
     assert internals.loss_tracker(model).name == "loss"
     probabilities = keras.layers.Dense(3, activation="softmax")(tf.ones((2, 4)))
     assert internals.keras_logits(probabilities) is not None
