@@ -70,8 +70,8 @@ class LossShare:
             return tf.constant(1.0)
         weights = (tf.cast(tf.nest.flatten(sample_weight)[0], tf.float32)
                    if self.divisor == "sample_weight" and sample_weight is not None else None)
-        mask = next((keras_mask(p) for p in tf.nest.flatten(predictions)
-                     if keras_mask(p) is not None), None) if self.masked else None
+        masks = map(keras_mask, tf.nest.flatten(predictions)) if self.masked else iter(())
+        mask = next((each for each in masks if each is not None), None)
         if mask is not None:
             mask = tf.cast(mask, tf.float32)
             if weights is not None:
