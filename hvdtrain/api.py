@@ -60,7 +60,7 @@ def fit(model: Any, x: Any = "digits", y: Any = None, *, batch_size: int | None 
     process's would have, weight fingerprints of every rank, the trained model, the run's own
     per-epoch columns) on every rank. See the module doc."""
     from hvdtrain.data.user import KerasData, user_bundle
-    from hvdtrain.training.callbacks import KerasConsole
+    from hvdtrain.training.loops.run_callbacks import KerasConsole
     from hvdtrain.training.run import Run
 
     overrides = flatten_options(options, "hvdtrain.fit")

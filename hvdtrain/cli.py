@@ -17,7 +17,7 @@ import traceback
 from dataclasses import dataclass
 from typing import Callable, NoReturn
 
-from hvdtrain import __version__, inference, output
+from hvdtrain import __version__, inference, streams
 from hvdtrain.bench import benchmark
 from hvdtrain.collectives import ended_by_another_rank
 from hvdtrain.collectives.horovod_backend import leave_horovod
@@ -59,7 +59,7 @@ class OneLineParser(argparse.ArgumentParser):
 
 def _train(args: argparse.Namespace) -> int:
     config = config_from_args(args)
-    from hvdtrain.training.liveness import liveness_for
+    from hvdtrain.liveness.watch import liveness_for
 
     # Installed before TensorFlow loads (seconds), so a stop requested meanwhile is honoured
     # too; the run uninstalls it when it ends.
@@ -134,7 +134,7 @@ def entry() -> NoReturn:
     """The console script and ``python -m hvdtrain``: ``main`` with TensorFlow's native
     start-up notices filtered out of stderr, and output that a lost launcher cannot break."""
     hide_native_notices()
-    output.install()
+    streams.install()
     launcher = os.getppid()
     code = main(process_exits=True)
     from hvdtrain.launchers import launched_by_a_launcher

@@ -77,7 +77,7 @@ class StoppedBySignal(UserError):
 
 # A rank whose training made no progress for --stall-timeout seconds (a lost node, a cut network:
 # a collective that never returns) ends itself with this code, after one line naming it and
-# what it waited for (hvdtrain/training/liveness.py). Resume with --resume.
+# what it waited for (hvdtrain/liveness/watch.py). Resume with --resume.
 STALLED_EXIT_CODE = 76
 
 

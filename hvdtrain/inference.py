@@ -58,15 +58,15 @@ def _check_output_dir(output: Path | None) -> None:
 
 
 def evaluate(args: argparse.Namespace) -> int:
-    from hvdtrain.checkpoint import atomic_write_text
+    from hvdtrain.checkpoints.store import atomic_write_text
     from hvdtrain.data.pipeline import ShardSpec, real_rows_only
     from hvdtrain.data.arrays import targets_array
     from hvdtrain.data.contract import ArraySplit
     from hvdtrain.data.load import load_source
     from hvdtrain.models import check_input_shape
-    from hvdtrain.training.objective import build_for_training
+    from hvdtrain.training.step.objective import build_for_training
     from hvdtrain.training.process_state import seed_alike
-    from hvdtrain.training.step import Evaluation
+    from hvdtrain.training.step.core import Evaluation
     from hvdtrain.collectives import init_collectives, place_devices
 
     _check_output_dir(args.output)

@@ -85,7 +85,7 @@ LOST_DAEMON_GRACE_S = 120
 
 def hold_open_mpi_abort() -> None:
     """Before MPI starts, in a rank that stops itself when its launcher dies (the trainer's
-    ranks: ``training/liveness.py``): Open MPI ends such a rank (exit 195) as soon as it
+    ranks: ``liveness/watch.py``): Open MPI ends such a rank (exit 195) as soon as it
     notices that its daemon is gone, even mid-checkpoint; delayed, the rank's own stop
     (checkpoint, exit 75) comes first. A setting of the user's wins."""
     os.environ.setdefault("OMPI_MCA_mpi_abort_delay", str(LOST_DAEMON_GRACE_S))

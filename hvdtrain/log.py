@@ -58,7 +58,7 @@ class StreamsHandler(logging.StreamHandler):
     launcher's separate pipes would otherwise split, and in the ``> train.log`` a user keeps),
     WARNING and above to ``sys.stderr`` (beside the one-line errors and the liveness lines).
     Each stream is looked up when the record is written, so a rank's guarded streams
-    (``hvdtrain.output``, which copies rank 0's lines into ``RUN_DIR/hvdtrain.log``) and a
+    (``hvdtrain.streams``, which copies rank 0's lines into ``RUN_DIR/hvdtrain.log``) and a
     test's capture receive them. Records carry ``record.rank`` (``%(rank)s`` in a format)."""
 
     def __init__(self) -> None:

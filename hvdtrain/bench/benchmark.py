@@ -201,10 +201,10 @@ def run(args: argparse.Namespace) -> tuple[bool, dict[str, Any]]:
     import tensorflow as tf
 
     from hvdtrain.config import OptimConfig
-    from hvdtrain.training.loops import step_installed
-    from hvdtrain.training.objective import DEFAULT_LOSS, DEFAULT_METRICS, build_for_training
-    from hvdtrain.training.schedule import make_optimizer, make_schedule
-    from hvdtrain.training.step import StepMath, StepOptions
+    from hvdtrain.training.loops.driver import step_installed
+    from hvdtrain.training.step.objective import DEFAULT_LOSS, DEFAULT_METRICS, build_for_training
+    from hvdtrain.training.step.schedule import make_optimizer, make_schedule
+    from hvdtrain.training.step.core import StepMath, StepOptions
     from hvdtrain.collectives import init_collectives, place_devices
 
     collectives = init_collectives(prepare=place_devices)

@@ -23,8 +23,8 @@ from pathlib import Path
 from typing import Callable
 
 from hvdtrain.bench.benchmark import count, count_or_skip
-from hvdtrain.bench.variants import (MPIRUN_WRAPPER, python, run_checked,
-                                     run_concurrent_singles, run_multiworker, variant_env)
+from hvdtrain.bench.variants import (MPIRUN_WRAPPER, python, run_checked, run_concurrent_singles,
+                                     run_multiworker, variant_env)
 
 
 def launcher(name: str, np: int) -> Callable[[list[str]], list[str]]:

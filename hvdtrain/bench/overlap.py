@@ -24,12 +24,11 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from hvdtrain.bench.benchmark import count
-from hvdtrain.bench.comm import (GROUP_MEMBER, Span, row_names, timeline_events,
-                                 timeline_spans)
-from hvdtrain.bench.profile import (backward_ends, collective_steps, compute_busy_ms,
-                                    rank_files, read_rank)
-from hvdtrain.bench.step_records import (TensorStep, by_occurrence, covered,
-                                         first_submissions, last_ends)
+from hvdtrain.bench.comm import GROUP_MEMBER, Span, row_names, timeline_events, timeline_spans
+from hvdtrain.bench.profile import (backward_ends, collective_steps, compute_busy_ms, rank_files,
+                                    read_rank)
+from hvdtrain.bench.step_records import (TensorStep, by_occurrence, covered, first_submissions,
+                                         last_ends)
 from hvdtrain.bench.variants import MPIRUN_WRAPPER, python, run_checked, variant_env
 
 # Short and cheap; what follows ``--`` on the command line comes later and wins.

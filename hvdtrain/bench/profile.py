@@ -33,8 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from hvdtrain.bench.benchmark import PROFILED_WORLD
-from hvdtrain.bench.step_records import (TensorStep, by_occurrence, covered,
-                                         first_submissions)
+from hvdtrain.bench.step_records import TensorStep, by_occurrence, covered, first_submissions
 
 HOST_PLANE = "/host:CPU"
 LAUNCH = "CollectiveOpV2Kernel::Run"

@@ -3,7 +3,7 @@
 Change ``import horovod.tensorflow.keras as hvd`` to ``import hvdtrain.keras as hvd``: the
 process facts, ops and compression are the backend's (via ``hvdtrain.tensorflow``: Horovod's
 own on Horovod); ``DistributedOptimizer``, the callbacks and the elastic state are written for
-Keras 3 on the trainer's collectives. ``hvdtrain/keras/README.md`` lists what differs, and
+Keras 3 on the trainer's collectives. ``hvdtrain/dropin/README.md`` lists what differs, and
 what the TensorFlow backend refuses.
 """
 
@@ -14,7 +14,7 @@ from typing import Any
 import keras
 import tensorflow as tf
 
-from hvdtrain.dropin import DistributedOptimizer
+from hvdtrain.dropin.core import DistributedOptimizer
 from hvdtrain.keras import callbacks, elastic
 from hvdtrain import tensorflow as _hvd_tf
 from hvdtrain.tensorflow import (Adasum, Average, Compression, Sum, broadcast_global_variables,

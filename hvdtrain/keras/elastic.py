@@ -1,6 +1,6 @@
 """Horovod's elastic Keras API on Keras 3: ``KerasState``, the three state callbacks, ``run``.
 
-``KerasState`` and ``run`` are the drop-in's (``hvdtrain.dropin_elastic``, shared with
+``KerasState`` and ``run`` are the drop-in's (``hvdtrain.dropin.elastic``, shared with
 ``hvdtrain.tensorflow.elastic``): the trainer's own elastic state over a model's and an
 optimizer's variables, and Horovod's retry loop, retrying every Horovod collective error. On the
 TensorFlow backend, which cannot resize a job, both refuse in one line (the callbacks only act on
@@ -13,7 +13,7 @@ from typing import Any
 
 import keras
 
-from hvdtrain.dropin_elastic import KerasState, run
+from hvdtrain.dropin.elastic import KerasState, run
 
 __all__ = ["CommitStateCallback", "KerasState", "UpdateBatchStateCallback",
            "UpdateEpochStateCallback", "run"]

@@ -6,7 +6,7 @@ classes, trained with hvdtrain's default objective (sparse cross-entropy, accura
 layer computes in float32 under mixed precision, so the softmax and the loss stay stable. A
 user's ``package.module:build_fn`` receives ``(input_shape, num_classes)`` (``num_classes`` is
 None for targets that are not class ids; ``input_shape`` is a dict for dict features) and may
-return a compiled model: see ``hvdtrain.training.objective``.
+return a compiled model: see ``hvdtrain.training.step.objective``.
 """
 
 from __future__ import annotations

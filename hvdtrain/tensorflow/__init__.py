@@ -6,7 +6,7 @@ Horovod script runs on current TensorFlow, where upstream 0.28.1 fails at the fi
 variables are not ``tf.Variable``). On the Horovod backend the names that need no change are
 Horovod's own; those that touch variables or gradients go through the trainer's collectives, so
 trainer and drop-in share one gradient reduction and one broadcast. On the TensorFlow backend the
-names come from ``hvdtrain.dropin_tf`` and Horovod is not imported.
+names come from ``hvdtrain.dropin.tf_ops`` and Horovod is not imported.
 """
 
 from __future__ import annotations
@@ -17,16 +17,16 @@ from typing import Any, Sequence
 
 import tensorflow as tf
 
-from hvdtrain import dropin, dropin_tf
+from hvdtrain.dropin import core, tf_ops
 from hvdtrain.collectives import GradientReduction, tf_variables
 from hvdtrain.collectives.horovod_backend import horovod_tensorflow
-from hvdtrain.dropin_tf import as_written
+from hvdtrain.dropin.tf_ops import as_written
 from hvdtrain.errors import UserError
 from hvdtrain.keras_internals import copy_as
 from hvdtrain.tensorflow import elastic, util  # noqa: F401  (hvd.elastic, hvd.util)
 from hvdtrain.tensorflow.util import _executing_eagerly  # noqa: F401  (as Horovod has it)
 
-_hvd: ModuleType = horovod_tensorflow() if dropin.BACKEND == "horovod" else dropin_tf
+_hvd: ModuleType = horovod_tensorflow() if core.BACKEND == "horovod" else tf_ops
 
 # The backend's own names: process facts, build facts and the collectives that take tensors
 # (Keras 3 tensors are TensorFlow tensors); on Horovod, Horovod's objects unchanged.
@@ -64,21 +64,21 @@ allgather_object = _hvd.allgather_object
 broadcast_object = _hvd.broadcast_object
 join = _hvd.join
 
-# Reduction ops and compression: Horovod's on Horovod, hvdtrain.dropin_ops' (same values)
+# Reduction ops and compression: Horovod's on Horovod, hvdtrain.dropin.ops' (same values)
 # otherwise.
-Average = dropin.Average
-Sum = dropin.Sum
-Adasum = dropin.Adasum
-Min = dropin.Min
-Max = dropin.Max
-Product = dropin.Product
-Compression = dropin.Compression
+Average = core.Average
+Sum = core.Sum
+Adasum = core.Adasum
+Min = core.Min
+Max = core.Max
+Product = core.Product
+Compression = core.Compression
 
 # The drop-in's session and Horovod's gradient arguments, shared with hvdtrain.keras.
-init = dropin.init
-collectives = dropin.collectives
-gradient_reduction = dropin.gradient_reduction
-reduce_gradients = dropin.reduce_gradients
+init = core.init
+collectives = core.collectives
+gradient_reduction = core.gradient_reduction
+reduce_gradients = core.reduce_gradients
 
 
 @as_written
@@ -186,4 +186,4 @@ def DistributedOptimizer(optimizer: Any, name: str | None = None, **options: Any
     """The Keras 3 optimizer passed in, made distributed in place: its updates use gradients
     combined across ranks; the arguments are ``hvdtrain.keras.DistributedOptimizer``'s
     (Horovod's, by keyword)."""
-    return dropin.DistributedOptimizer(optimizer, name=name, **options)
+    return core.DistributedOptimizer(optimizer, name=name, **options)

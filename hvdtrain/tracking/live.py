@@ -20,8 +20,8 @@ import keras
 from hvdtrain.errors import StoppedBySignal, first_sentence
 from hvdtrain.log import logger
 from hvdtrain.tracking.content import JobFacts, final_files
-from hvdtrain.training.run_columns import RunColumnsLog, epoch_row
-from hvdtrain.writes import json_rows
+from hvdtrain.training.loops.run_columns import RunColumnsLog, epoch_row
+from hvdtrain.artifacts import json_rows
 
 # Calls waiting for the server; past this (a server far slower than training) later ones are
 # dropped, said once.

@@ -26,7 +26,7 @@ from mlflow import MlflowClient
 from mlflow.entities import Metric, Param, RunTag
 from mlflow.exceptions import MlflowException
 
-from hvdtrain.checkpoint import atomic_write_text
+from hvdtrain.checkpoints.store import atomic_write_text
 from hvdtrain.tracking.content import JobFacts
 
 # Where a run directory keeps its MLflow run's id.

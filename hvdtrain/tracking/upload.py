@@ -53,7 +53,7 @@ def track(args: argparse.Namespace) -> int:
         raise UserError(f"hvdtrain track needs the MLflow client: {INSTALL}") from error
     from hvdtrain.tracking.content import final_files, job_facts
     from hvdtrain.tracking.live import failure_reason, mlflow_environment, restore
-    from hvdtrain.writes import json_rows
+    from hvdtrain.artifacts import json_rows
 
     ranks = summary.get("ranks") or [{}]
     facts = job_facts(run_dir, config, summary.get("world_size", 0),

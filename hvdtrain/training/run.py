@@ -19,9 +19,9 @@ from typing import Any, Callable, Sequence
 import keras
 import tensorflow as tf
 
-from hvdtrain import output
-from hvdtrain.checkpoint import CheckpointStore
-from hvdtrain.checkpoint_state import CheckpointState
+from hvdtrain import streams
+from hvdtrain.checkpoints.store import CheckpointStore
+from hvdtrain.checkpoints.state import CheckpointState
 from hvdtrain.collectives import (Collectives, GradientReduction, ended_by_another_rank,
                                   init_collectives, place_devices, raised_here)
 from hvdtrain.config import Config, DataConfig, OptimConfig
@@ -33,29 +33,29 @@ from hvdtrain.errors import PeerFailed, UserError
 from hvdtrain.log import for_run, logger
 from hvdtrain.models import build_model, check_input_shape
 from hvdtrain.plugins import load_callbacks
-from hvdtrain.training.autotune_run import Tuning, autotune
-from hvdtrain.training.callbacks import FirstStepClock, Reporting, RunHooks, StepPosition
-from hvdtrain.training.checkpointing import CheckpointPlan, ResumePoint
+from hvdtrain.autotune.trials import Tuning, autotune
+from hvdtrain.training.loops.run_callbacks import FirstStepClock, Reporting, RunHooks, StepPosition
+from hvdtrain.training.loops.checkpointing import CheckpointPlan, ResumePoint
 from hvdtrain.training.checks import (check_backend, check_callbacks, check_data, check_world,
                                       data_errors_named)
 from hvdtrain.training.data_plan import DataPlan, plan_data
-from hvdtrain.training.elastic import ElasticRun, elastic_loop
-from hvdtrain.training.epoch_end import standard_callbacks
-from hvdtrain.training.liveness import Liveness, liveness_for
-from hvdtrain.training.loops import LOOPS
-from hvdtrain.training.outputs import RunSummary, float32_copy, write_outputs
+from hvdtrain.training.loops.elastic import ElasticRun, elastic_loop
+from hvdtrain.training.loops.epoch_end import standard_callbacks
+from hvdtrain.liveness.watch import Liveness, liveness_for
+from hvdtrain.training.loops.driver import LOOPS
+from hvdtrain.training.closing import RunSummary, float32_copy, write_outputs
 from hvdtrain.training.memory import HeldMemory, held_memory
-from hvdtrain.training.own_step import OwnStep
+from hvdtrain.training.step.own import OwnStep
 from hvdtrain.training.process_state import run_environment, seeded_per_rank, share_random_state
-from hvdtrain.training.restore import open_run_dir, starting_point, weight_fingerprint
-from hvdtrain.training.run_columns import RunColumns, RunColumnsLog
-from hvdtrain.training.schedule import PlateauDecay
-from hvdtrain.training.step import StepMath, StepOptions, TrainingStep, xla_line
-from hvdtrain.training.sync_batch_norm import batch_norm_note, synchronized_batch_norm
-from hvdtrain.training.objective import agreed_share
-from hvdtrain.training.trainable import Trainable, own_step_reason, prepare, probe_trainable
-from hvdtrain.training.zero import check_shardable, saved_from_pieces
-from hvdtrain.training.zero import describe as describe_sharding
+from hvdtrain.checkpoints.restore import open_run_dir, starting_point, weight_fingerprint
+from hvdtrain.training.loops.run_columns import RunColumns, RunColumnsLog
+from hvdtrain.training.step.schedule import PlateauDecay
+from hvdtrain.training.step.core import StepMath, StepOptions, TrainingStep, xla_line
+from hvdtrain.training.step.sync_batch_norm import batch_norm_note, synchronized_batch_norm
+from hvdtrain.training.step.objective import agreed_share
+from hvdtrain.training.step.trainable import Trainable, own_step_reason, prepare, probe_trainable
+from hvdtrain.optimizers.zero import check_shardable, saved_from_pieces
+from hvdtrain.optimizers.zero import describe as describe_sharding
 from hvdtrain.tracking import check_tracking, start_tracking, warn_about_autologging
 
 
@@ -236,7 +236,7 @@ class Run:
             share_random_state(config.train.seed, collectives.allgather_object)
         run_dir, resuming = open_run_dir(config, collectives)
         if world.is_chief:
-            output.log_to(run_dir)
+            streams.log_to(run_dir)
         logger.info(f"{world.size} rank(s) on {world.cross_size} node(s); rank {world.rank} on "
                     f"{world.host}, {device}; run directory {run_dir}")
         logger.info(f"backend: {collectives.backend} ({collectives.chosen})")
@@ -347,7 +347,7 @@ class Run:
 
     def _autotune(self, run: Prepared) -> RunResult:
         """``--autotune``: time the run's step at other gradient settings on one real batch
-        and report the fastest (``training.autotune_run``); no restore, no training, no model."""
+        and report the fastest (``autotune.trials``); no restore, no training, no model."""
         batch = next(iter(run.data.train.dataset(run.spec, 0, 1)))
 
         def step_for(bucket_mib: float) -> TrainingStep:

@@ -15,7 +15,7 @@ cross-rank sum behind synchronized batch normalisation, forward and backward. Ev
 every case in the same order: a collective that one rank skipped would hang the other.
 
 On TensorFlow's collectives (``HVDTRAIN_BACKEND=tensorflow`` on the ranks) the same cases run
-on ``hvdtrain.dropin_tf``; join, which that backend refuses, is checked refused there.
+on ``hvdtrain.dropin.tf_ops``; join, which that backend refuses, is checked refused there.
 
 Data is the same on every rank unless a case says otherwise (seeded NumPy, not TensorFlow's
 global seed), so a sum of N ranks is N times the tensor. With 2 ranks every reduction is exact
@@ -244,13 +244,13 @@ def test_grouped_allreduce_gradient():
 
 def test_synchronized_batch_norm_trains_as_one_process_on_the_global_batch():
     """hvdtrain's own ``differentiable_sum`` behind ``BatchNormalization(synchronized=True)``
-    (``hvdtrain.training.sync_batch_norm``), in a tf.function whose gradients are summed across
+    (``hvdtrain.training.step.sync_batch_norm``), in a tf.function whose gradients are summed across
     ranks: ranks holding different numbers of real rows in a step (one rank none), the rest
     filler far from them, train what one process trains on the real rows together (Keras' own
     synchronized path), weights and moving statistics within 1e-5."""
     import keras
 
-    from hvdtrain.training.sync_batch_norm import batch_rows, synchronized_batch_norm
+    from hvdtrain.training.step.sync_batch_norm import batch_rows, synchronized_batch_norm
 
     assert SIZE == 2
     counts = [[6, 4], [5, 0], [2, 6]]       # real rows per step and rank, of 6

@@ -22,7 +22,7 @@ import tensorflow as tf
 
 import hvdtrain.keras as hvd
 import hvdtrain.tensorflow as hvd_tf
-from hvdtrain.dropin import reducing_class
+from hvdtrain.dropin.core import reducing_class
 from hvdtrain.errors import UserError
 from workloads import WarmUpCosine
 

@@ -1,6 +1,7 @@
 """A full disk for the tests of what a run does when a write fails (ENOSPC): a small tmpfs
 (root only; the test is skipped elsewhere), filled up to a few bytes, and the one error line a
-failed write leaves. Used by tests/unit/test_checkpoints.py (the final save, one process) and
+failed write leaves. Used by tests/unit/checkpoints/test_checkpoints.py (the final save, one
+process) and
 tests/distributed/faults/test_checkpoint_faults.py (a metrics write, 2 ranks)."""
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 runner copies from a Horovod checkout, at Horovod's paths, with Horovod's import lines, and four
 tests: one passing, one failing, one skipped, and one run in graph and eager mode the way
 Horovod's test_tensorflow.py runs its tests (failing in graph mode only). Used by
-tests/unit/test_conformance.py and tests/distributed/horovod/test_conformance_ranks.py."""
+tests/unit/dropin/test_conformance.py and tests/distributed/horovod/test_conformance_ranks.py."""
 
 from __future__ import annotations
 

@@ -9,7 +9,7 @@ import subprocess
 from pathlib import Path
 
 from conftest import BIN, REPO, SLOW_CYCLE_MS, processes_mentioning, rank_env, wait_for
-from hvdtrain.checkpoint import Checkpoint, CheckpointStore
+from hvdtrain.checkpoints.store import Checkpoint, CheckpointStore
 
 # A killed rank must end the whole job within this many seconds (measured: a few seconds).
 ABORT_BOUND_S = 30

@@ -17,8 +17,7 @@ import numpy as np
 from keras import ops
 
 from keras_coupled_examples import (bn_convnet, fcn_synchronized_bn, masked_gru_tagger,
-                                    mean_with_sample_weight, ner_token_loss,
-                                    supervised_contrastive)
+                                    mean_with_sample_weight, ner_token_loss, supervised_contrastive)
 from keras_programs import PROGRAMS as FIRST_PROGRAMS
 from keras_programs import (MODES, VAL_IDS, Context, Outcome, SeenIds, Spec, _digits, counter,
                             echoed, example_id_input, ids)

@@ -64,7 +64,7 @@ def test_every_markdown_file_is_checked():
         found |= {Path(directory, name) for name in files if name.endswith(".md")}
     names = {doc.relative_to(REPO).as_posix() for doc in DOCS}
     assert {"README.md", "launch/README.md", "hvdtrain/README.md",
-            "hvdtrain/keras/README.md", "hvdtrain/bench/README.md"} <= names
+            "hvdtrain/dropin/README.md", "hvdtrain/bench/README.md"} <= names
     assert sorted(found) == DOCS
 
 

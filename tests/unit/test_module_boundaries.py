@@ -81,12 +81,12 @@ def test_the_builtin_names_are_the_registries_keys():
 
 
 def test_the_dropin_apis_share_a_leaf_and_only_keras_builds_on_tensorflow():
-    assert not under(imports_in("hvdtrain.dropin"), "hvdtrain.keras", "hvdtrain.tensorflow",
-                     "hvdtrain.dropin_tf")
+    assert not under(imports_in("hvdtrain.dropin.core"), "hvdtrain.keras", "hvdtrain.tensorflow",
+                     "hvdtrain.dropin.tf_ops")
     assert not under(imports_in("hvdtrain.tensorflow"), "hvdtrain.keras")
-    assert not under(imports_in("hvdtrain.dropin_tf"), "hvdtrain.keras", "hvdtrain.tensorflow")
-    assert not under(imports_in("hvdtrain.dropin_ops"), "hvdtrain", "horovod")
-    assert not under(imports_in("hvdtrain.dropin_elastic"), "hvdtrain.keras",
+    assert not under(imports_in("hvdtrain.dropin.tf_ops"), "hvdtrain.keras", "hvdtrain.tensorflow")
+    assert not under(imports_in("hvdtrain.dropin.ops"), "hvdtrain", "horovod")
+    assert not under(imports_in("hvdtrain.dropin.elastic"), "hvdtrain.keras",
                      "hvdtrain.tensorflow", "horovod")
     assert not under(imports_in("hvdtrain.collectives.tf_graph_mode"), "hvdtrain", "horovod")
 

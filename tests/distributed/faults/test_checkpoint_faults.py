@@ -2,7 +2,7 @@
 the previous one, a kill and resume ends equal to an uninterrupted run, and a full disk at a
 checkpoint or at a metrics write stops every rank with one line, the last checkpoint whole
 (tests/support/full_disk.py). The one-process checkpoint tests are in
-tests/unit/test_checkpoints.py."""
+tests/unit/checkpoints/test_checkpoints.py."""
 
 from __future__ import annotations
 
@@ -16,10 +16,10 @@ import time
 import numpy as np
 import pytest
 
-from conftest import (LAUNCHER, assert_same_weights, final_weights, launch, rank_pid,
-                      read_metrics, read_summary, train, wait_for)
+from conftest import (LAUNCHER, assert_same_weights, final_weights, launch, rank_pid, read_metrics,
+                      read_summary, train, wait_for)
 from full_disk import fill, one_write_error, small_disk
-from hvdtrain.checkpoint import Checkpoint, CheckpointStore
+from hvdtrain.checkpoints.store import Checkpoint, CheckpointStore
 from hvdtrain.cli import main
 from jobs import ABORT_BOUND_S, assert_nothing_left, start
 
@@ -56,7 +56,7 @@ def test_a_kill_during_a_checkpoint_write_keeps_the_previous_one(tmp_path):
     # The previous checkpoint loads: weights and optimizer state restore without error.
     from hvdtrain.config import ModelConfig, OptimConfig
     from hvdtrain.models import build_model
-    from hvdtrain.training.schedule import make_optimizer, make_schedule
+    from hvdtrain.training.step.schedule import make_optimizer, make_schedule
 
     model = build_model(ModelConfig(hidden_units=[2048, 2048]), (8, 8, 1), 10)
     optimizer = make_optimizer(OptimConfig(), make_schedule(OptimConfig(), 2, 3, 40))
@@ -143,7 +143,7 @@ def test_a_full_disk_during_a_checkpoint_stops_with_one_line_and_keeps_the_previ
 
         from hvdtrain.config import ModelConfig, OptimConfig
         from hvdtrain.models import build_model
-        from hvdtrain.training.schedule import make_optimizer, make_schedule
+        from hvdtrain.training.step.schedule import make_optimizer, make_schedule
 
         model = build_model(ModelConfig(hidden_units=[256, 128]), (8, 8, 1), 10)
         optimizer = make_optimizer(OptimConfig(), make_schedule(OptimConfig(), 2, 23, 2))

@@ -12,7 +12,7 @@ import time
 import pytest
 
 from conftest import LAUNCHER, processes_mentioning, rank_pid, read_metrics, train, wait_for
-from hvdtrain.checkpoint import CheckpointStore
+from hvdtrain.checkpoints.store import CheckpointStore
 from jobs import ABORT_BOUND_S, start
 
 pytestmark = pytest.mark.distributed

@@ -27,9 +27,9 @@ import pytest
 from conftest import (BACKENDS, RANKS, RANK_PYTHONPATH, REPO, SLOW_CYCLE_MS, assert_same_weights,
                       final_weights, launch, processes_mentioning, rank_env, rank_pid, read_metrics,
                       read_summary, run, train, wait_for)
-from hvdtrain.checkpoint import Checkpoint
-from jobs import (assert_nothing_left, finish, flip_a_byte, start_wrapper,
-                  step_checkpoint_after, stop_after_a_step_checkpoint)
+from hvdtrain.checkpoints.store import Checkpoint
+from jobs import (assert_nothing_left, finish, flip_a_byte, start_wrapper, step_checkpoint_after,
+                  stop_after_a_step_checkpoint)
 
 # Short deterministic epochs (45 steps of 2 x 16 digits): long enough to stop mid-run, a step
 # checkpoint every 5 steps.

@@ -9,7 +9,7 @@ import re
 
 import pytest
 
-from hvdtrain.checkpoint import LOCK_FILE
+from hvdtrain.checkpoints.store import LOCK_FILE
 from conftest import launch
 from autotune_lines import FINAL_LINE
 

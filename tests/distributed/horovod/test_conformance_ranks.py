@@ -1,7 +1,7 @@
 """``python -m hvdtrain.bench.conformance`` for real: the tiny Horovod-shaped suite of
 tests/support/horovod_tree.py on 2 ranks on TensorFlow's collectives (not Horovod's suite: that
 takes many minutes; the README gives its result). Its rewrite, counting and refusals in one
-process: tests/unit/test_conformance.py."""
+process: tests/unit/dropin/test_conformance.py."""
 
 from __future__ import annotations
 

@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from conftest import (BIN, RANK_PYTHONPATH, processes_mentioning, rank_env, rank_pid,
-                      read_metrics, read_summary, wait_for)
-from hvdtrain.writes import json_rows
+from conftest import (BIN, RANK_PYTHONPATH, processes_mentioning, rank_env, rank_pid, read_metrics,
+                      read_summary, wait_for)
+from hvdtrain.artifacts import json_rows
 
 pytestmark = pytest.mark.distributed
 

@@ -2,7 +2,7 @@
 backends.
 
 Launches on 2 ranks (the single-process checks of the argument mapping and of what imports
-without Horovod: tests/unit/test_dropin_unit.py), each parametrised over the backend the ranks
+without Horovod: tests/unit/dropin/test_dropin.py), each parametrised over the backend the ranks
 choose (``HVDTRAIN_BACKEND`` under ``horovodrun``; ``no-horovod``: ``launch/mpirun.sh`` into
 processes where ``import horovod`` fails, so the drop-in's auto choice is TensorFlow's
 collectives):

@@ -4,7 +4,7 @@ the resolved config, its metrics the run directory's rows exactly and continuous
 losses without a repeat, its world as tags, its final files as artifacts; a server killed
 mid-run costs one warning line and exit 0, and ``hvdtrain track`` sends that run directory
 afterwards; an unreachable server changes nothing a job computes. (A job without the client:
-tests/unit/test_tracking_unit.py.)"""
+tests/unit/tracking/test_tracking.py.)"""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """File data on 2 real ranks: TFRecord files sharded by file or by element are a partition of
 the examples, TFRecord and CSV data train to the same weights on every rank, and the mistakes
 only ranks find: a TFRecord payload corrupt mid-run on one rank (one line from that rank), and
-more ranks than training examples. The loaders in one process: tests/unit/test_data_sources.py;
+more ranks than training examples. The loaders in one process: tests/unit/data/test_data_sources.py;
 every other mistake: tests/unit/test_bad_input.py."""
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ import re
 import numpy as np
 import pytest
 
-from conftest import (LAUNCHER, assert_partition, launch, probe_shards, read_metrics,
-                      read_summary, train)
+from conftest import (LAUNCHER, assert_partition, launch, probe_shards, read_metrics, read_summary,
+                      train)
 from hvdtrain.data.convert import convert
 
 

@@ -1,6 +1,6 @@
 """The built-in models on real ranks: the ResNet trained on 2 ranks (conftest's ``resnet_run``)
 ends with batch-norm moving statistics that agree across the ranks and are all updated. The
-layouts in one process: tests/unit/test_models.py."""
+layouts in one process: tests/unit/models/test_models.py."""
 
 from __future__ import annotations
 

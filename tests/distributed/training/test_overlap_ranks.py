@@ -1,7 +1,7 @@
 """The overlap tool (``python -m hvdtrain.bench.overlap``) on a real 2-rank benchmark of each
 backend: a Horovod timeline, or TensorFlow profiles of both ranks, with an allreduce call in
 every step, its report and plot. Its numbers from hand-written records:
-tests/unit/test_overlap_timeline.py and tests/unit/test_overlap_profile.py."""
+tests/unit/bench/test_overlap_timeline.py and tests/unit/bench/test_overlap_profile.py."""
 
 from __future__ import annotations
 

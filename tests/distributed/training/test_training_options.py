@@ -1,6 +1,6 @@
 """The training options and what they change: gradient accumulation equals a larger batch,
 fp16 compression and Adasum change the reduction, mixed precision trains and saves float32 (2
-ranks each). The learning-rate schedules, in one process: tests/unit/test_schedules.py."""
+ranks each). The learning-rate schedules, in one process: tests/unit/step/test_schedules.py."""
 
 from __future__ import annotations
 

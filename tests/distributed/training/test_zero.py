@@ -138,7 +138,7 @@ def test_the_cli_saves_the_whole_state_gathered_as_it_writes(tmp_path):
     import numpy as np
 
     from conftest import train
-    from hvdtrain.checkpoint import CheckpointStore
+    from hvdtrain.checkpoints.store import CheckpointStore
 
     run_dir = train(tmp_path, "cli", "--epochs", "1", "--hidden-units", "30", "20",
                     "--optimizer", "adam", "--zero-stage", "2", "--no-tensorboard")

@@ -1,0 +1,145 @@
+"""What rank 0 leaves when a run ends: the final model (whole, or its weights when Keras cannot
+serialise it), ``summary.json`` (``RunSummary``), ``curves.png``, and the closing lines."""
+
+from __future__ import annotations
+
+import dataclasses
+import errno
+import json
+import os
+import shutil
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import keras
+
+from hvdtrain.checkpoints.store import atomic_write_text
+from hvdtrain.errors import first_sentence
+from hvdtrain.keras_internals import sublayers
+from hvdtrain.log import logger
+from hvdtrain.plots import plot_curves
+from hvdtrain.training.memory import variable_bytes
+from hvdtrain.optimizers.zero import saved_state_bytes
+from hvdtrain.artifacts import run_files
+
+
+@dataclass(frozen=True)
+class RunSummary:
+    """What a finished run reports; rank 0 writes it as ``summary.json``."""
+
+    metrics: dict[str, float]
+    world_size: int
+    weights_identical: bool
+    fingerprints: list[str]
+    fingerprints_before_broadcast: list[str]
+    train_seconds: float
+    setup_seconds: float
+    first_step_seconds: float | None
+    first_step_unix_time: float | None
+    validation_examples: int | None
+    ranks: list[dict[str, Any]]   # every rank's World: host, local and cross rank and size
+    # The epoch (from 1) after which ``metrics`` were measured (None: after training).
+    validation_epoch: int | None = None
+    # Every rank's ``HeldMemory`` as the loop ended (None for a rank of an elastic run).
+    memory: list[dict[str, Any] | None] = dataclasses.field(default_factory=list)
+    # The collectives ("horovod" or "tensorflow") and rank 0's device, in place_devices' words.
+    backend: str = ""
+    device: str = ""
+
+
+# The members of a .keras archive, in the order Keras writes them; then the assets folder.
+KERAS_ARCHIVE_MEMBERS = ("metadata.json", "config.json", "model.weights.h5")
+# Room asked for beyond twice the variables' bytes (HDF5's metadata, the JSON files).
+SAVE_MARGIN_BYTES = 2 ** 20
+
+
+def save_model(run_dir: Path, model: keras.Model) -> Path:
+    """The final model as ``model.keras``; a model Keras cannot serialise whole (a subclass
+    without ``get_config``, such as a GAN) as its weights, ``model.weights.h5``, said in one
+    line. Keras would build the archive in memory whenever the host (not the job's memory
+    limit) has room, holding the weights and optimizer state twice more; here it writes them
+    unzipped, straight to disk, and the archive is made from those files. An HDF5 write that
+    fails for want of space can crash the process, so the room is checked first."""
+    partial = run_dir / ".model.partial.keras"
+    unpacked = run_dir / ".model.partial"
+    if not model.built and all(layer.built for layer in sublayers(model)):
+        model.built = True     # a composite (a GAN) whose parts are built: it has trained
+    with run_files(run_dir, "the final model", leftover=partial):
+        shutil.rmtree(unpacked, ignore_errors=True)
+        optimizer = getattr(model, "optimizer", None)
+        stored = variable_bytes(model.weights) + (
+            saved_state_bytes(optimizer) if optimizer is not None and optimizer.built else 0)
+        if shutil.disk_usage(run_dir).free < 2 * stored + SAVE_MARGIN_BYTES:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(run_dir))
+        try:
+            # An absolute path: Keras puts a relative folder's assets under a temporary folder.
+            model.save(unpacked.resolve(), zipped=False)
+        except (NotImplementedError, TypeError, ValueError) as error:
+            partial.unlink(missing_ok=True)
+            path = run_dir / "model.weights.h5"
+            model.save_weights(path)
+            why = first_sentence(str(error)) or "no config"
+            logger.warning(f"note: Keras cannot save this model whole ({type(error).__name__}: "
+                           f"{why}); saved its weights to {path} (give the class "
+                           "get_config/from_config to save it whole)")
+            return path
+        else:
+            archive_saved_model(unpacked, partial)
+        finally:
+            shutil.rmtree(unpacked, ignore_errors=True)
+        partial.replace(run_dir / "model.keras")
+    return run_dir / "model.keras"
+
+
+def archive_saved_model(unpacked: Path, archive: Path) -> None:
+    """A ``.keras`` archive from the folder ``model.save(zipped=False)`` wrote: the members
+    Keras' own archive has, stored uncompressed as Keras stores them."""
+    with zipfile.ZipFile(archive, "w") as zipped:
+        for name in KERAS_ARCHIVE_MEMBERS:
+            zipped.write(unpacked / name, name)
+        for asset in sorted((unpacked / "assets").rglob("*")):
+            if asset.is_file():
+                zipped.write(asset, asset.relative_to(unpacked).as_posix())
+
+
+def write_outputs(run_dir: Path, model: keras.Model, summary: RunSummary) -> None:
+    """Rank 0: save the final model, the summary and the curves, and report."""
+    saved = save_model(run_dir, model)
+    fingerprints, metrics = summary.fingerprints, summary.metrics
+    with run_files(run_dir, "summary.json"):
+        atomic_write_text(run_dir / "summary.json",
+                          json.dumps(dataclasses.asdict(summary), indent=2) + "\n")
+    if (run_dir / "metrics.jsonl").exists():
+        with run_files(run_dir, "curves.png"):
+            plot_curves(run_dir / "metrics.jsonl", run_dir / "curves.png")
+    agreement = ("identical on all ranks" if summary.weights_identical else
+                 "DIFFER across ranks: " + ", ".join(fingerprints))
+    (logger.info if summary.weights_identical else logger.warning)(
+        f"weights {agreement} (fingerprint {fingerprints[0]})")
+    if summary.first_step_seconds is not None:
+        logger.info(f"startup: the first training step ended {summary.first_step_seconds:.1f} s "
+                    f"after rank 0's process started ({summary.setup_seconds:.1f} s of it in "
+                    "setup: Horovod, data, model, restore)")
+    if metrics:   # the compiled metrics first, then the losses
+        names = sorted(metrics, key=lambda name: name.endswith("loss"))
+        shown = ", ".join(f"{name[4:]}: {metrics[name]:.4f}" for name in names)
+        when = ("" if summary.validation_epoch is None
+                else f" (after epoch {summary.validation_epoch})")
+        logger.info(f"held-out {shown} on {summary.validation_examples or 'the validation'} "
+                    f"examples{when}; model saved to {saved}")
+    else:
+        logger.info(f"no validation data; model saved to {saved}")
+
+
+def float32_copy(model: keras.Model, precision: str,
+                 rebuild: Callable[[], keras.Model]) -> keras.Model:
+    """The trained model rebuilt (``rebuild``) under the float32 policy, for saving and
+    inference; the model itself when it trained in float32."""
+    if precision == "float32":
+        return model
+    keras.mixed_precision.set_global_policy("float32")
+    copy = rebuild()
+    copy.set_weights(model.get_weights())
+    return copy

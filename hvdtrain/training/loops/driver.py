@@ -1,0 +1,207 @@
+"""The two training paths over the same step: Keras ``fit`` on the user's own model, and a
+custom loop.
+
+``fit`` is the model's own, with the run's step as its ``train_step`` for the run, so every
+callback sees the user's model and optimizer as under a plain ``model.fit``. Keras' own
+function is not compiled with XLA (collective ops have no XLA kernels): the step compiles its
+forward and backward pass when the model's ``jit_compile`` asks (``StepOptions.xla``). Both
+paths read the same stream of batches and fire the same callbacks at the same points, so one
+config gives the same result on both.
+Epochs of different lengths (a resumed partial epoch, ``steps_per_epoch`` not dividing a pass)
+are several ``fit`` calls (``fit_segments``) on one iterator, so the data never restarts.
+Keras' console is the run's callbacks' (rank 0's ``KerasConsole``, fired after the epoch end,
+one progress bar across the calls), never ``fit``'s own; Keras' messages on the other ranks are
+silenced while a loop trains (``keras_messages_silenced``), so a user's
+``EarlyStopping(verbose=1)`` prints once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+import keras
+import tensorflow as tf
+
+from hvdtrain.data.equal_steps import Passes
+from hvdtrain.keras_internals import keras_messages_silenced, train_step_installed
+from hvdtrain.training.loops.epoch_end import CallbackGroups, RunCallbacks
+from hvdtrain.training.step.core import TrainingStep
+
+
+class ContinuedHooks(RunCallbacks):
+    """The run's callbacks across the ``fit`` calls of one training: a call that starts inside
+    an epoch (a resumed one) numbers its steps from 0, so batch numbers are shifted by
+    ``offset`` there; train begin fires once, at the first call, and train end once, by
+    ``end_training`` after the last."""
+
+    def __init__(self, callbacks: CallbackGroups, model: keras.Model, epochs: int, steps: int,
+                 history: keras.callbacks.History) -> None:
+        super().__init__(callbacks, model, epochs, steps, last=[history])
+        self.offset = 0
+        self.begun = False
+        self.last_logs: dict | None = None
+
+    def on_train_begin(self, logs: dict | None = None) -> None:
+        if not self.begun:
+            self.begun = True
+            super().on_train_begin(logs)
+
+    def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
+        super().on_epoch_end(epoch, logs)
+        self.last_logs = logs
+
+    def on_train_end(self, logs: dict | None = None) -> None:
+        """Each ``fit`` call's end: not yet the training's (``end_training``)."""
+
+    def end_training(self) -> None:
+        """Train end, once, with the last epoch's logs (as Keras' ``fit`` passes them)."""
+        super().on_train_end(self.last_logs)
+
+    def on_train_batch_begin(self, batch: int, logs: dict | None = None) -> None:
+        super().on_train_batch_begin(batch + self.offset, logs)
+
+    def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
+        super().on_train_batch_end(batch + self.offset, logs)
+
+
+@contextlib.contextmanager
+def step_installed(step: TrainingStep) -> Iterator[None]:
+    """The run's step as the model's ``train_step``, Keras' XLA off (the step's own forward and
+    backward pass may use it), fresh traced functions; all as they were afterwards."""
+    with train_step_installed(step.model, step.keras_step):
+        yield
+
+
+@dataclass(frozen=True)
+class Segment:
+    """One ``fit`` call: epochs ``[first, end)`` of ``steps`` steps each, the first of them
+    starting ``offset`` steps in (a resumed epoch: then ``end`` is ``first + 1``)."""
+
+    first: int
+    end: int
+    steps: int
+    offset: int = 0
+
+
+def fit_segments(passes: Passes, initial_epoch: int, epochs: int,
+                 done_steps: int = 0) -> list[Segment]:
+    """The ``fit`` calls that train epochs ``[initial_epoch, epochs)``: consecutive epochs of
+    one length share a call; a resumed partial epoch is a call of its own."""
+    segments: list[Segment] = []
+    for epoch, steps in zip(range(initial_epoch, epochs),
+                            passes.epoch_lengths(initial_epoch, epochs)):
+        offset = done_steps if epoch == initial_epoch else 0
+        last = segments[-1] if segments else None
+        if last is not None and not offset and not last.offset and last.steps == steps:
+            segments[-1] = Segment(last.first, epoch + 1, steps)
+        else:
+            segments.append(Segment(epoch, epoch + 1, steps, offset))
+    return segments
+
+
+def _continuing(batches: Iterator[Any], count: int, spec: Any) -> tf.data.Dataset:
+    """The next ``count`` batches of an iterator the ``fit`` calls share, as a dataset."""
+    def read() -> Iterator[Any]:
+        for _ in range(count):
+            yield next(batches)
+
+    return tf.data.Dataset.from_generator(read, output_signature=spec).prefetch(1)
+
+
+@contextlib.contextmanager
+def finalized_once(model: keras.Model) -> Iterator[None]:
+    """Keras' ``fit`` ends by finalizing the optimizer's variables (an optimizer with
+    ``use_ema`` puts its averages into the weights): across the ``fit`` calls of one training
+    that happens once, after the last, as one ``fit`` does it."""
+    optimizer = getattr(model, "optimizer", None)
+    if not isinstance(optimizer, keras.optimizers.Optimizer):
+        yield
+        return
+    optimizer.finalize_variable_values = lambda variables: None
+    try:
+        yield
+    finally:
+        del optimizer.finalize_variable_values      # the class's own again
+    optimizer.finalize_variable_values(model.trainable_weights)
+
+
+def fit_loop(step: TrainingStep, dataset: tf.data.Dataset, epochs: int, initial_epoch: int,
+             passes: Passes, callbacks: CallbackGroups,
+             done_steps: int = 0) -> keras.callbacks.History:
+    """Train with the model's own ``fit`` (its own progress bar off: the run's callbacks hold
+    rank 0's), one call per ``fit_segments`` segment."""
+    model = step.model
+    history = keras.callbacks.History()
+    hooks = ContinuedHooks(callbacks, model, epochs, passes.keras_steps, history)
+    segments = fit_segments(passes, initial_epoch, epochs, done_steps)
+    shared = iter(dataset) if len(segments) > 1 else None
+    finalizing = finalized_once(model) if shared is not None else contextlib.nullcontext()
+    with step_installed(step), keras_messages_silenced(not callbacks.chief):
+        with finalizing:
+            for segment in segments:
+                hooks.offset = segment.offset
+                data = dataset if shared is None else _continuing(
+                    shared, (segment.end - segment.first) * (segment.steps - segment.offset),
+                    dataset.element_spec)
+                model.fit(data, epochs=segment.end, initial_epoch=segment.first,
+                          steps_per_epoch=segment.steps - segment.offset, callbacks=hooks,
+                          shuffle=False, verbose=0)
+                if model.stop_training:
+                    break
+        hooks.end_training()
+    return history
+
+
+def custom_loop(step: TrainingStep, dataset: tf.data.Dataset, epochs: int, initial_epoch: int,
+                passes: Passes, callbacks: CallbackGroups,
+                done_steps: int = 0) -> keras.callbacks.History:
+    """Train with a plain loop around one ``tf.function`` step, firing the same callbacks. A
+    callback may stop training by setting ``model.stop_training``, as under ``fit``."""
+    with keras_messages_silenced(not callbacks.chief):
+        return _custom_loop(step, dataset, epochs, initial_epoch, passes, callbacks, done_steps)
+
+
+def _custom_loop(step: TrainingStep, dataset: tf.data.Dataset, epochs: int, initial_epoch: int,
+                 passes: Passes, callbacks: CallbackGroups,
+                 done_steps: int) -> keras.callbacks.History:
+    """``custom_loop`` inside its silencing of Keras' messages (not rank 0)."""
+    # Traced from the data's element spec, as Keras' fit traces from its iterator.
+    train_step = tf.function(step.keras_step, jit_compile=False,
+                             input_signature=[dataset.element_spec])
+    model = step.model
+    model.stop_training = False
+    history = keras.callbacks.History()
+    hooks = RunCallbacks(callbacks, model, epochs, passes.keras_steps, last=[history])
+    batches = iter(dataset)
+    hooks.on_train_begin()
+    epoch_logs: dict | None = None
+    for epoch, steps in zip(range(initial_epoch, epochs),
+                            passes.epoch_lengths(initial_epoch, epochs)):
+        hooks.on_epoch_begin(epoch)
+        logs: dict = {}
+        for batch in range(done_steps if epoch == initial_epoch else 0, steps):
+            element = next(batches)
+            hooks.on_train_batch_begin(batch)
+            logs = train_step(element)
+            hooks.on_train_batch_end(batch, logs)
+            if model.stop_training:
+                break
+        epoch_logs = scalar_logs(logs)
+        hooks.on_epoch_end(epoch, epoch_logs)
+        if model.stop_training:
+            break
+    if isinstance(getattr(model, "optimizer", None), keras.optimizers.Optimizer):
+        model.optimizer.finalize_variable_values(model.trainable_weights)   # as fit ends
+    hooks.on_train_end(epoch_logs)
+    return history
+
+
+def scalar_logs(logs: dict) -> dict[str, float]:
+    """A step's logs as the floats an epoch's logs hold (non-scalar entries left out)."""
+    return {name: float(value) for name, value in logs.items()
+            if getattr(value, "shape", ()) == ()}
+
+
+LOOPS = {"fit": fit_loop, "custom": custom_loop}
