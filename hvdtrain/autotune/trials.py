@@ -265,7 +265,7 @@ def update_times(call: Callable[[], Any], step: TrainingStep, micro_steps: int,
         start = clock()
         for _ in range(micro_steps):
             call()
-        step.stop_votes.numpy()
+        step.votes.stop_agreed()
         return clock() - start
 
     last = 0.0

@@ -93,26 +93,26 @@ class Checkpointing(keras.callbacks.Callback):
                 variable.assign(tf.cast(np.asarray(value), variable.dtype))
 
     def on_train_batch_begin(self, batch: int, logs: dict | None = None) -> None:
-        if self._stop_reason() is not None and not self.step.stop_vote.numpy():
-            self.step.stop_vote.assign(1.0)
+        if self._stop_reason() is not None:
+            self.step.votes.request_stop()
 
     def _callback_stop(self) -> None:
         """A batch hook's ``stop_training`` becomes a vote; the ranks' summed votes, delivered
         by the step, stop every rank at once."""
+        votes = self.step.votes
         if self.model.stop_training:
             self.model.stop_training = False
-            self.step.callback_stop_vote.assign(1.0)
-        if float(self.step.callback_stop_votes.numpy()) > 0:
+            votes.request_callback_stop()
+        if votes.callback_stop_agreed():
             self.model.stop_training = True
-            self.step.callback_stop_vote.assign(0.0)
-            self.step.callback_stop_votes.assign(0.0)
+            votes.callback_stop_delivered()
 
     def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
         self._callback_stop()
         done, steps, every = batch + 1, self.epoch_steps, self.plan.every_steps
         if done == steps:   # the epoch end checkpoints (and stops, if agreed)
             return
-        stop = float(self.step.stop_votes.numpy()) > 0
+        stop = self.step.votes.stop_agreed()
         if not stop and not (every and done % every == 0):
             return
         # The epoch's metric sums so far, over all ranks: rank 0 keeps them in the checkpoint.
@@ -151,7 +151,7 @@ class Checkpointing(keras.callbacks.Callback):
                     sharded=whole and whole.record), rank_states, whole and whole.arrays).name
             except CheckpointWriteFailed as error:
                 outcome = f"error: {error}"
-        wants_stop = bool(model.stop_training or self.step.callback_stop_vote.numpy())
+        wants_stop = bool(model.stop_training or self.step.votes.callback_stop_requested())
         shared = self.collectives.allgather_object((outcome, self._stop_reason(), wants_stop))
         name = shared[0][0]
         if name.startswith("error: "):

@@ -77,7 +77,7 @@ class Continuity:
 
     def next_world(self, step: StepMath) -> None:
         if self.step is not None:
-            step.callback_stop_vote.assign(self.step.callback_stop_vote)
+            step.votes.carry_callback_stop(self.step.votes)
         self.step = step
 
 

@@ -26,6 +26,7 @@ from hvdtrain.collectives import Collectives, GradientReduction, gathered_rows
 from hvdtrain.training.step.accumulation import Accumulation
 from hvdtrain.training.memory import variable_bytes
 from hvdtrain.training.step.sync_batch_norm import batch_rows
+from hvdtrain.training.step.votes import StopVotes
 from hvdtrain.keras_internals import (keras_logits, loss_tracker, marked, output_loss_trackers,
                                       output_marks, with_logits)
 from hvdtrain.training.step.objective import (LossShare, global_metric_results, metric_variables,
@@ -43,11 +44,8 @@ class TrainingStep(Protocol):
     collectives: Collectives
     # The last step's loss over the global batch (equal on every rank): stops a diverged run.
     global_loss: tf.Variable
-    # Set here, summed across ranks in the step: a stop request, and a batch hook's stop.
-    stop_vote: tf.Variable
-    stop_votes: tf.Variable
-    callback_stop_vote: tf.Variable
-    callback_stop_votes: tf.Variable
+    # A stop request and a batch hook's stop, summed across ranks in the step.
+    votes: StopVotes
     # False when the update of a step whose loss is not finite has already been applied.
     skips_non_finite_updates: bool
     # How the step's gradients travel (buckets, their order, compression).
@@ -76,11 +74,6 @@ class TrainingStep(Protocol):
 
     def gradient_bytes(self) -> int:
         """The gradient bytes this rank keeps after the exchange (``memory.HeldMemory``)."""
-
-
-def vote_variables() -> tuple[tf.Variable, ...]:
-    """(global loss, stop vote, stop votes, callback stop vote, callback stop votes)."""
-    return tuple(tf.Variable(0.0, trainable=False, dtype=tf.float32) for _ in range(5))
 
 
 @dataclass(frozen=True)
@@ -131,8 +124,8 @@ class StepMath:
         self.loss_scaling = isinstance(optimizer, keras.optimizers.LossScaleOptimizer)
         self.skips_non_finite_updates = True
         self.reduction = options.reduction(collectives.world.size)
-        (self.global_loss, self.stop_vote, self.stop_votes, self.callback_stop_vote,
-         self.callback_stop_votes) = vote_variables()
+        self.global_loss = tf.Variable(0.0, trainable=False, dtype=tf.float32)
+        self.votes = StopVotes()
         self._forward_backward = (tf.function(self.forward_backward, jit_compile=True)
                                   if options.xla else self.forward_backward)
         self.sharding: Sharding | None = None
@@ -176,20 +169,17 @@ class StepMath:
         (ZeRO), the gradients are reduce-scattered (``pieces``: they already were) and the
         scalars travel in an allreduce of their own. Returns the summed shares."""
         variables = self.model.trainable_variables
-        scalars = [weighted_loss, share, tf.identity(self.stop_vote),
-                   tf.identity(self.callback_stop_vote)]
+        scalars = [weighted_loss, share, *self.votes.to_reduce()]
         if self.sharding is None:
-            gradients, (loss_sum, shares, votes, callback_votes) = self.reduce(list(gradients),
-                                                                               scalars)
+            gradients, (loss_sum, shares, *votes) = self.reduce(list(gradients), scalars)
         else:
-            loss_sum, shares, votes, callback_votes = self.collectives.allreduce_sum(scalars)
+            loss_sum, shares, *votes = self.collectives.allreduce_sum(scalars)
             if not pieces:
                 gradients = self.sharding.scatter(list(gradients), variables)
         gradients = self._divided(gradients, shares)
         self.global_loss.assign(tf.math.divide_no_nan(loss_sum, shares)
                                 if self.share.divides else loss_sum)
-        self.stop_votes.assign(votes)
-        self.callback_stop_votes.assign(callback_votes)
+        self.votes.take_reduced(votes)
 
         def update() -> tf.Tensor:
             if self.sharding is None:

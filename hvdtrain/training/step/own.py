@@ -26,8 +26,9 @@ from hvdtrain.collectives import Collectives, GradientReduction
 from hvdtrain.optimizers.reduction import distributed_for_the_run
 from hvdtrain.training.step.objective import (global_metric_results, metric_variables, real_rows,
                                               scalar)
-from hvdtrain.training.step.core import divided, vote_variables
+from hvdtrain.training.step.core import divided
 from hvdtrain.training.step.sync_batch_norm import batch_rows
+from hvdtrain.training.step.votes import StopVotes
 from hvdtrain.optimizers.zero import Sharding, gradient_bytes_kept, sharded_for_the_run
 
 # The Trainer methods whose override makes a step the model's own.
@@ -83,8 +84,8 @@ class OwnStep:
         # This rank's share of the step being traced (set by ``keras_step``, read by the
         # optimizers' reduction inside the same step).
         self._share: tf.Tensor | None = None
-        (self.global_loss, self.stop_vote, self.stop_votes, self.callback_stop_vote,
-         self.callback_stop_votes) = vote_variables()
+        self.global_loss = tf.Variable(0.0, trainable=False, dtype=tf.float32)
+        self.votes = StopVotes()
 
     def gradient_bytes(self) -> int:
         """The reduced gradients of the weights the optimizers train (pieces, sharded)."""
@@ -131,10 +132,9 @@ class OwnStep:
         allreduce."""
         names = [name for name, value in logs.items() if scalar(value)]
         values = [tf.cast(logs[name], tf.float32) for name in names]
-        *totals, votes, callback_votes = self.collectives.allreduce_sum(
-            [*values, tf.identity(self.stop_vote), tf.identity(self.callback_stop_vote)])
-        self.stop_votes.assign(votes)
-        self.callback_stop_votes.assign(callback_votes)
+        summed = self.collectives.allreduce_sum([*values, *self.votes.to_reduce()])
+        totals = summed[:len(values)]
+        self.votes.take_reduced(summed[len(values):])
         size = float(self.collectives.world.size)
         agreed = dict(logs)
         agreed.update({name: total / size for name, total in zip(names, totals)})

@@ -104,7 +104,7 @@ def test_the_table_has_a_row_per_trial_under_its_header():
 def test_an_update_is_its_micro_steps_timed_to_the_end_of_its_collectives():
     events: list[str] = []
     ticks = iter(range(100))
-    step = SimpleNamespace(stop_votes=SimpleNamespace(numpy=lambda: events.append("sync")))
+    step = SimpleNamespace(votes=SimpleNamespace(stop_agreed=lambda: events.append("sync")))
     counts: list[int] = []
 
     def rank0_says(count: int) -> int:   # the broadcast of rank 0's count

@@ -223,7 +223,7 @@ def test_the_other_ranks_stop_vote_reaches_this_rank_in_the_steps_own_reduction(
     other = ScriptedCollectives(1, 2, script)
     step = _step(other, _model(), StepOptions(fp16_compression=fp16))
     step.train_step(*_batch())
-    assert float(step.stop_votes.numpy()) == 1.0 and float(step.stop_vote.numpy()) == 0.0
+    assert step.votes.stop_agreed() and not step.votes.stop_requested()
     sent = other.values("allreduce_sum" if fp16 else "reduce_gradients")[0]
     assert [float(v) for v in sent[-2:]] == [0.0, 0.0]          # this rank's two votes
     assert other.calls() == (["allreduce_sum", "reduce_gradients"] if fp16
@@ -283,12 +283,12 @@ def test_a_batch_callbacks_stop_on_one_rank_is_a_vote_that_stops_both_after_the_
     step.train_step(*_batch())
     model.stop_training = True                    # a user's batch hook on this rank
     callback.on_train_batch_end(0)
-    assert not model.stop_training and float(step.callback_stop_vote.numpy()) == 1.0
+    assert not model.stop_training and step.votes.callback_stop_requested()
     step.train_step(*_batch())
     assert float(other.values("reduce_gradients")[1][-1]) == 1.0
     callback.on_train_batch_end(1)
     assert model.stop_training
-    assert float(step.callback_stop_vote.numpy()) == float(step.callback_stop_votes.numpy()) == 0
+    assert not step.votes.callback_stop_requested() and not step.votes.callback_stop_agreed()
 
 
 def test_a_peers_callback_stop_stops_this_rank_after_the_same_step(tmp_path):
@@ -318,7 +318,7 @@ def test_a_models_own_step_sums_the_votes_with_its_logs():
         assert float(logs[name]) == pytest.approx(2 * float(local), rel=1e-6)  # (a + 3a) / 2
     assert float(step.global_loss.numpy()) == pytest.approx(float(logs["loss"]))
     assert (float(vote), float(callback_vote)) == (0.0, 0.0)
-    assert float(step.stop_votes.numpy()) == 1.0 and float(step.callback_stop_votes) == 0.0
+    assert step.votes.stop_agreed() and not step.votes.callback_stop_agreed()
 
 
 # --- where a resumed run starts ----------------------------------------------------------------
