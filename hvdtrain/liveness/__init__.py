@@ -1,3 +1,3 @@
-"""No job hangs when a rank dies: each rank's monitor (step and phase clocks, stop requests
-voted in the step's allreduce, the stall limit) and the probes of peers that tell a slow rank
-from a dead one."""
+"""No job hangs when a rank dies: each rank's monitor (``watch``: step and phase clocks, stop
+requests voted in the step's allreduce, the stall limit) and the probes of peers (``peers``:
+heartbeat ports) that tell a slow rank from a dead one."""

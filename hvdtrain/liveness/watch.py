@@ -17,16 +17,14 @@ import enum
 import os
 import select
 import signal
-import socket
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Iterator, TextIO
 
 from hvdtrain.collectives import World
 from hvdtrain.errors import STALLED_EXIT_CODE
 from hvdtrain.launchers import end_open_mpi_daemon, hold_open_mpi_abort, launched_by_a_launcher
+from hvdtrain.liveness.peers import Heartbeat, Peer, is_gone, peers_where, unanswered
 
 if TYPE_CHECKING:
     from hvdtrain.config import Config
@@ -47,7 +45,6 @@ PEER_CHECK_FACTOR = 3
 PEER_CHECK_MIN_S = 2.0
 BETWEEN_STEPS_PEER_CHECK_S = 5.0
 POLL_S = 0.5
-PROBE_TIMEOUT_S = 3.0
 
 
 class AfterRun(enum.Enum):
@@ -388,75 +385,3 @@ class Liveness:
         if end_daemon and self._exit is os._exit:
             end_open_mpi_daemon(os.getppid())
         self._exit(code)
-
-
-@dataclass(frozen=True)
-class Peer:
-    """Another rank's heartbeat address."""
-
-    rank: int
-    host: str
-    port: int
-
-
-class Heartbeat:
-    """A TCP port that answers every connection at once, from a daemon thread: a rank that
-    stalled tells peers that wait like itself (they answer) from ones whose node vanished or
-    whose process is gone or frozen (no answer)."""
-
-    def __init__(self) -> None:
-        self._socket = socket.create_server(("", 0), backlog=64)
-        self.port = self._socket.getsockname()[1]
-        threading.Thread(target=self._serve, name="hvdtrain-heartbeat", daemon=True).start()
-
-    def _serve(self) -> None:
-        while True:
-            try:
-                connection, _ = self._socket.accept()
-            except OSError:
-                return
-            with connection:
-                connection.sendall(b"alive\n")
-
-    def close(self) -> None:
-        try:   # wakes the thread's accept (closing alone would leave the port listening)
-            self._socket.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
-        self._socket.close()
-
-
-def answers(peer: Peer, timeout_s: float) -> bool:
-    try:
-        with socket.create_connection((peer.host, peer.port), timeout=timeout_s) as connection:
-            connection.settimeout(timeout_s)
-            return connection.recv(6) == b"alive\n"
-    except OSError:
-        return False
-
-
-def is_gone(peer: Peer) -> bool:
-    """True only when the peer's host answers but nothing listens on its heartbeat port: its
-    process has ended (a silent or slow host is not proof, so it is not gone)."""
-    try:
-        with socket.create_connection((peer.host, peer.port), timeout=PROBE_TIMEOUT_S):
-            return False
-    except ConnectionRefusedError:
-        return True
-    except OSError:
-        return False
-
-
-def peers_where(test: Callable[[Peer], bool], peers: list[Peer]) -> list[str]:
-    """``rank R on HOST`` for every peer that ``test`` (a probe) picks, probed in parallel so
-    that silent hosts cost one probe timeout, not one each."""
-    if not peers:
-        return []
-    with ThreadPoolExecutor(max_workers=min(32, len(peers))) as pool:
-        picked = list(pool.map(test, peers))
-    return [f"rank {peer.rank} on {peer.host}" for peer, yes in zip(peers, picked) if yes]
-
-
-def unanswered(peers: list[Peer], timeout_s: float = PROBE_TIMEOUT_S) -> list[str]:
-    """``rank R on HOST`` for every peer whose heartbeat does not answer."""
-    return peers_where(lambda peer: not answers(peer, timeout_s), peers)

@@ -15,9 +15,9 @@ from conftest import rank_env
 
 from hvdtrain.collectives import World
 from hvdtrain.errors import STALLED_EXIT_CODE
+from hvdtrain.liveness.peers import Heartbeat, Peer, unanswered
 from hvdtrain.liveness.watch import (FIRST_PHASE_S, FLOOR_S, PHASE_FACTOR, SAME_EVENT_S,
-                                     STEP_FACTOR, STUCK_MIN_S, Heartbeat, Liveness, Peer,
-                                     unanswered)
+                                     STEP_FACTOR, STUCK_MIN_S, Liveness)
 
 
 class Clock:
@@ -272,7 +272,8 @@ def test_a_stop_request_stuck_behind_an_ended_rank_leaves_within_seconds():
     soon as one refuses (a process that has ended), long before the 10 s stuck limit or
     Slurm's SIGKILL. A peer that still answers is not blamed."""
     program = ("import os, signal, time\n"
-               "from hvdtrain.liveness.watch import Heartbeat, Liveness, Peer\n"
+               "from hvdtrain.liveness.peers import Heartbeat, Peer\n"
+               "from hvdtrain.liveness.watch import Liveness\n"
                "alive, ended = Heartbeat(), Heartbeat()\n"
                "ended.close()\n"
                "live = Liveness()\n"
