@@ -12,8 +12,8 @@ import pytest
 
 from conftest import REPO
 
-DOCS = sorted({REPO / "README.md", *REPO.glob("launch/**/*.md"), *REPO.glob("hvdtrain/**/*.md"),
-               *REPO.glob("docker/**/*.md")})
+DOCS = sorted({REPO / "README.md", REPO / "ARCHITECTURE.md", *REPO.glob("launch/**/*.md"),
+               *REPO.glob("hvdtrain/**/*.md"), *REPO.glob("docker/**/*.md")})
 
 FENCE = re.compile(r"^```.*?^```", flags=re.S | re.M)
 CODE_SPAN = re.compile(r"`[^`\n]*`")
@@ -63,7 +63,7 @@ def test_every_markdown_file_is_checked():
                              and d not in NOT_DOCS and not d.endswith(".egg-info")]
         found |= {Path(directory, name) for name in files if name.endswith(".md")}
     names = {doc.relative_to(REPO).as_posix() for doc in DOCS}
-    assert {"README.md", "launch/README.md", "hvdtrain/README.md",
+    assert {"README.md", "ARCHITECTURE.md", "launch/README.md", "hvdtrain/README.md",
             "hvdtrain/dropin/README.md", "hvdtrain/bench/README.md"} <= names
     assert sorted(found) == DOCS
 
