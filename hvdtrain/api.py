@@ -12,7 +12,8 @@ from __future__ import annotations
 import inspect
 from typing import Any, Callable, Sequence
 
-from hvdtrain.config import PYTHON_OBJECT, ConfigError, build_config, flatten_options
+from hvdtrain.config import PYTHON_OBJECT, ConfigError, build_config
+from hvdtrain.options import flatten_options
 
 
 def _model_factory(model: Any, precision: str) -> Callable[[Any, Any], Any] | None:

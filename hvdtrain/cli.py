@@ -21,9 +21,9 @@ from hvdtrain import __version__, inference, streams
 from hvdtrain.bench import benchmark
 from hvdtrain.collectives import ended_by_another_rank
 from hvdtrain.collectives.horovod_backend import leave_horovod
-from hvdtrain.config import add_arguments, config_from_args
 from hvdtrain.data import convert
 from hvdtrain.errors import PeerFailed, UserError
+from hvdtrain.options import add_arguments, config_from_args
 from hvdtrain.startup import hide_native_notices
 from hvdtrain.tracking import upload
 

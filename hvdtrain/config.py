@@ -1,19 +1,23 @@
-"""Run configuration: typed defaults < YAML file < command-line flags, validated once.
+"""Run configuration: typed sections and their defaults, validated once.
 
 The dataclasses below are the single source of truth: the CLI flags (``--batch-size``), the YAML
 schema (``train: {batch_size: 32}``), the help text, and the validation errors all come from the
 fields and their metadata. Field names are unique across sections so a flag names one field.
+How options reach a ``Config`` (defaults < YAML file < command-line flags) and the README's
+options table are in ``hvdtrain.options``.
+
+Over 450 lines: two thirds of it are the option fields, whose help texts are the flags' help
+and the options table; one module keeps them the one place a default is written, beside the
+checks of their values.
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import difflib
 import math
 import typing
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import yaml
@@ -301,11 +305,12 @@ def field_index() -> dict[str, tuple[str, dataclasses.Field]]:
     return index
 
 
-def _field_type(section: str, name: str) -> Any:
+def field_type(section: str, name: str) -> Any:
+    """The annotation of field ``name`` of ``section``, resolved."""
     return typing.get_type_hints(SECTIONS[section])[name]
 
 
-def _base_type(tp: Any) -> tuple[type, bool, bool]:
+def base_type(tp: Any) -> tuple[type, bool, bool]:
     """(element type, optional?, list?) for the annotations used in this module."""
     args = typing.get_args(tp)
     optional = type(None) in args
@@ -316,7 +321,8 @@ def _base_type(tp: Any) -> tuple[type, bool, bool]:
     return tp, optional, False
 
 
-def _suggest(name: str, candidates: list[str]) -> str:
+def did_you_mean(name: str, candidates: list[str]) -> str:
+    """"; did you mean 'X'?" for the candidate closest to a mistyped ``name``, else ""."""
     close = difflib.get_close_matches(name, candidates, n=1, cutoff=0.5)
     return f"; did you mean '{close[0]}'?" if close else ""
 
@@ -325,7 +331,7 @@ def _coerce(name: str, value: Any, tp: Any, bare: str | None = None,
             default: Any = None) -> Any:
     """Check a YAML value's type (ints are accepted where floats are expected; a choice with a
     bare value takes true/false for that value and the default)."""
-    base, optional, is_list = _base_type(tp)
+    base, optional, is_list = base_type(tp)
     if bare is not None and isinstance(value, bool):
         return bare if value else default
     if value is None:
@@ -356,7 +362,7 @@ def _check_bounds(name: str, value: Any, meta: typing.Mapping[str, Any]) -> None
             alternative = " or package.module:function" if meta["plugin"] else ""
             raise ConfigError(f"'{name}' must be one of {', '.join(meta['choices'])}"
                               f"{alternative}, got {item!r}"
-                              f"{_suggest(str(item), list(meta['choices']))}")
+                              f"{did_you_mean(str(item), list(meta['choices']))}")
         if meta["plugin"] and not meta["choices"]:
             raise ConfigError(f"'{name}' must be package.module:function, got {item!r}")
         # Every float option is a rate, a fraction, a factor or seconds: NaN and infinity
@@ -377,7 +383,7 @@ def validate(config: Config) -> Config:
     known); raise ConfigError naming the first bad one."""
     for name, (section, f) in field_index().items():
         value = getattr(getattr(config, section), name)
-        _check_bounds(name, _coerce(name, value, _field_type(section, name), f.metadata["bare"],
+        _check_bounds(name, _coerce(name, value, field_type(section, name), f.metadata["bare"],
                                     f.metadata["default"]), f.metadata)
     _check_data_paths(config.data)
     every, accumulation = config.train.checkpoint_every_steps, config.optim.accumulation_steps
@@ -454,163 +460,13 @@ def _check_elastic(config: Config) -> None:
                           "not reach joining ranks); use constant, cosine or step")
 
 
-def flatten_options(document: Any, source: str) -> dict[str, Any]:
-    """Accept sections (``train: {epochs: 3}``) or bare field names (``epochs: 3``)."""
-    if document is None:
-        return {}
-    if not isinstance(document, dict):
-        raise ConfigError(f"{source}: the top level must be a mapping of sections or options")
-    index = field_index()
-    flat: dict[str, Any] = {}
-    for key, value in document.items():
-        if key in SECTIONS and isinstance(value, dict):
-            names = [f.name for f in dataclasses.fields(SECTIONS[key])]
-            for sub_key, sub_value in value.items():
-                if sub_key not in names:
-                    raise ConfigError(f"{source}: unknown option '{key}.{sub_key}'"
-                                      f"{_suggest(str(sub_key), names)}")
-                flat[sub_key] = sub_value
-        elif key in index:
-            flat[key] = value
-        else:
-            raise ConfigError(f"{source}: unknown option '{key}'"
-                              f"{_suggest(str(key), list(index) + list(SECTIONS))}")
-    return flat
-
-
-def load_yaml(path: str | Path) -> dict[str, Any]:
-    """Read a YAML config file into flat {field: value}."""
-    path = Path(path)
-    try:
-        text = path.read_text()
-    except OSError as error:
-        raise ConfigError(f"cannot read config file {path}: {error.strerror}") from error
-    try:
-        document = yaml.safe_load(text)
-    except yaml.YAMLError as error:
-        mark = getattr(error, "problem_mark", None)
-        where = f" at line {mark.line + 1}" if mark is not None else ""
-        raise ConfigError(f"{path}: YAML does not parse{where}; check indentation and "
-                          "quoting") from error
-    return flatten_options(document, str(path))
-
-
 def build_config(overrides: dict[str, Any]) -> Config:
     """Defaults with flat overrides applied, then validated."""
     config = Config()
     index = field_index()
     for name, value in overrides.items():
         section, f = index[name]
-        value = _coerce(name, value, _field_type(section, name), f.metadata["bare"],
+        value = _coerce(name, value, field_type(section, name), f.metadata["bare"],
                         f.metadata["default"])
         setattr(getattr(config, section), name, value)
     return validate(config)
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """One flag per field, with its default in the help; unset flags do not override."""
-    parser.add_argument("--config", metavar="FILE.yaml",
-                        help="YAML file with options (flags given here override it)")
-    for section, cls in SECTIONS.items():
-        group = parser.add_argument_group(f"{section} options")
-        for f in dataclasses.fields(cls):
-            flag = "--" + f.name.replace("_", "-")
-            base, _, is_list = _base_type(_field_type(section, f.name))
-            default = f.default_factory() if callable(f.default_factory) else f.default
-            choices = f.metadata["choices"]
-            shown = ", ".join(choices) + (", package.module:fn" if f.metadata["plugin"] else "")
-            text = (f"{f.metadata['help']} (choices: {shown}; default: {default})" if choices
-                    else f"{f.metadata['help']} (default: {default})")
-            kwargs: dict[str, Any] = {"dest": f.name, "default": argparse.SUPPRESS, "help": text}
-            if base is bool:
-                group.add_argument(flag, action=argparse.BooleanOptionalAction, **kwargs)
-                continue
-            kwargs["type"] = base
-            if is_list:
-                kwargs["nargs"] = "+"
-            if f.metadata["bare"] is not None:
-                kwargs.update(nargs="?", const=f.metadata["bare"])
-            if choices and not f.metadata["plugin"]:
-                kwargs["choices"] = choices
-            group.add_argument(flag, metavar=f.name.upper(), **kwargs)
-
-
-def config_from_args(args: argparse.Namespace) -> Config:
-    """Defaults < --config YAML < flags."""
-    overrides: dict[str, Any] = {}
-    if getattr(args, "config", None):
-        overrides.update(load_yaml(args.config))
-    overrides.update({name: getattr(args, name) for name in field_index() if hasattr(args, name)})
-    return build_config(overrides)
-
-
-# --- The options table of hvdtrain/README.md, made from the fields above ---------------------
-
-OPTIONS_DOC = "hvdtrain/README.md"
-OPTIONS_BEGIN = (f"<!-- options: generated by `python -m hvdtrain.config --write {OPTIONS_DOC}` "
-                 "from hvdtrain/config.py; edit the fields there, not this table -->")
-OPTIONS_END = "<!-- options: end -->"
-
-
-def _shown_default(value: Any) -> str:
-    if value is None or value == []:
-        return ""
-    if isinstance(value, bool):
-        return "on" if value else "off"
-    if isinstance(value, list):
-        return " ".join(str(item) for item in value)
-    if isinstance(value, float):
-        return f"{value:g}"
-    return f"`{value}`" if isinstance(value, str) else str(value)
-
-
-def _meaning(meta: typing.Mapping[str, Any]) -> str:
-    text = meta["help"]
-    if meta["choices"]:
-        shown = [f"`{choice}`" for choice in meta["choices"]]
-        shown += ["`package.module:fn`"] if meta["plugin"] else []
-        text += f" (choices: {', '.join(shown)})"
-    return text.replace("|", "\\|")
-
-
-def options_markdown() -> str:
-    """Every option as a row of a markdown table: its flag, YAML section, default and help, in
-    the order of the dataclasses (OPTIONS_DOC shows it between OPTIONS_BEGIN and OPTIONS_END)."""
-    rows = ["| option | section | default | meaning |", "|---|---|---|---|"]
-    for section, cls in SECTIONS.items():
-        for f in dataclasses.fields(cls):
-            flag = f.name.replace("_", "-")
-            is_bool = _base_type(_field_type(section, f.name))[0] is bool
-            shown_flag = f"--[no-]{flag}" if is_bool else f"--{flag}"
-            rows.append(f"| `{shown_flag}` | {section} | "
-                        f"{_shown_default(f.metadata['default'])} | {_meaning(f.metadata)} |")
-    return "\n".join(rows) + "\n"
-
-
-def with_options_table(text: str) -> str:
-    """``text`` (a markdown file) with the table between its option markers made anew."""
-    begin, end = text.find(OPTIONS_BEGIN), text.find(OPTIONS_END)
-    if begin < 0 or end < begin:
-        raise ValueError(f"no '{OPTIONS_BEGIN}' ... '{OPTIONS_END}' block to fill")
-    start = begin + len(OPTIONS_BEGIN)
-    return f"{text[:start]}\n{options_markdown()}{text[end:]}"
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m hvdtrain.config",
-        description="Print every option as a markdown table, or write the table into a "
-                    f"markdown file ({OPTIONS_DOC}) between its markers.")
-    parser.add_argument("--write", metavar=OPTIONS_DOC,
-                        help="replace the table between the markers in this file")
-    args = parser.parse_args(argv)
-    if args.write is None:
-        print(options_markdown(), end="")
-        return 0
-    path = Path(args.write)
-    path.write_text(with_options_table(path.read_text()))
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -19,8 +19,9 @@ from pathlib import Path
 
 import numpy as np
 
-from hvdtrain.config import ConfigError, build_config, load_yaml
+from hvdtrain.config import ConfigError, build_config
 from hvdtrain.errors import UserError
+from hvdtrain.options import load_yaml
 
 
 def load_run(run_dir: Path):

@@ -7,8 +7,8 @@ import dataclasses
 import pytest
 
 from hvdtrain.cli import build_parser, main
-from hvdtrain.config import (SECTIONS, Config, ConfigError, build_config, config_from_args,
-                             field_index)
+from hvdtrain.config import SECTIONS, Config, ConfigError, build_config, field_index
+from hvdtrain.options import config_from_args
 
 
 def parse(*argv: str) -> Config:

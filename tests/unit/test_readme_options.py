@@ -1,10 +1,10 @@
-"""The options table is the one config.py generates, in the doc beside config.py that README.md
-links (single process, no TensorFlow)."""
+"""The options table is the one hvdtrain.options makes from config.py's fields, in the doc beside
+config.py that README.md links (single process, no TensorFlow)."""
 
 from conftest import REPO
 
-from hvdtrain.config import (OPTIONS_BEGIN, OPTIONS_DOC, OPTIONS_END, options_markdown,
-                             with_options_table)
+from hvdtrain.options import (OPTIONS_BEGIN, OPTIONS_DOC, OPTIONS_END, options_markdown,
+                              with_options_table)
 
 
 def test_options_table_is_generated_from_config():
@@ -13,7 +13,7 @@ def test_options_table_is_generated_from_config():
     shown = doc.split(OPTIONS_BEGIN, 1)[1].split(OPTIONS_END, 1)[0]
     assert shown.strip() == options_markdown().strip(), (
         f"{OPTIONS_DOC}'s options table differs from hvdtrain/config.py's fields; regenerate it "
-        f"with 'python -m hvdtrain.config --write {OPTIONS_DOC}'")
+        f"with 'python -m hvdtrain.options --write {OPTIONS_DOC}'")
     assert with_options_table(doc) == doc
 
 
