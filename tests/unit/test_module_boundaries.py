@@ -65,9 +65,12 @@ def test_builtin_sources_and_user_data_do_not_import_each_other():
     assert not under(imports_in("hvdtrain.data.user"), "hvdtrain.data.sources")
 
 
-def test_config_loads_neither_tensorflow_nor_the_registries():
-    """``hvdtrain --help`` reads the config: the option choices come from a leaf of names."""
-    [loaded] = loaded_after("hvdtrain.config")
+def test_config_and_options_load_neither_tensorflow_nor_the_registries():
+    """``hvdtrain --help`` reads the options: their choices come from a leaf of names. The
+    fields (``config``) do not need how they are read (``options``)."""
+    assert not under(imports_in("hvdtrain.config"), "hvdtrain.options")
+    [loaded] = loaded_after("hvdtrain.options")
+    assert "hvdtrain.config" in loaded
     assert not under(loaded, "tensorflow", "keras", "hvdtrain.data", "hvdtrain.models")
 
 
@@ -80,23 +83,53 @@ def test_the_builtin_names_are_the_registries_keys():
     assert tuple(BUILTIN) == MODELS
 
 
-def test_the_dropin_apis_share_a_leaf_and_only_keras_builds_on_tensorflow():
-    assert not under(imports_in("hvdtrain.dropin.core"), "hvdtrain.keras", "hvdtrain.tensorflow",
-                     "hvdtrain.dropin.tf_ops")
-    assert not under(imports_in("hvdtrain.tensorflow"), "hvdtrain.keras")
-    assert not under(imports_in("hvdtrain.dropin.tf_ops"), "hvdtrain.keras", "hvdtrain.tensorflow")
+def modules_of(package: str) -> set[str]:
+    """``package`` and every module inside it, by dotted name."""
+    return {module for module in package_modules()
+            if module == package or module.startswith(package + ".")}
+
+
+# The drop-in's facades may build on these and on each other (hvdtrain.keras on
+# hvdtrain.tensorflow, not the other way round), nothing else of the package.
+FACADE_BASES = ("hvdtrain.dropin", "hvdtrain.collectives", "hvdtrain.keras_internals",
+                "hvdtrain.errors")
+# What the optimizer wrappers the drop-in shares with the trainer load of it: gradient
+# accumulation (and the packages above it, which import nothing).
+TRAINER_UNDER_THE_OPTIMIZERS = {"hvdtrain.training", "hvdtrain.training.step",
+                                "hvdtrain.training.step.accumulation"}
+
+
+def test_the_dropin_package_does_not_import_the_trainer_or_its_facades():
+    modules = package_modules()
+    for module in modules_of("hvdtrain.dropin"):
+        assert not under(module_edges(module, modules), "hvdtrain.training", "hvdtrain.keras",
+                         "hvdtrain.tensorflow"), module
+    assert not under(imports_in("hvdtrain.dropin.core"), "hvdtrain.dropin.tf_ops",
+                     "hvdtrain.dropin.tensor_operations")
     assert not under(imports_in("hvdtrain.dropin.ops"), "hvdtrain", "horovod")
-    assert not under(imports_in("hvdtrain.dropin.elastic"), "hvdtrain.keras",
-                     "hvdtrain.tensorflow", "horovod")
+    assert not under(imports_in("hvdtrain.dropin.elastic"), "horovod")
+    assert not under(imports_in("hvdtrain.dropin.tensor_operations"), "hvdtrain.dropin",
+                     "horovod")
     assert not under(imports_in("hvdtrain.collectives.tf_graph_mode"), "hvdtrain", "horovod")
+
+
+def test_the_facades_build_only_on_the_dropin():
+    modules = package_modules()
+    for module in modules_of("hvdtrain.keras") | modules_of("hvdtrain.tensorflow"):
+        beyond = {name for name in module_edges(module, modules)
+                  if not under({name}, "hvdtrain.keras", "hvdtrain.tensorflow", *FACADE_BASES)}
+        assert beyond == set(), f"{module} imports {sorted(beyond)}"
+    for module in modules_of("hvdtrain.tensorflow"):
+        assert not under(module_edges(module, modules), "hvdtrain.keras"), module
 
 
 @pytest.mark.parametrize("first, second", [("hvdtrain.keras", "hvdtrain.tensorflow"),
                                            ("hvdtrain.tensorflow", "hvdtrain.keras")])
 def test_the_dropin_apis_import_in_either_order(first, second):
-    alone, _ = loaded_after(first, second)
+    alone, both = loaded_after(first, second)
     if first == "hvdtrain.tensorflow":
         assert not under(alone, "hvdtrain.keras")
+    assert under(both, "hvdtrain.training") <= TRAINER_UNDER_THE_OPTIMIZERS
 
 
 def package_modules() -> set[str]:
