@@ -35,6 +35,7 @@ test-fast: setup
 
 lint: setup
 	$(BIN)/python -m flake8 hvdtrain tests
+	$(BIN)/python -m mypy
 
 doctor: setup
 	PATH="$(CURDIR)/$(BIN):$$PATH" horovodrun -np $(NP) python -m hvdtrain doctor

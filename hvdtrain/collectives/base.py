@@ -231,9 +231,9 @@ def chief_decides(collectives: Collectives, decide: Callable[[], Any]) -> Any:
             outcome = (decide(), "")
         except UserError as error:
             outcome = (None, str(error))
-    value, error = collectives.broadcast_object(outcome)
-    if error:
-        raise AgreedError(error)
+    value, message = collectives.broadcast_object(outcome)
+    if message:
+        raise AgreedError(message)
     return value
 
 

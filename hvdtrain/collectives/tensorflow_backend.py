@@ -65,7 +65,12 @@ def _exchange(address: str) -> tuple[int, list[str]]:
                         "launch/setup.sh (or pip install mpi4py)") from error
     if not MPI.Is_initialized():   # imported without initialising (``hvdtrain doctor``)
         MPI.Init()
-        atexit.register(lambda: MPI.Is_finalized() or MPI.Finalize())
+
+        def finalize() -> None:
+            if not MPI.Is_finalized():
+                MPI.Finalize()
+
+        atexit.register(finalize)
     comm = MPI.COMM_WORLD
     return comm.Get_rank(), list(comm.allgather(address))
 

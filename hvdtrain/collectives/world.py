@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import socket
 from dataclasses import dataclass, field
+from typing import Mapping
 
 
 @dataclass(frozen=True)
@@ -66,21 +67,21 @@ def default_interop_threads(intra: int) -> int:
 
 
 def cpu_thread_pools(threads: int | None, local_size: int, affinity: int, cores: int,
-                     environ: dict[str, str] | None = None) -> tuple[int, int, str]:
+                     environ: Mapping[str, str] | None = None) -> tuple[int, int, str]:
     """(intra-op threads, inter-op threads, where the count came from) for a CPU rank:
     ``threads`` (``--threads``) when given; else TensorFlow's own ``TF_NUM_INTRAOP_THREADS`` and
     ``TF_NUM_INTEROP_THREADS`` where the user set them (TensorFlow reads them, and sizing its
     pools here would silently replace them); else an equal share of the node's cores
     (``cpu_threads_per_rank``). Inter-op: the variable, else ``default_interop_threads``."""
-    environ = os.environ if environ is None else environ
-    from_env = positive_int(environ.get("TF_NUM_INTRAOP_THREADS"))
+    variables = os.environ if environ is None else environ
+    from_env = positive_int(variables.get("TF_NUM_INTRAOP_THREADS"))
     if threads:
         intra, why = threads, "--threads"
     elif from_env:
         intra, why = from_env, "TF_NUM_INTRAOP_THREADS"
     else:
         intra, why = cpu_threads_per_rank(local_size, affinity, cores), "a share of the cores"
-    inter = positive_int(environ.get("TF_NUM_INTEROP_THREADS")) or default_interop_threads(intra)
+    inter = positive_int(variables.get("TF_NUM_INTEROP_THREADS")) or default_interop_threads(intra)
     return intra, inter, why
 
 
