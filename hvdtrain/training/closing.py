@@ -1,5 +1,7 @@
-"""What rank 0 leaves when a run ends: the final model (whole, or its weights when Keras cannot
-serialise it), ``summary.json`` (``RunSummary``), ``curves.png``, and the closing lines."""
+"""What a run leaves when it ends: on every rank the ``RunResult`` (what ``hvdtrain.fit``
+returns), after the ranks tell each other how they end (``rank_ends``); on rank 0 the final model
+(whole, or its weights when Keras cannot serialise it), ``summary.json`` (``RunSummary``),
+``curves.png``, and the closing lines."""
 
 from __future__ import annotations
 
@@ -11,21 +13,40 @@ import shutil
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import keras
 
 from hvdtrain.checkpoints.store import atomic_write_text
+from hvdtrain.collectives import Collectives
 from hvdtrain.errors import first_sentence
 from hvdtrain.keras_internals import sublayers
 from hvdtrain.log import logger
 from hvdtrain.plots import plot_curves
-from hvdtrain.training.memory import variable_bytes
+from hvdtrain.training.loops.run_callbacks import FirstStepClock
+from hvdtrain.training.loops.run_columns import RunColumns
+from hvdtrain.training.memory import HeldMemory, variable_bytes
 from hvdtrain.optimizers.zero import saved_state_bytes
 from hvdtrain.artifacts import run_files
 
 
 @dataclass(frozen=True)
+class RunResult:
+    """What ``Run.execute`` (and ``hvdtrain.fit``) returns on every rank: the run directory,
+    the exact final metrics, every rank's weight fingerprint, the trained model, Keras'
+    ``History`` of the epochs' logs (``history.history["val_loss"]``...: the keys one plain
+    ``model.fit`` has) and, for the same epochs, the run's own columns (``run_columns``: the
+    learning rates and throughput that ``metrics.jsonl`` adds to the logs)."""
+
+    run_dir: Path
+    metrics: dict[str, float]
+    fingerprints: list[str]
+    model: keras.Model
+    history: keras.callbacks.History | None = None
+    run_columns: list[RunColumns] = dataclasses.field(default_factory=list)
+
+
+@dataclass(frozen=True, kw_only=True)
 class RunSummary:
     """What a finished run reports; rank 0 writes it as ``summary.json``."""
 
@@ -47,6 +68,48 @@ class RunSummary:
     # The collectives ("horovod" or "tensorflow") and rank 0's device, in place_devices' words.
     backend: str = ""
     device: str = ""
+
+
+@dataclass(frozen=True, kw_only=True)
+class RankEnd:
+    """How one rank ends the run: its weights' fingerprint, its ``World`` (as a dict), whether
+    its last validation measured other weights than these (``stale``), and what it held for
+    training (``HeldMemory`` as a dict; None for an elastic run)."""
+
+    fingerprint: str
+    world: dict[str, Any]
+    stale: bool
+    memory: dict[str, Any] | None
+
+
+def rank_ends(collectives: Collectives, fingerprint: str, validated: str | None,
+              memory: HeldMemory | None) -> list[RankEnd]:
+    """Every rank's ``RankEnd`` (one collective); ``validated``: the fingerprint of the weights
+    this rank's last validation measured (None: none yet)."""
+    held = None if memory is None else dataclasses.asdict(memory)
+    gathered = collectives.allgather_object((fingerprint,
+                                             dataclasses.asdict(collectives.world),
+                                             validated != fingerprint, held))
+    return [RankEnd(fingerprint=each, world=world, stale=stale, memory=memory)
+            for each, world, stale, memory in gathered]
+
+
+def run_summary(ends: Sequence[RankEnd], *, metrics: dict[str, float],
+                validation_epoch: int | None, validation_examples: int | None,
+                before_broadcast: list[str], train_seconds: float, setup_seconds: float,
+                first_step: FirstStepClock, backend: str, device: str) -> RunSummary:
+    """The ``RunSummary`` of a run whose ranks ended as ``ends`` (the world, fingerprints,
+    whether the ranks' weights agree, what each held); ``validation_epoch``: from 0, None when
+    measured after training."""
+    fingerprints = [end.fingerprint for end in ends]
+    return RunSummary(metrics=metrics, world_size=len(ends),
+                      weights_identical=len(set(fingerprints)) == 1, fingerprints=fingerprints,
+                      fingerprints_before_broadcast=before_broadcast, train_seconds=train_seconds,
+                      setup_seconds=setup_seconds, first_step_seconds=first_step.seconds,
+                      first_step_unix_time=first_step.unix_time,
+                      validation_examples=validation_examples, ranks=[end.world for end in ends],
+                      validation_epoch=None if validation_epoch is None else validation_epoch + 1,
+                      memory=[end.memory for end in ends], backend=backend, device=device)
 
 
 # The members of a .keras archive, in the order Keras writes them; then the assets folder.

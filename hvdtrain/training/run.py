@@ -12,8 +12,6 @@ import dataclasses
 import os
 import sys
 import time
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import keras
@@ -22,116 +20,44 @@ import tensorflow as tf
 from hvdtrain import streams
 from hvdtrain.checkpoints.store import CheckpointStore
 from hvdtrain.checkpoints.state import CheckpointState
-from hvdtrain.collectives import (Collectives, GradientReduction, ended_by_another_rank,
-                                  init_collectives, place_devices, raised_here)
-from hvdtrain.config import Config, DataConfig, OptimConfig
+from hvdtrain.collectives import (Collectives, ended_by_another_rank, init_collectives,
+                                  place_devices, raised_here)
+from hvdtrain.config import Config, DataConfig
 from hvdtrain.data.contract import DataBundle
 from hvdtrain.data.datasets import python_draws
 from hvdtrain.data.load import load_source
-from hvdtrain.data.pipeline import ShardSpec, real_rows_only
+from hvdtrain.data.pipeline import real_rows_only
 from hvdtrain.errors import PeerFailed, UserError
 from hvdtrain.log import for_run, logger
 from hvdtrain.models import build_model, check_input_shape
 from hvdtrain.plugins import load_callbacks
 from hvdtrain.autotune.trials import Tuning, autotune
-from hvdtrain.training.loops.run_callbacks import FirstStepClock, Reporting, RunHooks, StepPosition
-from hvdtrain.training.loops.checkpointing import CheckpointPlan, ResumePoint
+from hvdtrain.training.loops.run_callbacks import Reporting, RunHooks, StepPosition
+from hvdtrain.training.loops.checkpointing import CheckpointPlan
 from hvdtrain.training.checks import (check_backend, check_callbacks, check_data, check_world,
                                       data_errors_named)
-from hvdtrain.training.data_plan import DataPlan, plan_data
+from hvdtrain.training.data_plan import plan_data
 from hvdtrain.training.loops.elastic import ElasticRun, elastic_loop
 from hvdtrain.training.loops.epoch_end import standard_callbacks
 from hvdtrain.liveness.watch import Liveness, liveness_for
 from hvdtrain.training.loops.driver import LOOPS
-from hvdtrain.training.closing import RunSummary, float32_copy, write_outputs
-from hvdtrain.training.memory import HeldMemory, held_memory
-from hvdtrain.training.step.own import OwnStep
+from hvdtrain.training.closing import (RunResult, float32_copy, rank_ends, run_summary,
+                                       write_outputs)
+from hvdtrain.training.memory import held_memory
+from hvdtrain.training.prepared import Prepared, StartingPoint
 from hvdtrain.training.process_state import run_environment, seeded_per_rank, share_random_state
 from hvdtrain.checkpoints.restore import open_run_dir, starting_point, weight_fingerprint
-from hvdtrain.training.loops.run_columns import RunColumns, RunColumnsLog
 from hvdtrain.training.step.schedule import PlateauDecay
-from hvdtrain.training.step.core import StepMath, StepOptions, TrainingStep, xla_line
-from hvdtrain.training.step.sync_batch_norm import batch_norm_note, synchronized_batch_norm
-from hvdtrain.training.step.objective import agreed_share
-from hvdtrain.training.step.trainable import Trainable, own_step_reason, prepare, probe_trainable
-from hvdtrain.optimizers.zero import check_shardable, saved_from_pieces
-from hvdtrain.optimizers.zero import describe as describe_sharding
+from hvdtrain.training.step.core import TrainingStep
+from hvdtrain.training.step.for_run import made_step, step_for_run
+from hvdtrain.training.step.sync_batch_norm import synchronized_batch_norm
+from hvdtrain.training.step.trainable import own_step_reason, prepare, probe_trainable
+from hvdtrain.optimizers.zero import saved_from_pieces
 from hvdtrain.tracking import check_tracking, start_tracking, warn_about_autologging
 
 
 ModelFactory = Callable[[Any, "int | None"], keras.Model]
 DataFactory = Callable[[DataConfig, int], DataBundle]
-
-
-@dataclass(frozen=True)
-class RunResult:
-    """What ``Run.execute`` (and ``hvdtrain.fit``) returns on every rank: the run directory,
-    the exact final metrics, every rank's weight fingerprint, the trained model, Keras'
-    ``History`` of the epochs' logs (``history.history["val_loss"]``...: the keys one plain
-    ``model.fit`` has) and, for the same epochs, the run's own columns (``run_columns``: the
-    learning rates and throughput that ``metrics.jsonl`` adds to the logs)."""
-
-    run_dir: Path
-    metrics: dict[str, float]
-    fingerprints: list[str]
-    model: keras.Model
-    history: keras.callbacks.History | None = None
-    run_columns: list[RunColumns] = dataclasses.field(default_factory=list)
-
-
-@dataclass
-class Prepared:
-    """What the setup phase hands the later ones: the world and run directory, the data and
-    its shard plan, the model with the step and rates that train it, validation, the user's
-    callbacks, and what every checkpoint of this run records (``state``)."""
-
-    collectives: Collectives
-    run_dir: Path
-    resuming: bool
-    data: DataBundle
-    trainable: Trainable
-    step: TrainingStep
-    plan: DataPlan
-    evaluate: Callable[[ShardSpec], dict[str, float]]
-    plateau: PlateauDecay | None
-    user_callbacks: list[keras.callbacks.Callback]
-    store: CheckpointStore
-    state: CheckpointState
-    launched: float
-    first_step: FirstStepClock = dataclasses.field(default_factory=FirstStepClock)
-    run_columns: RunColumnsLog = dataclasses.field(default_factory=RunColumnsLog)
-    # The last validation during training: (epoch, the weights' fingerprint, exact metrics).
-    validated: tuple[int, str, dict[str, float]] | None = None
-    # What this rank held for training, measured as the loop ended (None: elastic).
-    memory: HeldMemory | None = None
-    # Where this rank computes (``place_devices``' words).
-    device: str = ""
-    # Rank 0's ``tracking.live.Tracker`` of a tracked job (None: not tracked, other ranks).
-    tracker: Any = None
-
-    @property
-    def spec(self) -> ShardSpec:
-        """The training shard spec (its ``steps_per_epoch``: one pass, agreed)."""
-        return self.plan.spec
-
-    def validate(self) -> dict[str, float]:
-        """Exact held-out metrics on this world's shards (none without validation data)."""
-        if self.data.val is None:
-            return {}
-        spec, world = self.plan.val_spec, self.collectives.world
-        if spec.world != world:   # an elastic job's world changed: this world's shards
-            spec = ShardSpec(spec.num_examples, world, spec.batch_size, "pad", False)
-        return self.evaluate(spec)
-
-
-@dataclass(frozen=True)
-class StartingPoint:
-    """Where training starts (after a restore) and every rank's weight fingerprint before rank
-    0's weights were broadcast."""
-
-    resume: ResumePoint
-    initial_epoch: int
-    before_broadcast: list[str]
 
 
 class Run:
@@ -253,43 +179,12 @@ class Run:
         optim = config.optim
         trainable = prepare(config, model, data, world,
                             plan.updates_per_epoch(optim.accumulation_steps), own_step)
-        logger.info("step: " + ("Keras' train_step (its compute_loss and metrics), the "
-                                "gradients combined across ranks under it"
-                                if own_step is None else
-                                f"the model's own train_step ({own_step})"))
-        logger.info(trainable.description)
-        asks_xla = bool(model.jit_compile)
-        (logger.warning if asks_xla and own_step else logger.info)(
-            xla_line(asks_xla, own_step is not None))
         with data_errors_named(data):
             first = next(iter(data.train.dataset(plan.spec, 0, 1)))
-            share = probe_trainable(trainable, first, self.model_label,
-                                    not optim.zero_stage, data.sample_weights)
+            probe_trainable(trainable, first, self.model_label, not optim.zero_stage,
+                            data.sample_weights)
         plan = dataclasses.replace(plan, first_rows=int(tf.shape(tf.nest.flatten(first[0])[0])[0]))
-        note = batch_norm_note(trainable.model, world.size, plan.global_batch(data.train)[0],
-                               config.train.sync_batch_norm, asks_xla and own_step is None)
-        if note:
-            logger.info(note)
-        if share is not None:
-            trainable.share = agreed_share(share, collectives, config.optim, asks_xla,
-                                           config.train.elastic)
-        step = self._step(trainable, data, collectives, plan.global_batch(data.train)[0])
-        if world.size > 1 and optim.reduction != "adasum":
-            all_at_once = ("accumulated over micro-steps" if optim.accumulation_steps > 1 else
-                           "computed by one XLA cluster" if asks_xla and not own_step else "")
-            reduction = step.reduction
-            if collectives.backend == "tensorflow":   # program order (the ordering token)
-                reduction = dataclasses.replace(reduction, in_issue_order=True)
-            logger.info(reduction.describe(trainable.model.trainable_variables, all_at_once))
-        elif world.size > 1 and optim.bucket_order == "issued":
-            logger.warning("--bucket-order issued does not apply to --reduction adasum: Adasum "
-                           "sends each gradient in an allreduce of its own, in no bucket")
-        if optim.zero_stage:
-            for optimizer in step.optimizers.values():
-                check_shardable(optimizer)
-            if step.optimizer is not None:
-                logger.info(describe_sharding(optim.zero_stage, world.size, step.optimizer,
-                                              trainable.model.trainable_variables))
+        step = step_for_run(config, trainable, data, collectives, plan.global_batch(data.train)[0])
         evaluate_dataset = step.validation()
         plateau = (PlateauDecay(trainable.schedule, optim.lr_decay_factor, optim.plateau_patience)
                    if optim.lr_schedule == "plateau" else None)
@@ -299,18 +194,16 @@ class Run:
             optimizer_classes={name: type(optimizer).__name__
                                for name, optimizer in step.optimizers.items()},
             world_size=world.size, config=config.to_dict())
-        user_callbacks = self._callbacks()
+        # The user's callbacks: from the Python API and from ``--callbacks module:fn``.
+        user_callbacks = [*self.extra_callbacks, *load_callbacks(config.train.callbacks)]
         check_callbacks(config, user_callbacks)
-        return Prepared(collectives, run_dir, resuming, data, trainable, step, plan,
-                        lambda spec: evaluate_dataset(real_rows_only(data.val.dataset(spec),
-                                                                     spec)), plateau,
-                        user_callbacks,
-                        CheckpointStore(run_dir, config.train.keep_checkpoints), state, launched,
-                        device=device)
-
-    def _callbacks(self) -> list[keras.callbacks.Callback]:
-        """The user's callbacks: from the Python API and from ``--callbacks module:fn``."""
-        return [*self.extra_callbacks, *load_callbacks(self.config.train.callbacks)]
+        return Prepared(
+            collectives=collectives, run_dir=run_dir, resuming=resuming, data=data,
+            trainable=trainable, step=step, plan=plan,
+            evaluate=lambda spec: evaluate_dataset(real_rows_only(data.val.dataset(spec), spec)),
+            plateau=plateau, user_callbacks=user_callbacks,
+            store=CheckpointStore(run_dir, config.train.keep_checkpoints), state=state,
+            launched=launched, device=device)
 
     def _model(self, data: DataBundle) -> keras.Model:
         model = self.model_factory(data.input_shape, data.num_classes)
@@ -319,29 +212,6 @@ class Run:
                             "keras.Model")
         check_input_shape(model, self.model_label, data.input_shape)
         return model
-
-    def _step(self, trainable: Trainable, data: DataBundle, collectives: Collectives,
-              global_batch: int, optim: OptimConfig | None = None) -> TrainingStep:
-        """The step that trains ``trainable`` as ``optim`` (the config's) says; the ranks'
-        shares are counted against ``global_batch``."""
-        optim = optim or self.config.optim
-        if trainable.own_step is not None:
-            op = "adasum" if optim.reduction == "adasum" else "average"
-            return OwnStep(trainable.model, collectives, data.keras_element,
-                           GradientReduction(op, optim.compression == "fp16",
-                                             bucket_bytes=optim.bucket_bytes,
-                                             in_issue_order=optim.bucket_order == "issued"),
-                           optim.zero_stage, global_batch)
-        return StepMath(trainable.model, trainable.optimizer, collectives, trainable.share,
-                        StepOptions(accumulation_steps=optim.accumulation_steps,
-                                    adasum=optim.reduction == "adasum",
-                                    fp16_compression=optim.compression == "fp16",
-                                    global_batch=global_batch,
-                                    sample_weights=data.sample_weights,
-                                    bucket_bytes=optim.bucket_bytes,
-                                    xla=bool(trainable.model.jit_compile),
-                                    zero_stage=optim.zero_stage,
-                                    in_issue_order=optim.bucket_order == "issued"))
 
     # --- autotune (instead of restore, train and finish) ---------------------------------------
 
@@ -352,8 +222,8 @@ class Run:
 
         def step_for(bucket_mib: float) -> TrainingStep:
             optim = dataclasses.replace(self.config.optim, bucket_mib=bucket_mib)
-            return self._step(run.trainable, run.data, run.collectives,
-                              run.plan.global_batch(run.data.train)[0], optim)
+            return made_step(run.trainable, run.data, run.collectives,
+                             run.plan.global_batch(run.data.train)[0], optim)
 
         optim = self.config.optim
         with data_errors_named(run.data):
@@ -386,10 +256,12 @@ class Run:
                     f"{run.plan.describe(run.data.train)}")
         if config.train.elastic:
             trainable = run.trainable
-            elastic_loop(ElasticRun(config, run.collectives, run.data, trainable.model,
-                                    trainable.optimizer, trainable.schedule, trainable.rates,
-                                    run.step, run.evaluate, run.store, run.state, run.run_dir,
-                                    initial_epoch, run.user_callbacks, run.run_columns))
+            elastic_loop(ElasticRun(
+                config=config, collectives=run.collectives, data=run.data, model=trainable.model,
+                optimizer=trainable.optimizer, schedule=trainable.schedule, rates=trainable.rates,
+                first_step=run.step, evaluate=run.evaluate, store=run.store, state=run.state,
+                run_dir=run.run_dir, initial_epoch=initial_epoch,
+                user_callbacks=run.user_callbacks, run_columns=run.run_columns))
             return None
         if initial_epoch >= epochs:
             return None
@@ -447,31 +319,24 @@ class Run:
         # reading the validation data once more would show the user's metrics a pass one
         # process never makes. A callback that changed them (EarlyStopping restoring its best)
         # or no validation yet: measured now, on every rank if on any (it holds collectives).
-        fingerprint = weight_fingerprint(model)
         epoch, measured, metrics = run.validated or (None, None, {})
-        memory = None if run.memory is None else dataclasses.asdict(run.memory)
-        gathered = collectives.allgather_object((fingerprint, dataclasses.asdict(world),
-                                                 measured != fingerprint, memory))
-        if any(stale for _, _, stale, _ in gathered):
+        ends = rank_ends(collectives, weight_fingerprint(model), measured, run.memory)
+        if any(end.stale for end in ends):
             epoch, metrics = None, run.validate()
-        fingerprints = [each for each, _, _, _ in gathered]
         # A sharded optimizer the CLI's run left in pieces is gathered as rank 0 saves it.
         with saved_from_pieces(list(run.step.optimizers.values())):
             if world.is_chief:
-                summary = RunSummary(metrics, world.size, len(set(fingerprints)) == 1,
-                                     fingerprints, start.before_broadcast, trained,
-                                     started - run.launched, run.first_step.seconds,
-                                     run.first_step.unix_time,
-                                     None if run.data.val is None else run.data.val.num_examples,
-                                     [facts for _, facts, _, _ in gathered],
-                                     None if epoch is None else epoch + 1,
-                                     [held for _, _, _, held in gathered],
-                                     collectives.backend, run.device)
+                summary = run_summary(
+                    ends, metrics=metrics, validation_epoch=epoch,
+                    validation_examples=None if run.data.val is None else run.data.val.num_examples,
+                    before_broadcast=start.before_broadcast, train_seconds=trained,
+                    setup_seconds=started - run.launched, first_step=run.first_step,
+                    backend=collectives.backend, device=run.device)
                 final = float32_copy(model, self.config.train.precision,
                                      lambda: self.model_factory(run.data.input_shape,
                                                                 run.data.num_classes))
                 write_outputs(run.run_dir, final, summary)
-        return RunResult(run.run_dir, metrics, fingerprints, model, history,
+        return RunResult(run.run_dir, metrics, [end.fingerprint for end in ends], model, history,
                          list(run.run_columns.rows))
 
 

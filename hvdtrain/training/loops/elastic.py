@@ -36,7 +36,7 @@ from hvdtrain.training.step.core import StepMath
 from hvdtrain.artifacts import run_files
 
 
-@dataclass
+@dataclass(kw_only=True)
 class ElasticRun:
     """Everything the elastic loop needs; built once per process, before the loop."""
 

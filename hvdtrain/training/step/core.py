@@ -76,7 +76,7 @@ class TrainingStep(Protocol):
         """The gradient bytes this rank keeps after the exchange (``memory.HeldMemory``)."""
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class StepOptions:
     """How gradients travel (accumulation steps, Adasum or mean, fp16 on the wire, bucket size
     and submission order), the global batch the ranks' shares are counted against (a

@@ -5,7 +5,8 @@ A model on Keras' own ``train_step`` with a loss and targets gets hvdtrain's exa
 (``step``); one with its own step, trained on ``add_loss`` alone, or given data without targets
 runs its own code (``own_step``). The optimizer is the model's compiled one unless
 ``--optimizer`` names another (an uncompiled model is compiled with hvdtrain's defaults), and
-every rate is scaled and warmed up as configured (``schedule``). Each choice is said in one line.
+every rate is scaled and warmed up as configured (``schedule``). Each choice is said in one line
+of the run log (``prepare``).
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ from hvdtrain.config import DEFAULT_LEARNING_RATE, Config
 from hvdtrain.data.contract import DataBundle
 from hvdtrain.errors import UserError, first_sentence
 from hvdtrain.keras_internals import compile_arguments, remembered_rates, sublayers
+from hvdtrain.log import logger
+from hvdtrain.training.step.core import xla_line
 from hvdtrain.training.step.objective import (DEFAULT_LOSS, DEFAULT_METRICS, LossShare,
                                               build_for_training)
 from hvdtrain.training.step.own import own_step_methods, owned_optimizers
@@ -65,7 +68,6 @@ class Trainable:
     optimizer: keras.optimizers.Optimizer
     schedule: WarmupScaledRate
     rates: RateControl
-    description: str
     share: LossShare | None = None
     # The model came uncompiled and got hvdtrain's default loss, which expects probabilities.
     default_loss: bool = False
@@ -119,7 +121,8 @@ def _exact_optimizer(config: Config, model: keras.Model, compiled: keras.optimiz
 
 def prepare(config: Config, model: keras.Model, data: DataBundle, world: World,
             updates_per_epoch: int, own_step: str | None) -> Trainable:
-    """The run's optimizers and rates, the model compiled where hvdtrain's step needs it."""
+    """The run's optimizers and rates, the model compiled where hvdtrain's step needs it; the
+    run log gets the step chosen, the optimizers with their rates, and XLA (``say_the_step``)."""
     _checked_compile(model, own_step, config)
     optim = config.optim
     if own_step is None:
@@ -140,9 +143,23 @@ def prepare(config: Config, model: keras.Model, data: DataBundle, world: World,
         fixed = [name for name in optimizers if name not in bases]
         optimizer = next(iter(optimizers.values()))
         what = ", ".join(f"{name} ({type(o).__name__})" for name, o in optimizers.items())
-    description = _describe(what, bases, fixed, schedule, config, world)
+    say_the_step(own_step, _describe(what, bases, fixed, schedule, config, world),
+                 bool(model.jit_compile))
     return Trainable(model, own_step, optimizer, schedule, RateControl(schedule, bases),
-                     description, default_loss=own_step is None and compiled is None)
+                     default_loss=own_step is None and compiled is None)
+
+
+def say_the_step(own_step: str | None, optimizers: str, jit_compile: bool) -> None:
+    """The run log's lines on what trains the model: which step (``own_step``: why the model's
+    own, None: Keras' ``train_step`` with hvdtrain's exchange), the ``optimizers`` line, and
+    XLA (a warning where the model asks for XLA its own step cannot have)."""
+    logger.info("step: " + ("Keras' train_step (its compute_loss and metrics), the "
+                            "gradients combined across ranks under it"
+                            if own_step is None else
+                            f"the model's own train_step ({own_step})"))
+    logger.info(optimizers)
+    (logger.warning if jit_compile and own_step else logger.info)(
+        xla_line(jit_compile, own_step is not None))
 
 
 def _describe(what: str, bases: dict, fixed: list[str], schedule: WarmupScaledRate,

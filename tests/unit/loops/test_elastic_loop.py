@@ -125,10 +125,12 @@ def train_elastic(tmp_path: Path, changes: set[int], user: Hooks) -> ScriptedEla
         return evaluation.run(data.val.dataset(spec))
 
     elastic_loop(ElasticRun(
-        config, collectives, data, model, model.optimizer, schedule,
-        RateControl(schedule, {"optimizer": (model.optimizer, 0.1)}), step, evaluate,
-        CheckpointStore(tmp_path, 2), CheckpointState(model="dense"), tmp_path, 0, [user],
-        RunColumnsLog()))
+        config=config, collectives=collectives, data=data, model=model,
+        optimizer=model.optimizer, schedule=schedule,
+        rates=RateControl(schedule, {"optimizer": (model.optimizer, 0.1)}), first_step=step,
+        evaluate=evaluate, store=CheckpointStore(tmp_path, 2),
+        state=CheckpointState(model="dense"), run_dir=tmp_path, initial_epoch=0,
+        user_callbacks=[user], run_columns=RunColumnsLog()))
     return collectives
 
 

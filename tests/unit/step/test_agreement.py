@@ -349,7 +349,7 @@ def _resumable(rank: int, run_dir: Path) -> tuple[Config, CheckpointState, Check
     schedule = make_schedule(config.optim, 2, 4, config.train.epochs, 0.1)
     trainable = Trainable(model, None, model.optimizer, schedule,
                           RateControl(schedule, {"optimizer": (model.optimizer, 0.1)}),
-                          "sgd", LossShare())
+                          LossShare())
     run = CheckpointState(model="dense", dataset="digits", input_shape=[3], num_classes=None,
                           examples=16, optimizer_classes={"optimizer": "SGD"}, world_size=2,
                           config=config.to_dict())

@@ -1,0 +1,80 @@
+"""The step a run trains with: made from the configuration (``made_step``: hvdtrain's step with
+its ``StepOptions``, or the model's own), and, once the first real batch has built the model,
+the run's step with the lines it says about itself (``step_for_run``: the batch-norm note, how
+the ranks' losses combine, how the gradients travel, where a sharded optimizer's state lives).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from hvdtrain.collectives import Collectives, GradientReduction
+from hvdtrain.config import Config, OptimConfig
+from hvdtrain.data.contract import DataBundle
+from hvdtrain.log import logger
+from hvdtrain.optimizers.zero import check_shardable
+from hvdtrain.optimizers.zero import describe as describe_sharding
+from hvdtrain.training.step.core import StepMath, StepOptions, TrainingStep
+from hvdtrain.training.step.objective import agreed_share
+from hvdtrain.training.step.own import OwnStep
+from hvdtrain.training.step.sync_batch_norm import batch_norm_note
+from hvdtrain.training.step.trainable import Trainable
+
+
+def made_step(trainable: Trainable, data: DataBundle, collectives: Collectives,
+              global_batch: int, optim: OptimConfig) -> TrainingStep:
+    """The step that trains ``trainable`` as ``optim`` says; the ranks' shares are counted
+    against ``global_batch``."""
+    if trainable.own_step is not None:
+        op = "adasum" if optim.reduction == "adasum" else "average"
+        return OwnStep(trainable.model, collectives, data.keras_element,
+                       GradientReduction(op, optim.compression == "fp16",
+                                         bucket_bytes=optim.bucket_bytes,
+                                         in_issue_order=optim.bucket_order == "issued"),
+                       optim.zero_stage, global_batch)
+    return StepMath(trainable.model, trainable.optimizer, collectives, trainable.share,
+                    StepOptions(accumulation_steps=optim.accumulation_steps,
+                                adasum=optim.reduction == "adasum",
+                                fp16_compression=optim.compression == "fp16",
+                                global_batch=global_batch,
+                                sample_weights=data.sample_weights,
+                                bucket_bytes=optim.bucket_bytes,
+                                xla=bool(trainable.model.jit_compile),
+                                zero_stage=optim.zero_stage,
+                                in_issue_order=optim.bucket_order == "issued"))
+
+
+def step_for_run(config: Config, trainable: Trainable, data: DataBundle,
+                 collectives: Collectives, global_batch: int) -> TrainingStep:
+    """The run's step, once ``probe_trainable`` has built the model on a real batch: the
+    batch-norm note, the loss share every rank agrees on (``agreed_share``), then the step
+    and its lines on the gradients' exchange and, sharded, the optimizer state (an optimizer
+    that cannot be sharded is refused here, before any step)."""
+    optim, world = config.optim, collectives.world
+    own_step = trainable.own_step
+    asks_xla = bool(trainable.model.jit_compile)
+    note = batch_norm_note(trainable.model, world.size, global_batch,
+                           config.train.sync_batch_norm, asks_xla and own_step is None)
+    if note:
+        logger.info(note)
+    if trainable.share is not None:
+        trainable.share = agreed_share(trainable.share, collectives, optim, asks_xla,
+                                       config.train.elastic)
+    step = made_step(trainable, data, collectives, global_batch, optim)
+    if world.size > 1 and optim.reduction != "adasum":
+        all_at_once = ("accumulated over micro-steps" if optim.accumulation_steps > 1 else
+                       "computed by one XLA cluster" if asks_xla and not own_step else "")
+        reduction = step.reduction
+        if collectives.backend == "tensorflow":   # program order (the ordering token)
+            reduction = dataclasses.replace(reduction, in_issue_order=True)
+        logger.info(reduction.describe(trainable.model.trainable_variables, all_at_once))
+    elif world.size > 1 and optim.bucket_order == "issued":
+        logger.warning("--bucket-order issued does not apply to --reduction adasum: Adasum "
+                       "sends each gradient in an allreduce of its own, in no bucket")
+    if optim.zero_stage:
+        for optimizer in step.optimizers.values():
+            check_shardable(optimizer)
+        if step.optimizer is not None:
+            logger.info(describe_sharding(optim.zero_stage, world.size, step.optimizer,
+                                          trainable.model.trainable_variables))
+    return step
