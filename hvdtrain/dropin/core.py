@@ -19,10 +19,10 @@ import keras
 from hvdtrain.collectives import Collectives, GradientReduction, World, chosen_backend
 from hvdtrain.collectives.horovod_backend import HorovodCollectives, horovod_tensorflow
 from hvdtrain.errors import UserError
-from hvdtrain.keras_internals import set_class
 from hvdtrain.dropin import ops
 from hvdtrain.log import for_run, logger
-from hvdtrain.optimizers.reduction import own_class, reducing_class as optimizer_reducing_class
+from hvdtrain.optimizers.reduction import reducing_class as optimizer_reducing_class
+from hvdtrain.optimizers.run_class import become
 
 BACKEND, BACKEND_WHY = chosen_backend("auto")
 _ops: Any = horovod_tensorflow() if BACKEND == "horovod" else ops
@@ -176,9 +176,8 @@ def DistributedOptimizer(optimizer: keras.optimizers.Optimizer, name: str | None
     if backward_passes_per_step < 1:
         raise ValueError("backward_passes_per_step must be > 0")
     reduction = gradient_reduction(op, compression, sparse_as_dense, gradient_predivide_factor)
-    set_class(optimizer, reducing_class(own_class(optimizer), reduction,
-                                        int(backward_passes_per_step),
-                                        bool(average_aggregated_gradients)))
+    become(optimizer, lambda cls: reducing_class(cls, reduction, int(backward_passes_per_step),
+                                                 bool(average_aggregated_gradients)))
     if name is not None:
         optimizer.name = name
     return optimizer

@@ -1,3 +1,5 @@
-"""A user's Keras optimizer given a distributed class for the run and given back after it:
-``reduction`` (stage 0: gradients reduced across ranks before ``apply``) and ``zero`` (ZeRO
-stages 1-2: each rank updates its piece of every variable and the optimizer state is sharded)."""
+"""A user's Keras optimizer given a distributed class for the run and given back after it, by one
+mechanism (``run_class``): ``reduction`` (stage 0: gradients reduced across ranks before
+``apply``; also the drop-in's ``DistributedOptimizer``) and ``zero`` (ZeRO stages 1-2: each rank
+updates its piece of every variable, cut by ``sharding``, and the optimizer state is sharded).
+Keras' internals they need are in ``hvdtrain.keras_internals``."""

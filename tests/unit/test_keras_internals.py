@@ -1,9 +1,14 @@
 """Every Keras (and tf.data) internal hvdtrain relies on, checked against the installed version
-in one process: a Keras upgrade that moves one fails here, by name, instead of deep in a run."""
+in one process: a Keras upgrade that moves one fails here, by name, instead of deep in a run.
+And the fence: no module of hvdtrain but ``keras_internals`` touches one."""
 
 from __future__ import annotations
 
+import ast
+import functools
+import inspect
 import re
+from pathlib import Path
 
 import keras
 import numpy as np
@@ -177,3 +182,243 @@ def test_keras_callbacks_print_through_the_function_silenced_on_other_ranks(caps
     with internals.keras_messages_silenced(False):
         assert "Epoch 1/2" in print_both()
     assert print_both() == "Epoch 4: early stopping\nEpoch 1/2\n"
+
+
+def test_optimizer_keys_and_slot_names_are_keras_own():
+    """The key Keras' TensorFlow optimizers index state by (a Keras or a TensorFlow variable),
+    and the name of a slot (Keras names a slot after its variable's path)."""
+    optimizer = keras.optimizers.Adam()
+    for variable in (keras.Variable(np.zeros(2), name="w"), tf.Variable(np.zeros(2))):
+        assert internals.optimizer_key(variable) == optimizer._var_key(variable)
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
+    optimizer.build(model.trainable_variables)
+    kernel = model.trainable_variables[0]
+    names = [slot.name for slot in optimizer.variables]
+    assert internals.slot_name(kernel.path, "momentum") in names
+    assert internals.slot_name(kernel.path, "velocity") in names
+
+
+def test_optimizer_hooks_are_where_keras_keys_state_and_clips():
+    """A class with ``OptimizerHooks`` mixed in maps Keras' keys (here another variable's
+    state updates ``b``) and clips as its ``hvdtrain_clipped`` says (here Keras' own
+    ``clipnorm``, reached through it)."""
+    clipped_calls = []
+
+    class Hooked(internals.OptimizerHooks, keras.optimizers.SGD):
+        def hvdtrain_key(self, key):
+            return aliases.get(key, key)
+
+        def hvdtrain_clipped(self, grads, keras_clipping):
+            clipped_calls.append(len(grads))
+            return keras_clipping(grads)
+
+    a, b = keras.Variable([0.0, 0.0], name="a"), keras.Variable([1.0, 1.0], name="b")
+    aliases = {internals.optimizer_key(b): internals.optimizer_key(a)}
+    optimizer = Hooked(learning_rate=1.0, momentum=0.5, clipnorm=1.0)
+    optimizer.build([a])
+    optimizer.apply([tf.constant([3.0, 4.0])], [b])      # the gradient clipped to norm 1
+    assert clipped_calls == [1] and np.allclose(b.numpy(), [0.4, 0.2])
+    [momentum] = [v for v in optimizer.variables if v.name == internals.slot_name(a.path,
+                                                                                  "momentum")]
+    assert np.allclose(momentum.numpy(), [-0.6, -0.8]) and np.allclose(a.numpy(), [0.0, 0.0])
+
+
+def test_fit_finalizes_through_the_method_finalizing_deferred_hides():
+    """Keras' ``fit`` ends with the optimizer's ``finalize_variable_values``: not inside
+    ``finalizing_deferred``, once after it; the class's own method is back after the block."""
+    calls = []
+
+    class Counting(keras.optimizers.SGD):
+        def finalize_variable_values(self, var_list):
+            calls.append(len(var_list))
+            super().finalize_variable_values(var_list)
+
+    model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+    model.compile(Counting(), "mse", run_eagerly=True)
+    x, y = np.zeros((2, 2)), np.zeros((2, 1))
+    with internals.finalizing_deferred(model.optimizer):
+        model.fit(x, y, verbose=0)
+    assert calls == [] and "finalize_variable_values" not in vars(model.optimizer)
+    model.fit(x, y, verbose=0)
+    assert calls == [2]
+
+
+def test_a_resized_variable_stays_the_same_object_in_every_list_that_holds_it():
+    optimizer = keras.optimizers.Adam()
+    weight = keras.Variable(np.ones((3, 2), np.float32), name="kernel")
+    optimizer.build([weight])
+    slot = optimizer.variables[2]
+    internals.resize_variable(slot, np.arange(3, dtype=np.float32))
+    assert optimizer.variables[2] is slot and optimizer._momentums[0] is slot
+    assert tuple(slot.shape) == (3,) and slot.numpy().tolist() == [0, 1, 2]
+    slot.assign(slot + 1)
+    assert slot.numpy().tolist() == [1, 2, 3]
+
+
+def test_a_config_at_a_constant_rate_leaves_the_optimizers_schedule():
+    """A schedule written as Keras' examples write them (no ``get_config``) is where Keras keeps
+    it (``_learning_rate``): the config has a constant rate, the optimizer its schedule."""
+
+    class Halving(keras.optimizers.schedules.LearningRateSchedule):
+        def __call__(self, step):
+            return 0.1 / (1.0 + tf.cast(step, tf.float32))
+
+    schedule = Halving()
+    optimizer = keras.optimizers.Adam(schedule)
+    with pytest.raises(NotImplementedError):
+        optimizer.get_config()
+    assert isinstance(internals.config_at_a_constant_rate(optimizer)["learning_rate"], float)
+    assert optimizer._learning_rate is schedule
+
+
+# --- the fence ---------------------------------------------------------------------------------
+
+PACKAGE = REPO / "hvdtrain"
+FENCE = PACKAGE / "keras_internals.py"
+KERAS_CLASSES = (keras.Model, keras.layers.Layer, keras.optimizers.Optimizer,
+                 keras.optimizers.LossScaleOptimizer, keras.Variable, keras.callbacks.Callback,
+                 keras.metrics.Metric, keras.losses.Loss)
+ATTRIBUTE_FUNCTIONS = ("getattr", "setattr", "hasattr", "delattr", "__getattribute__",
+                       "__setattr__", "__delattr__")
+
+
+def _private(name: str) -> bool:
+    """A private name (hvdtrain's own ``_hvdtrain_`` attributes on Keras objects aside)."""
+    return name.startswith("_") and not name.startswith(("__", "_hvdtrain"))
+
+
+def _named_attributes(tree: ast.AST) -> set[str]:
+    """The attribute names a module reads or writes, also by name (``getattr(x, "_name")``)."""
+    names = {node.attr for node in ast.walk(tree) if isinstance(node, ast.Attribute)}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and _called(node) in ATTRIBUTE_FUNCTIONS:
+            names |= {arg.value for arg in node.args
+                      if isinstance(arg, ast.Constant) and isinstance(arg.value, str)}
+    return names
+
+
+def _called(call: ast.Call) -> str | None:
+    func = call.func
+    return func.id if isinstance(func, ast.Name) else (
+        func.attr if isinstance(func, ast.Attribute) else None)
+
+
+@functools.cache
+def keras_private_names() -> tuple[set[str], set[str], set[str]]:
+    """(Keras' private names: of its main classes and of a built model's, optimizer's,
+    layer's, variable's... own attributes, and every private name ``keras_internals`` reads;
+    the private methods of those classes, which a subclass must not override; their public
+    methods, which hvdtrain must not replace on an object)."""
+    model = _compiled()
+    model.optimizer.build(model.trainable_variables)
+    objects = [model, model.optimizer, *model.layers, model.trainable_variables[0],
+               keras.metrics.Mean(), keras.losses.MeanSquaredError(), keras.callbacks.History()]
+    names = {name for cls in KERAS_CLASSES for name in dir(cls) if _private(name)}
+    names |= {name for value in objects for name in vars(value) if _private(name)}
+    names |= {name for name in _named_attributes(ast.parse(FENCE.read_text())) if _private(name)}
+    methods = {name for cls in KERAS_CLASSES for name in dir(cls)
+               if _private(name) and inspect.isfunction(getattr(cls, name))}
+    public = {name for cls in KERAS_CLASSES for name in dir(cls)
+              if not name.startswith("_") and inspect.isfunction(getattr(cls, name))}
+    return names, methods, public
+
+
+class _Fence(ast.NodeVisitor):
+    """What one module of hvdtrain touches of Keras' internals: ``(line, what)``. A private
+    name on ``self`` that the enclosing class assigns or defines itself is its own, not
+    Keras'."""
+
+    def __init__(self, names: set[str], methods: set[str], public: set[str]) -> None:
+        self.names, self.methods, self.public = names, methods, public
+        self.own: list[set[str]] = [set()]
+        self.found: list[tuple[int, str]] = []
+
+    def visit_ClassDef(self, node: ast.ClassDef) -> None:
+        self.found += [(item.lineno, f"def {item.name} (overrides Keras' private method)")
+                       for item in node.body if isinstance(item, ast.FunctionDef)
+                       and item.name in self.methods]
+        self.own.append({target.attr for target in ast.walk(node)
+                         if isinstance(target, ast.Attribute) and _on_self(target)
+                         and isinstance(target.ctx, ast.Store)} | _defined_in(node))
+        self.generic_visit(node)
+        self.own.pop()
+
+    def visit_Attribute(self, node: ast.Attribute) -> None:
+        if node.attr in self.names and not (_on_self(node) and node.attr in self.own[-1]):
+            self.found.append((node.lineno, ast.unparse(node)))
+        elif (node.attr in self.public and isinstance(node.ctx, (ast.Store, ast.Del))
+              and not _on_self(node)):
+            self.found.append((node.lineno, f"{ast.unparse(node)} replaced on an object"))
+        self.generic_visit(node)
+
+    def visit_Call(self, node: ast.Call) -> None:
+        if _called(node) in ATTRIBUTE_FUNCTIONS:
+            self.found += [(node.lineno, ast.unparse(node)) for arg in node.args
+                           if isinstance(arg, ast.Constant) and arg.value in self.names]
+        self.generic_visit(node)
+
+    def visit_Import(self, node: ast.Import) -> None:
+        self._keras_src(node, [alias.name for alias in node.names])
+
+    def visit_ImportFrom(self, node: ast.ImportFrom) -> None:
+        self._keras_src(node, [node.module or ""])
+
+    def _keras_src(self, node: ast.stmt, modules: list[str]) -> None:
+        self.found += [(node.lineno, f"imports {module}") for module in modules
+                       if module == "keras.src" or module.startswith("keras.src.")]
+
+
+def _defined_in(node: ast.ClassDef) -> set[str]:
+    """The names a class's body defines (its methods, class attributes, annotations)."""
+    names = {item.name for item in node.body if isinstance(item, ast.FunctionDef)}
+    for item in node.body:
+        targets = item.targets if isinstance(item, ast.Assign) else (
+            [item.target] if isinstance(item, ast.AnnAssign) else [])
+        names |= {target.id for target in targets if isinstance(target, ast.Name)}
+    return names
+
+
+def _on_self(node: ast.Attribute) -> bool:
+    return isinstance(node.value, ast.Name) and node.value.id == "self"
+
+
+def private_keras_uses(path: Path, fence: _Fence) -> list[str]:
+    fence.found = []
+    fence.visit(ast.parse(path.read_text(), str(path)))
+    return [f"{path.relative_to(REPO)}:{line}: {what}" for line, what in sorted(fence.found)]
+
+
+def test_no_module_but_keras_internals_touches_keras_internals():
+    """Every private Keras attribute or method (one of Keras' main classes', one of its
+    objects', or one ``keras_internals`` reads), an override of Keras' private methods, a
+    Keras method replaced on an object, or ``keras.src``: only in ``keras_internals``, so a
+    Keras upgrade that moves one fails in this file's checks above."""
+    fence = _Fence(*keras_private_names())
+    found = [use for path in sorted(PACKAGE.rglob("*.py")) if path != FENCE
+             for use in private_keras_uses(path, fence)]
+    assert found == [], "private Keras use outside hvdtrain/keras_internals.py:\n" + \
+        "\n".join(found)
+
+
+def test_the_fence_finds_each_kind_of_private_use():
+    """``keras.src``, an override of a Keras private method and the call of Keras' own, a
+    private attribute read on ``self`` (a mixin) and by name, a method replaced on an object;
+    not a class's own private attribute."""
+    fence = _Fence(*keras_private_names())
+    source = (
+        "from keras.src import backend\n"
+        "class Mixin:\n"
+        "    def _var_key(self, variable):\n"
+        "        return super()._var_key(variable)\n"
+        "    def apply(self, grads):\n"
+        "        return self._trainable_variables, getattr(self, '_learning_rate')\n"
+        "class Own:\n"
+        "    _name = 'own'\n"
+        "    def __init__(self):\n"
+        "        self._lock = None\n"
+        "    def _model(self):\n"
+        "        return self._lock, self._name, self._model\n"
+        "def patch(optimizer):\n"
+        "    optimizer.finalize_variable_values = None\n")
+    fence.visit(ast.parse(source))
+    assert [line for line, _ in sorted(fence.found)] == [1, 3, 4, 6, 6, 14]

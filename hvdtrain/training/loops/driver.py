@@ -25,7 +25,8 @@ import keras
 import tensorflow as tf
 
 from hvdtrain.data.equal_steps import Passes
-from hvdtrain.keras_internals import keras_messages_silenced, train_step_installed
+from hvdtrain.keras_internals import (finalizing_deferred, keras_messages_silenced,
+                                      train_step_installed)
 from hvdtrain.training.loops.epoch_end import CallbackGroups, RunCallbacks
 from hvdtrain.training.step.core import TrainingStep
 
@@ -119,11 +120,8 @@ def finalized_once(model: keras.Model) -> Iterator[None]:
     if not isinstance(optimizer, keras.optimizers.Optimizer):
         yield
         return
-    optimizer.finalize_variable_values = lambda variables: None
-    try:
+    with finalizing_deferred(optimizer):
         yield
-    finally:
-        del optimizer.finalize_variable_values      # the class's own again
     optimizer.finalize_variable_values(model.trainable_weights)
 
 

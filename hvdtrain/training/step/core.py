@@ -31,7 +31,8 @@ from hvdtrain.keras_internals import (keras_logits, loss_tracker, marked, output
                                       output_marks, with_logits)
 from hvdtrain.training.step.objective import (LossShare, global_metric_results, metric_variables,
                                               own_losses, real_rows)
-from hvdtrain.optimizers.zero import Sharding, gradient_bytes_kept, sharded_for_the_run
+from hvdtrain.optimizers.sharding import Sharding, gradient_bytes_kept
+from hvdtrain.optimizers.zero import sharded_for_the_run
 
 
 class TrainingStep(Protocol):

@@ -29,7 +29,8 @@ from hvdtrain.training.step.objective import (global_metric_results, metric_vari
 from hvdtrain.training.step.core import divided
 from hvdtrain.training.step.sync_batch_norm import batch_rows
 from hvdtrain.training.step.votes import StopVotes
-from hvdtrain.optimizers.zero import Sharding, gradient_bytes_kept, sharded_for_the_run
+from hvdtrain.optimizers.sharding import Sharding, gradient_bytes_kept
+from hvdtrain.optimizers.zero import sharded_for_the_run
 
 # The Trainer methods whose override makes a step the model's own.
 OWN_STEP_METHODS = ("train_step", "test_step", "compute_loss", "compute_metrics")

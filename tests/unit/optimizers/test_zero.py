@@ -1,5 +1,5 @@
 """ZeRO in one process: which optimizers and settings are refused (one line each), the cut of a
-variable into pieces, and an optimizer's state cut into a piece and put back whole in place."""
+variable into pieces, and what Keras may not do with a sharded optimizer during the run."""
 
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ import tensorflow as tf
 from hvdtrain.collectives import GradientReduction, LocalCollectives
 from hvdtrain.config import ConfigError, build_config
 from hvdtrain.errors import UserError
-from hvdtrain.keras_internals import resize_variable
 from hvdtrain.training.checks import check_callbacks
-from hvdtrain.optimizers.zero import Piece, Sharding, check_shardable
+from hvdtrain.optimizers.sharding import Piece, Sharding
+from hvdtrain.optimizers.zero import check_shardable
 
 
 @pytest.mark.parametrize("optimizer, says", [
@@ -79,18 +79,6 @@ def test_a_sparse_gradient_is_refused_rather_than_summed_densely():
     sparse = tf.IndexedSlices(tf.ones((1, 2)), tf.constant([1]), tf.constant([4, 2]))
     with pytest.raises(UserError, match="cannot shard the sparse gradient"):
         sharding.scatter([sparse], [embedding])
-
-
-def test_a_resized_variable_stays_the_same_object_in_every_list_that_holds_it():
-    optimizer = keras.optimizers.Adam()
-    weight = keras.Variable(np.ones((3, 2), np.float32), name="kernel")
-    optimizer.build([weight])
-    slot = optimizer.variables[2]
-    resize_variable(slot, np.arange(3, dtype=np.float32))
-    assert optimizer.variables[2] is slot and optimizer._momentums[0] is slot
-    assert tuple(slot.shape) == (3,) and slot.numpy().tolist() == [0, 1, 2]
-    slot.assign(slot + 1)
-    assert slot.numpy().tolist() == [1, 2, 3]
 
 
 def test_a_float8_scale_is_refused_in_one_line():
