@@ -26,10 +26,15 @@ train: setup
 test: setup-tests
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
+# The venv, made by setup only where it is missing: test-fast needs the venv, not setup's
+# checks of what is installed (the installed Horovod's own check takes seconds on every call).
+$(BIN)/python:
+	bash launch/setup.sh $(SETUP_ARGS)
+
 # The single-process layer, tests/unit: no ranks, daemons, containers or cluster. Every test
 # outside tests/unit is marked distributed, multinode or slow, so the marker filter alone would
-# select the same set. (The installed Horovod's own check runs in every setup, not here.)
-test-fast: setup
+# select the same set; a unit test marked slow (a fresh interpreter, a build) runs in make test.
+test-fast: $(BIN)/python
 	$(BIN)/python -m pytest tests/unit -m "not distributed and not multinode and not slow" \
 		$(PYTEST_ARGS)
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import fails_with, train
+from conftest import fails_with
 from hvdtrain.cli import main
 from hvdtrain.install.doctor import problems_in
 
@@ -26,11 +26,18 @@ def snapshot(directory: Path) -> dict[str, bytes]:
             for p in sorted(directory.rglob("*")) if p.is_file() and p.name != ".lock"}
 
 
+def trained_here(run: Path) -> Path:
+    """A finished 1-epoch mlp run in ``run``, trained in this process: the mistakes below are
+    made in this process too, so a launch would only add a Python and TensorFlow start."""
+    assert main(["train", "--run-dir", str(run), "--no-progress", "--epochs", "1",
+                 "--hidden-units", "16"]) == 0
+    return run
+
+
 @pytest.fixture(scope="module")
 def finished_run(tmp_path_factory) -> Path:
-    """A finished 1-epoch mlp run to make mistakes against."""
-    tmp = tmp_path_factory.mktemp("bad")
-    return train(tmp, "done", "--epochs", "1", "--hidden-units", "16", np=1)
+    """A finished run to make mistakes against."""
+    return trained_here(tmp_path_factory.mktemp("bad") / "done")
 
 
 def test_unknown_flag_suggests_the_closest(capsys, tmp_path):
@@ -249,7 +256,7 @@ def test_resume_never_mixes_runs(capsys, caplog, tmp_path):
     """A checkpoint records what it trained: another dataset, optimizer or setting is refused
     with one line naming the difference, unless --accept-changes; another model or input shape
     always (another --model: test_resume_with_another_model_or_an_unreadable_checkpoint)."""
-    run = train(tmp_path, "mixed", "--epochs", "1", "--hidden-units", "16", np=1)
+    run = trained_here(tmp_path / "mixed")
     same = ["--run-dir", str(run), "--resume", "--hidden-units", "16", "--no-progress"]
     before = snapshot(run)
     fails_with(capsys, [*same, "--dataset", "synthetic", "--synthetic-shape", "8", "8", "1"],

@@ -53,6 +53,7 @@ def loaded_after(*modules: str) -> list[set[str]]:
 PRODUCERS = ("hvdtrain.data.sources", "hvdtrain.data.user", "hvdtrain.data.load")
 
 
+@pytest.mark.slow   # a fresh Python per loaded_after (TensorFlow): make test, not test-fast
 def test_the_data_contract_is_a_leaf():
     assert not under(imports_in("hvdtrain.data.contract"), *PRODUCERS, "hvdtrain.config")
     [loaded] = loaded_after("hvdtrain.data.contract")
@@ -123,6 +124,7 @@ def test_the_facades_build_only_on_the_dropin():
         assert not under(module_edges(module, modules), "hvdtrain.keras"), module
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("first, second", [("hvdtrain.keras", "hvdtrain.tensorflow"),
                                            ("hvdtrain.tensorflow", "hvdtrain.keras")])
 def test_the_dropin_apis_import_in_either_order(first, second):
@@ -180,6 +182,7 @@ def test_no_module_of_the_package_needs_itself_through_others():
     assert import_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == ["a", "b", "c", "a"]
 
 
+@pytest.mark.slow
 def test_mlflow_is_imported_in_one_place_and_not_by_training():
     """The optional client: only ``tracking.mlflow_run`` names it, and the trainer's own
     modules load without it (an untracked job and every rank but a tracked job's 0)."""

@@ -40,8 +40,6 @@ class TrainingStep(Protocol):
 
     model: keras.Model
     optimizer: keras.optimizers.Optimizer
-    # Every optimizer the step applies, by the model's attribute name ("optimizer" first).
-    optimizers: dict[str, keras.optimizers.Optimizer]
     collectives: Collectives
     # The last step's loss over the global batch (equal on every rank): stops a diverged run.
     global_loss: tf.Variable
@@ -55,6 +53,11 @@ class TrainingStep(Protocol):
     def keras_step(self, data: Any) -> dict[str, Any]:
         """One step on one dataset element (graph-safe): Keras ``fit`` runs it as the model's
         ``train_step``, the custom loop in a ``tf.function``."""
+
+    @property
+    def optimizers(self) -> dict[str, keras.optimizers.Optimizer]:
+        """Every optimizer the step applies, by the model's attribute name ("optimizer"
+        first)."""
 
     def begin_epoch(self) -> None:
         """Start the epoch's running metric state afresh."""
@@ -196,8 +199,9 @@ class StepMath:
                     weighted_loss: tf.Tensor, share: tf.Tensor) -> None:
         """Sum micro-steps' gradients (ZeRO stage 2: this rank's pieces of their sum over
         ranks, reduce-scattered every micro-step) and apply at the last."""
-        pieces = self.sharding is not None and self.sharding.stage == 2
-        if pieces:
+        pieces = False
+        if self.sharding is not None and self.sharding.stage == 2:
+            pieces = True
             gradients = self.sharding.scatter(gradients, self.model.trainable_variables)
         accumulation.add([*gradients, weighted_loss, share])
         accumulation.at_the_last_pass(

@@ -32,6 +32,7 @@ def made_step(trainable: Trainable, data: DataBundle, collectives: Collectives,
                                          bucket_bytes=optim.bucket_bytes,
                                          in_issue_order=optim.bucket_order == "issued"),
                        optim.zero_stage, global_batch)
+    assert trainable.share is not None, "probe_trainable measures the share before any step"
     return StepMath(trainable.model, trainable.optimizer, collectives, trainable.share,
                     StepOptions(accumulation_steps=optim.accumulation_steps,
                                 adasum=optim.reduction == "adasum",

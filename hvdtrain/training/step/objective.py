@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 import keras
 import numpy as np
@@ -70,7 +70,8 @@ class LossShare:
             return tf.constant(1.0)
         weights = (tf.cast(tf.nest.flatten(sample_weight)[0], tf.float32)
                    if self.divisor == "sample_weight" and sample_weight is not None else None)
-        masks = map(keras_mask, tf.nest.flatten(predictions)) if self.masked else iter(())
+        masks: Iterator[Any] = (map(keras_mask, tf.nest.flatten(predictions)) if self.masked
+                                else iter(()))
         mask = next((each for each in masks if each is not None), None)
         if mask is not None:
             mask = tf.cast(mask, tf.float32)

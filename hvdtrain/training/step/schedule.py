@@ -59,7 +59,7 @@ class WarmupScaledRate:
             return self.scale * self.decay_factor ** math.floor(step / self.decay_steps)
         return self.scale
 
-    def multiplier(self, step: int) -> float:
+    def multiplier(self, step: float) -> float:
         step = float(step)
         if step < self.warmup_steps:
             rate = 1.0 + (self.scale - 1.0) * step / self.warmup_steps
@@ -142,6 +142,7 @@ class PlateauDecay(keras.callbacks.Callback):
         self.schedule.plateau_scale = float(state["scale"])
 
     def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
+        assert logs is not None   # Keras hands every epoch end its logs
         if logs["val_loss"] < self.best:
             self.best, self.wait = logs["val_loss"], 0
             return

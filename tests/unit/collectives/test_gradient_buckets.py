@@ -80,6 +80,7 @@ for in_issue_order in (False, True):
 """
 
 
+@pytest.mark.slow   # a fresh process: Horovod initialised as a world of one
 def test_issue_order_submits_each_bucket_after_the_one_before_has_completed():
     """``--bucket-order issued``: on the Horovod backend each bucket's grouped allreduce depends
     on the previous bucket's (control dependencies), so every rank submits a step's buckets in

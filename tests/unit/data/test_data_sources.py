@@ -16,7 +16,7 @@ import pytest
 import tensorflow as tf
 
 import hvdtrain
-from conftest import launch
+from conftest import fails_with, launch
 from hvdtrain.collectives import World
 from hvdtrain.config import DataConfig, ModelConfig
 from hvdtrain.data.contract import DataError
@@ -162,17 +162,17 @@ def test_keras_datasets_load_from_standard_files_in_data_dir(tmp_path):
     assert cifar.val.y.tolist() == [5, 6]
 
 
-def test_a_tampered_cifar_pickle_is_refused(tmp_path):
+def test_a_tampered_cifar_pickle_is_refused(tmp_path, capsys):
     batches = tmp_path / "cifar-10-batches-py"
     batches.mkdir()
     (batches / "data_batch_1").write_bytes(pickle.dumps(print))   # would call code on load
-    result = launch("none", 1, ["--dataset", "cifar10", "--data-dir", str(tmp_path),
-                                "--run-dir", str(tmp_path / "run")])
-    assert result.returncode == 2
-    assert "refusing to load builtins.print" in result.stderr
+    fails_with(capsys, ["--dataset", "cifar10", "--data-dir", str(tmp_path),
+                        "--run-dir", str(tmp_path / "run")], "refusing to load builtins.print")
 
 
+@pytest.mark.slow
 def test_keras_dataset_without_data_dir_or_internet_says_what_to_do(tmp_path):
+    """A fresh process: Keras reads KERAS_HOME (an empty cache here) when it is imported."""
     result = launch("none", 1, ["--dataset", "fashion_mnist", "--run-dir", str(tmp_path / "r")],
                     KERAS_HOME=str(tmp_path / "keras"))
     assert result.returncode == 2

@@ -80,6 +80,7 @@ for refused in (lambda: hvd.DistributedOptimizer(keras.optimizers.SGD(), op=hvd.
 """
 
 
+@pytest.mark.slow   # a fresh process each: what importing the drop-in loads is the point
 @pytest.mark.parametrize("hidden", [False, True], ids=["HVDTRAIN_BACKEND=tensorflow",
                                                        "horovod-not-importable"])
 def test_the_dropin_imports_without_horovod_on_the_tensorflow_backend(hidden, no_horovod):

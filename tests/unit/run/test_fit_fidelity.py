@@ -49,6 +49,7 @@ print(found)
 """
 
 
+@pytest.mark.slow   # a fresh Python and TensorFlow: make test runs it, make test-fast not
 def test_unseeded_randomness_is_found_without_reading_the_data():
     result = subprocess.run([str(BIN / "python"), "-c", PIPELINES], cwd=REPO, env=rank_env(),
                             text=True, capture_output=True, timeout=RUN_TIMEOUT,
@@ -210,6 +211,7 @@ print(place_devices(World(0, 2, 0, 2)))
 """
 
 
+@pytest.mark.slow   # a fresh process whose TensorFlow starts before hvdtrain
 def test_the_placement_line_says_when_tensorflow_started_first():
     """A script that built its model before ``fit``: the line says TensorFlow's own placement
     stands and how to get hvdtrain's (no "earlier run" that never was)."""
@@ -278,6 +280,7 @@ print("broadcast 7 times")
 """
 
 
+@pytest.mark.slow   # a fresh process: TensorFlow counts the traces of its own lifetime
 def test_many_fits_in_one_process_print_no_retracing_warning():
     """Horovod traces its broadcast function again for every new list of variables; from the
     sixth, TensorFlow warned about retracing, as if the user's code were at fault."""
