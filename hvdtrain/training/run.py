@@ -1,7 +1,7 @@
 """One training run on every rank, in phases: setup (world, run directory, data, model and
-step, probed on a real batch), restore (``restore``), train (Keras ``fit``, the custom loop or
-the elastic loop, with the run's callbacks), finish (exact held-out metrics, weights compared
-across ranks, rank 0's ``outputs``). The CLI and ``hvdtrain.fit`` share it. What a run changes
+step, probed on a real batch: ``prepared``), restore (``checkpoints.restore``), train (Keras
+``fit``, the custom loop or the elastic loop, with the run's callbacks), finish (exact held-out
+metrics, weights compared across ranks, rank 0's files: ``closing``). The CLI and ``hvdtrain.fit`` share it. What a run changes
 in the process is put back when it ends (``process_state``), and a run that fails on one rank
 leaves the collectives so no peer waits for it.
 """
