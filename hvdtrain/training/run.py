@@ -8,11 +8,12 @@ leaves the collectives so no peer waits for it.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import sys
 import time
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import keras
 import tensorflow as tf
@@ -37,10 +38,10 @@ from hvdtrain.training.loops.checkpointing import CheckpointPlan
 from hvdtrain.training.checks import (check_backend, check_callbacks, check_data, check_world,
                                       data_errors_named)
 from hvdtrain.training.data_plan import plan_data
-from hvdtrain.training.loops.elastic import ElasticRun, elastic_loop
-from hvdtrain.training.loops.epoch_end import standard_callbacks
+from hvdtrain.training.loops.elastic import ElasticRun
+from hvdtrain.training.loops.epoch_end import CallbackGroups, standard_callbacks
 from hvdtrain.liveness.watch import Liveness, liveness_for
-from hvdtrain.training.loops.driver import LOOPS
+from hvdtrain.training.loops.driver import LOOPS, Training, loop_name
 from hvdtrain.training.closing import (RunResult, float32_copy, rank_ends, run_summary,
                                        write_outputs)
 from hvdtrain.training.memory import held_memory
@@ -254,17 +255,6 @@ class Run:
         epochs, initial_epoch = config.train.epochs, start.initial_epoch
         logger.info(f"training {self.model_label} on {config.data.dataset}: "
                     f"{run.plan.describe(run.data.train)}")
-        if config.train.elastic:
-            trainable = run.trainable
-            elastic_loop(ElasticRun(
-                config=config, collectives=run.collectives, data=run.data, model=trainable.model,
-                optimizer=trainable.optimizer, schedule=trainable.schedule, rates=trainable.rates,
-                first_step=run.step, evaluate=run.evaluate, store=run.store, state=run.state,
-                run_dir=run.run_dir, initial_epoch=initial_epoch,
-                user_callbacks=run.user_callbacks, run_columns=run.run_columns))
-            return None
-        if initial_epoch >= epochs:
-            return None
         position = StepPosition()
 
         def validate_epoch() -> dict[str, float]:
@@ -272,38 +262,54 @@ class Run:
             run.validated = (position.epoch, weight_fingerprint(run.trainable.model), metrics)
             return metrics
 
-        callbacks = standard_callbacks(RunHooks(
-            collectives=run.collectives, step=run.step, rates=run.trainable.rates,
-            checkpoints=CheckpointPlan(run.store, run.state, config.train.checkpoint_every_steps,
-                                       start.resume),
-            reporting=Reporting(run.run_dir, run.plan.global_batch(run.data.train)[0],
-                                config.train.progress,
-                                sys.stdout.isatty() and world.size == 1,
-                                config.train.tensorboard, run.first_step,
-                                None if run.tracker is None else run.tracker.callback(
-                                    lambda: float(run.step.global_loss.numpy()))),
-            liveness=self.liveness, passes=run.plan.passes,
-            evaluate=None if run.data.val is None else validate_epoch,
-            validation_freq=self.validation_freq, plateau=run.plateau,
-            user_callbacks=run.user_callbacks, run_columns=run.run_columns))
-        draws = python_draws(run.data.train, run.plan.spec, run.plan.passes)
-        callbacks.before[:0] = [position, *draws]
-        with data_errors_named(run.data, world.rank), \
-                run.step.training(end_in_pieces=self.process_ends_with_run):
-            done = start.resume.step if start.resume.epoch == initial_epoch else 0
-            try:
-                history = LOOPS[config.train.loop](
-                    run.step, run.plan.stream(run.data.train, initial_epoch, done, epochs),
-                    epochs, initial_epoch, run.plan.passes, callbacks, done)
-            except tf.errors.OpError as error:
-                if position.epoch is not None and not ended_by_another_rank(error):
-                    error.add_note(f"hvdtrain: rank {world.rank} failed in epoch "
-                                   f"{position.epoch + 1}, step {position.batch + 1}, on "
-                                   f"{run.plan.describe_step(position.epoch, position.batch)}")
-                raise
-            run.memory = held_memory(config.optim.zero_stage, list(run.step.optimizers.values()),
-                                     run.step.gradient_bytes())
-            return history
+        def callbacks() -> CallbackGroups:
+            groups = standard_callbacks(RunHooks(
+                collectives=run.collectives, step=run.step, rates=run.trainable.rates,
+                checkpoints=CheckpointPlan(run.store, run.state,
+                                           config.train.checkpoint_every_steps, start.resume),
+                reporting=Reporting(run.run_dir, run.plan.global_batch(run.data.train)[0],
+                                    config.train.progress,
+                                    sys.stdout.isatty() and world.size == 1,
+                                    config.train.tensorboard, run.first_step,
+                                    None if run.tracker is None else run.tracker.callback(
+                                        lambda: float(run.step.global_loss.numpy()))),
+                liveness=self.liveness, passes=run.plan.passes,
+                evaluate=None if run.data.val is None else validate_epoch,
+                validation_freq=self.validation_freq, plateau=run.plateau,
+                user_callbacks=run.user_callbacks, run_columns=run.run_columns))
+            draws = python_draws(run.data.train, run.plan.spec, run.plan.passes)
+            groups.before[:0] = [position, *draws]
+            return groups
+
+        @contextlib.contextmanager
+        def around() -> Iterator[None]:
+            with data_errors_named(run.data, world.rank), \
+                    run.step.training(end_in_pieces=self.process_ends_with_run):
+                try:
+                    yield
+                except tf.errors.OpError as error:
+                    if position.epoch is not None and not ended_by_another_rank(error):
+                        error.add_note(
+                            f"hvdtrain: rank {world.rank} failed in epoch {position.epoch + 1}, "
+                            f"step {position.batch + 1}, on "
+                            f"{run.plan.describe_step(position.epoch, position.batch)}")
+                    raise
+                run.memory = held_memory(config.optim.zero_stage,
+                                         list(run.step.optimizers.values()),
+                                         run.step.gradient_bytes())
+
+        trainable = run.trainable
+        done = start.resume.step if start.resume.epoch == initial_epoch else 0
+        return LOOPS[loop_name(config.train)](Training(
+            step=run.step, epochs=epochs, initial_epoch=initial_epoch, done_steps=done,
+            passes=run.plan.passes, callbacks=callbacks, around=around,
+            batches=lambda: run.plan.stream(run.data.train, initial_epoch, done, epochs),
+            elastic=lambda: ElasticRun(
+                config=config, collectives=run.collectives, data=run.data, model=trainable.model,
+                optimizer=trainable.optimizer, schedule=trainable.schedule, rates=trainable.rates,
+                first_step=run.step, evaluate=run.evaluate, store=run.store, state=run.state,
+                run_dir=run.run_dir, initial_epoch=initial_epoch,
+                user_callbacks=run.user_callbacks, run_columns=run.run_columns)))
 
     # --- finish ------------------------------------------------------------------------------
 

@@ -1,33 +1,37 @@
-"""The two training paths over the same step: Keras ``fit`` on the user's own model, and a
-custom loop.
+"""The loops a run trains with, named by ``LOOPS`` (``loop_name`` picks one from the config):
+Keras ``fit`` on the user's own model, the custom loop, and Horovod's elastic loop
+(``elastic``). Each takes one ``Training`` and makes from it the parts it uses.
 
 ``fit`` is the model's own, with the run's step as its ``train_step`` for the run, so every
 callback sees the user's model and optimizer as under a plain ``model.fit``. Keras' own
 function is not compiled with XLA (collective ops have no XLA kernels): the step compiles its
-forward and backward pass when the model's ``jit_compile`` asks (``StepOptions.xla``). Both
-paths read the same stream of batches and fire the same callbacks at the same points, so one
-config gives the same result on both.
+forward and backward pass when the model's ``jit_compile`` asks (``StepOptions.xla``). The
+custom loop is the epoch driver (``epochs``) around one ``tf.function`` step, as the elastic
+loop is in each world. Fit and custom read the same stream of batches and fire the same
+callbacks at the same points, so one config gives the same result on both.
 Epochs of different lengths (a resumed partial epoch, ``steps_per_epoch`` not dividing a pass)
 are several ``fit`` calls (``fit_segments``) on one iterator, so the data never restarts.
 Keras' console is the run's callbacks' (rank 0's ``KerasConsole``, fired after the epoch end,
 one progress bar across the calls), never ``fit``'s own; Keras' messages on the other ranks are
 silenced while a loop trains (``keras_messages_silenced``), so a user's
-``EarlyStopping(verbose=1)`` prints once.
-"""
+``EarlyStopping(verbose=1)`` prints once."""
 
 from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any, Callable, ContextManager, Iterator
 
 import keras
 import tensorflow as tf
 
+from hvdtrain.config import TrainConfig
 from hvdtrain.data.equal_steps import Passes
 from hvdtrain.keras_internals import (finalizing_deferred, keras_messages_silenced,
                                       train_step_installed)
+from hvdtrain.training.loops.elastic import ElasticRun, elastic_loop
 from hvdtrain.training.loops.epoch_end import CallbackGroups, RunCallbacks
+from hvdtrain.training.loops.epochs import Epoch, train_epochs
 from hvdtrain.training.step.core import TrainingStep
 
 
@@ -125,6 +129,48 @@ def finalized_once(model: keras.Model) -> Iterator[None]:
     optimizer.finalize_variable_values(model.trainable_weights)
 
 
+@dataclass(frozen=True, kw_only=True)
+class Training:
+    """What the run hands the loop ``LOOPS`` names for it: the run's step, the epochs
+    ``[initial_epoch, epochs)`` and the steps of the first already trained (a resumed epoch),
+    the epochs' lengths (``passes``). The parts a loop builds its training from are made when
+    it asks, so each is made only for the loop that uses it: the batches from the starting
+    point and the run's callbacks (fit, custom); what the run puts ``around`` a loop on a fixed
+    world (its data errors named, the step's ``training`` context, the failing step noted,
+    the memory held measured); the elastic loop's ``ElasticRun`` (each world's step, batches
+    and callbacks are its own)."""
+
+    step: TrainingStep
+    epochs: int
+    initial_epoch: int
+    done_steps: int
+    passes: Passes
+    batches: Callable[[], tf.data.Dataset]
+    callbacks: Callable[[], CallbackGroups]
+    around: Callable[[], ContextManager[None]]
+    elastic: Callable[[], ElasticRun]
+
+
+Loop = Callable[[Training], keras.callbacks.History | None]
+FixedWorldLoop = Callable[[TrainingStep, tf.data.Dataset, int, int, Passes, CallbackGroups, int],
+                          keras.callbacks.History]
+
+
+def on_one_world(loop: FixedWorldLoop) -> Loop:
+    """``loop`` (fit, custom) as a ``LOOPS`` entry: nothing to train past the last epoch (None);
+    otherwise the run's callbacks, then, inside what the run puts around it, the batches and
+    the loop."""
+    def train(training: Training) -> keras.callbacks.History | None:
+        if training.initial_epoch >= training.epochs:
+            return None
+        callbacks = training.callbacks()
+        with training.around():
+            return loop(training.step, training.batches(), training.epochs,
+                        training.initial_epoch, training.passes, callbacks, training.done_steps)
+
+    return train
+
+
 def fit_loop(step: TrainingStep, dataset: tf.data.Dataset, epochs: int, initial_epoch: int,
              passes: Passes, callbacks: CallbackGroups,
              done_steps: int = 0) -> keras.callbacks.History:
@@ -155,8 +201,8 @@ def fit_loop(step: TrainingStep, dataset: tf.data.Dataset, epochs: int, initial_
 def custom_loop(step: TrainingStep, dataset: tf.data.Dataset, epochs: int, initial_epoch: int,
                 passes: Passes, callbacks: CallbackGroups,
                 done_steps: int = 0) -> keras.callbacks.History:
-    """Train with a plain loop around one ``tf.function`` step, firing the same callbacks. A
-    callback may stop training by setting ``model.stop_training``, as under ``fit``."""
+    """Train with a plain loop around one ``tf.function`` step over the epoch driver
+    (``epochs``), firing the same callbacks as ``fit``."""
     with keras_messages_silenced(not callbacks.chief):
         return _custom_loop(step, dataset, epochs, initial_epoch, passes, callbacks, done_steps)
 
@@ -172,34 +218,35 @@ def _custom_loop(step: TrainingStep, dataset: tf.data.Dataset, epochs: int, init
     model.stop_training = False
     history = keras.callbacks.History()
     hooks = RunCallbacks(callbacks, model, epochs, passes.keras_steps, last=[history])
-    batches = iter(dataset)
     hooks.on_train_begin()
-    epoch_logs: dict | None = None
-    for epoch, steps in zip(range(initial_epoch, epochs),
-                            passes.epoch_lengths(initial_epoch, epochs)):
-        hooks.on_epoch_begin(epoch)
-        logs: dict = {}
-        for batch in range(done_steps if epoch == initial_epoch else 0, steps):
-            element = next(batches)
-            hooks.on_train_batch_begin(batch)
-            logs = train_step(element)
-            hooks.on_train_batch_end(batch, logs)
-            if model.stop_training:
-                break
-        epoch_logs = scalar_logs(logs)
-        hooks.on_epoch_end(epoch, epoch_logs)
-        if model.stop_training:
-            break
+    epoch_logs = train_epochs(hooks, train_step, model,
+                              _epochs(iter(dataset), passes, initial_epoch, epochs, done_steps))
     if isinstance(getattr(model, "optimizer", None), keras.optimizers.Optimizer):
         model.optimizer.finalize_variable_values(model.trainable_weights)   # as fit ends
     hooks.on_train_end(epoch_logs)
     return history
 
 
-def scalar_logs(logs: dict) -> dict[str, float]:
-    """A step's logs as the floats an epoch's logs hold (non-scalar entries left out)."""
-    return {name: float(value) for name, value in logs.items()
-            if getattr(value, "shape", ()) == ()}
+def _epochs(batches: Iterator[Any], passes: Passes, initial_epoch: int, epochs: int,
+            done_steps: int) -> Iterator[Epoch]:
+    """Epochs ``[initial_epoch, epochs)`` of one stream of batches, each batch read as the
+    driver comes to it; the first epoch numbers its batches from ``done_steps``."""
+    for epoch, steps in zip(range(initial_epoch, epochs),
+                            passes.epoch_lengths(initial_epoch, epochs)):
+        first = done_steps if epoch == initial_epoch else 0
+        yield Epoch(epoch, ((batch, next(batches)) for batch in range(first, steps)))
 
 
-LOOPS = {"fit": fit_loop, "custom": custom_loop}
+def elastic(training: Training) -> None:
+    """Horovod's elastic loop (``elastic.elastic_loop``) over the run's ``ElasticRun``."""
+    elastic_loop(training.elastic())
+
+
+LOOPS: dict[str, Loop] = {"fit": on_one_world(fit_loop), "custom": on_one_world(custom_loop),
+                          "elastic": elastic}
+
+
+def loop_name(train: TrainConfig) -> str:
+    """The ``LOOPS`` entry a run's config picks: ``--elastic`` trains through Horovod's elastic
+    loop, whatever ``--loop`` says; otherwise ``--loop``'s."""
+    return "elastic" if train.elastic else train.loop

@@ -6,6 +6,11 @@ a joining rank receives it from rank 0, the new world shards the rest of the epo
 permutation, and the rate follows the number of ranks. A joining rank starts from the top, so
 nothing before the elastic loop may talk to other ranks. Rank 0 records every epoch segment in
 ``elastic.jsonl``. Launching and limits: launch/README.md, "Elastic jobs".
+
+Each world trains over the custom loop's epoch driver (``epochs``: the batches, the callbacks'
+sequence, the epoch end); what is elastic is here: the commits and the offset between the
+driver's batches and epochs, each world's step, rate and callbacks, and what one world hands
+the next (``Continuity``).
 """
 
 from __future__ import annotations
@@ -15,14 +20,14 @@ import dataclasses
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import keras
 import tensorflow as tf
 
 from hvdtrain.checkpoints.store import CheckpointStore
 from hvdtrain.checkpoints.state import CheckpointState
-from hvdtrain.collectives import Collectives, tf_variables
+from hvdtrain.collectives import Collectives, World, tf_variables
 from hvdtrain.config import Config
 from hvdtrain.data.contract import DataBundle
 from hvdtrain.data.pipeline import ShardSpec, real_rows_only
@@ -30,6 +35,7 @@ from hvdtrain.log import logger
 from hvdtrain.training.loops.run_callbacks import Reporting, RunHooks
 from hvdtrain.training.loops.checkpointing import CheckpointPlan
 from hvdtrain.training.loops.epoch_end import RunCallbacks, standard_callbacks
+from hvdtrain.training.loops.epochs import Epoch, train_epochs
 from hvdtrain.training.loops.run_columns import RunColumnsLog
 from hvdtrain.training.step.schedule import RateControl, WarmupScaledRate, world_scale
 from hvdtrain.training.step.core import StepMath
@@ -104,7 +110,6 @@ def elastic_loop(run: ElasticRun) -> None:
         train_step = tf.function(step.keras_step, jit_compile=False)
         val_spec = ShardSpec(data.val.num_examples, world, config.train.batch_size, "pad",
                              False)
-        remainder = "pad" if config.data.remainder == "auto" else config.data.remainder
         epochs = config.train.epochs
         hooks = RunCallbacks(standard_callbacks(RunHooks(
             collectives=collectives, step=step, rates=run.rates,
@@ -116,32 +121,42 @@ def elastic_loop(run: ElasticRun) -> None:
         run.model.stop_training = False
         hooks.begin_training(again=continuity.began)
         continuity.began = True
-        while state.epoch < epochs:
-            spec = ShardSpec(data.train.num_examples, world, config.train.batch_size,
-                             remainder, config.data.shuffle, config.train.seed, 1, state.offset)
-            hooks.set_params({"epochs": epochs, "steps": spec.steps_per_epoch, "verbose": 0})
-            if world.is_chief:
-                lr = float(run.schedule(int(run.optimizer.iterations.numpy())))
-                _log_segment(run.run_dir, state.epoch, state.offset, world.size, lr)
-            hooks.on_epoch_begin(state.epoch)
-            logs: dict = {}
-            remaining = spec.remaining
-            for index, batch in enumerate(real_rows_only(data.train.dataset(
-                    spec, state.epoch, state.epoch + 1), spec)):
-                hooks.on_train_batch_begin(index)
-                logs = train_step(batch)
-                state.offset += min(spec.global_batch, remaining - index * spec.global_batch)
-                hooks.on_train_batch_end(index, logs)
-                if run.model.stop_training:     # a callback stopped it (every rank alike)
-                    break
-                if (index + 1) % config.train.commit_every == 0:
-                    state.commit()
-            hooks.on_epoch_end(state.epoch, {name: float(value) for name, value in logs.items()})
-            if run.model.stop_training:
-                break
-            state.epoch += 1
-            state.offset = 0
-            state.commit()
+        train_epochs(hooks, train_step, run.model, _from_commit(run, state, world, hooks))
         hooks.on_train_end()
 
     train(state)
+
+
+def _from_commit(run: ElasticRun, state: Any, world: World,
+                 hooks: RunCallbacks) -> Iterator[Epoch]:
+    """One world's epochs from the committed epoch and offset: the rest of that epoch's
+    permutation on this world's shards, then whole epochs; each epoch's steps reach the
+    callbacks in Keras' ``params``. Once an epoch has ended (not after a stop), the next
+    begins at its first example and the state is committed."""
+    config = run.config
+    epochs = config.train.epochs
+    remainder = "pad" if config.data.remainder == "auto" else config.data.remainder
+    while state.epoch < epochs:
+        spec = ShardSpec(run.data.train.num_examples, world, config.train.batch_size,
+                         remainder, config.data.shuffle, config.train.seed, 1, state.offset)
+        hooks.set_params({"epochs": epochs, "steps": spec.steps_per_epoch, "verbose": 0})
+        if world.is_chief:
+            lr = float(run.schedule(int(run.optimizer.iterations.numpy())))
+            _log_segment(run.run_dir, state.epoch, state.offset, world.size, lr)
+        yield Epoch(state.epoch, _committed_batches(run, state, spec))
+        state.epoch += 1
+        state.offset = 0
+        state.commit()
+
+
+def _committed_batches(run: ElasticRun, state: Any, spec: ShardSpec) -> Iterator[tuple[int, Any]]:
+    """An epoch's batches from the committed offset: once a step has trained, the offset moves
+    past its examples, and every ``commit_every`` steps the state is committed (not after a
+    stop)."""
+    remaining = spec.remaining
+    for index, batch in enumerate(real_rows_only(run.data.train.dataset(
+            spec, state.epoch, state.epoch + 1), spec)):
+        yield index, batch
+        state.offset += min(spec.global_batch, remaining - index * spec.global_batch)
+        if (index + 1) % run.config.train.commit_every == 0:
+            state.commit()

@@ -16,8 +16,10 @@ from hvdtrain.checkpoints.state import CheckpointState
 from hvdtrain.collectives import LocalCollectives, World
 from hvdtrain.config import Config, DataConfig, OptimConfig, TrainConfig
 from hvdtrain.data.contract import ArraySplit, DataBundle
+from hvdtrain.data.equal_steps import Passes
 from hvdtrain.data.pipeline import ShardSpec
-from hvdtrain.training.loops.elastic import ElasticRun, elastic_loop
+from hvdtrain.training.loops.driver import LOOPS, Training
+from hvdtrain.training.loops.elastic import ElasticRun
 from hvdtrain.training.step.objective import build_for_training
 from hvdtrain.training.loops.run_columns import RunColumnsLog
 from hvdtrain.training.step.schedule import RateControl, make_schedule
@@ -124,14 +126,22 @@ def train_elastic(tmp_path: Path, changes: set[int], user: Hooks) -> ScriptedEla
     def evaluate(spec: ShardSpec) -> dict[str, float]:
         return evaluation.run(data.val.dataset(spec))
 
-    elastic_loop(ElasticRun(
+    elastic = ElasticRun(
         config=config, collectives=collectives, data=data, model=model,
         optimizer=model.optimizer, schedule=schedule,
         rates=RateControl(schedule, {"optimizer": (model.optimizer, 0.1)}), first_step=step,
         evaluate=evaluate, store=CheckpointStore(tmp_path, 2),
         state=CheckpointState(model="dense"), run_dir=tmp_path, initial_epoch=0,
-        user_callbacks=[user], run_columns=RunColumnsLog()))
+        user_callbacks=[user], run_columns=RunColumnsLog())
+    LOOPS["elastic"](Training(step=step, epochs=EPOCHS, initial_epoch=0, done_steps=0,
+                              passes=Passes(EXAMPLES // BATCH, None, 0), batches=_fixed_world,
+                              callbacks=_fixed_world, around=_fixed_world,
+                              elastic=lambda: elastic))
     return collectives
+
+
+def _fixed_world() -> Any:
+    raise AssertionError("the elastic loop makes each world's batches and callbacks itself")
 
 
 def test_the_users_callbacks_see_one_training_across_worlds(tmp_path):

@@ -6,6 +6,8 @@ Keras' console (``KerasConsole``) as one ``model.fit`` would, on rank 0 alone.""
 
 from __future__ import annotations
 
+import contextlib
+
 import keras
 import numpy as np
 import pytest
@@ -15,7 +17,8 @@ from hvdtrain.collectives import LocalCollectives
 from hvdtrain.data.equal_steps import Passes
 from hvdtrain.training.loops.run_callbacks import KerasConsole
 from hvdtrain.training.loops.epoch_end import CallbackGroups
-from hvdtrain.training.loops.driver import LOOPS
+from hvdtrain.training.loops.driver import LOOPS, Training
+from hvdtrain.training.loops.elastic import ElasticRun
 from hvdtrain.training.step.objective import build_for_training
 from hvdtrain.training.step.core import StepMath
 
@@ -84,10 +87,17 @@ def _run(loop: str, initial_epoch: int, done_steps: int, passes: Passes,
     RECORDING[:] = [recorder]
     says_rate = keras.callbacks.LearningRateScheduler(lambda epoch, rate: rate, verbose=1)
     console = [KerasConsole(2)] if chief else []
-    LOOPS[loop](step, dataset, EPOCHS, initial_epoch, passes,
-                CallbackGroups([recorder], [], [says_rate], console, None, verbose=2,
-                               chief=chief), done_steps)
+    callbacks = CallbackGroups([recorder], [], [says_rate], console, None, verbose=2,
+                               chief=chief)
+    LOOPS[loop](Training(step=step, epochs=EPOCHS, initial_epoch=initial_epoch,
+                         done_steps=done_steps, passes=passes, batches=lambda: dataset,
+                         callbacks=lambda: callbacks, around=contextlib.nullcontext,
+                         elastic=_not_elastic))
     return recorder.calls
+
+
+def _not_elastic() -> ElasticRun:
+    raise AssertionError("fit and the custom loop make no elastic run")
 
 
 def _shows_keras_console(shown: str, initial_epoch: int, steps: int) -> None:
