@@ -9,6 +9,7 @@ more ranks than examples) in tests/distributed/training/test_data_on_two_ranks.p
 from __future__ import annotations
 
 import json
+import shutil
 import textwrap
 from pathlib import Path
 
@@ -26,18 +27,19 @@ def snapshot(directory: Path) -> dict[str, bytes]:
             for p in sorted(directory.rglob("*")) if p.is_file() and p.name != ".lock"}
 
 
-def trained_here(run: Path) -> Path:
-    """A finished 1-epoch mlp run in ``run``, trained in this process: the mistakes below are
-    made in this process too, so a launch would only add a Python and TensorFlow start."""
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory) -> Path:
+    """A finished 1-epoch mlp run to make mistakes against, trained once in this process (the
+    mistakes are made in this process too: a launch would only add a Python and TensorFlow
+    start). A test that changes it changes its own copy (``copy_of``)."""
+    run = tmp_path_factory.mktemp("bad") / "done"
     assert main(["train", "--run-dir", str(run), "--no-progress", "--epochs", "1",
                  "--hidden-units", "16"]) == 0
     return run
 
 
-@pytest.fixture(scope="module")
-def finished_run(tmp_path_factory) -> Path:
-    """A finished run to make mistakes against."""
-    return trained_here(tmp_path_factory.mktemp("bad") / "done")
+def copy_of(run: Path, tmp_path: Path) -> Path:
+    return Path(shutil.copytree(run, tmp_path / run.name))
 
 
 def test_unknown_flag_suggests_the_closest(capsys, tmp_path):
@@ -194,7 +196,8 @@ def test_labels_outside_the_class_range(capsys, tmp_path):
                "a label lies outside [0, 1] for 2 classes")
 
 
-def test_resume_with_another_model_or_an_unreadable_checkpoint(capsys, finished_run):
+def test_resume_with_another_model_or_an_unreadable_checkpoint(capsys, finished_run, tmp_path):
+    finished_run = copy_of(finished_run, tmp_path)
     before = snapshot(finished_run)
     fails_with(capsys, ["--run-dir", str(finished_run), "--resume", "--model", "cnn"],
                "was trained with model 'mlp', not 'cnn'; resume with the same --model")
@@ -252,11 +255,11 @@ def test_doctor_says_how_to_fix_a_broken_horovod(horovod, message):
     assert any(message in p for p in problems), problems
 
 
-def test_resume_never_mixes_runs(capsys, caplog, tmp_path):
+def test_resume_never_mixes_runs(capsys, caplog, tmp_path, finished_run):
     """A checkpoint records what it trained: another dataset, optimizer or setting is refused
     with one line naming the difference, unless --accept-changes; another model or input shape
     always (another --model: test_resume_with_another_model_or_an_unreadable_checkpoint)."""
-    run = trained_here(tmp_path / "mixed")
+    run = copy_of(finished_run, tmp_path)
     same = ["--run-dir", str(run), "--resume", "--hidden-units", "16", "--no-progress"]
     before = snapshot(run)
     fails_with(capsys, [*same, "--dataset", "synthetic", "--synthetic-shape", "8", "8", "1"],
