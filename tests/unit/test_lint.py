@@ -3,9 +3,12 @@
 import subprocess
 import sys
 
+import pytest
+
 from conftest import REPO
 
 
+@pytest.mark.slow   # a fresh Python reading the whole tree (5 s of CPU): make lint, make test
 def test_flake8_is_clean():
     result = subprocess.run([sys.executable, "-m", "flake8", "hvdtrain", "tests"], cwd=REPO,
                             capture_output=True, text=True, timeout=120)
