@@ -108,11 +108,11 @@ def backup_and_restore(out: Path, x, y) -> dict:
 
 def pipeline_shards(out: Path, x, y) -> dict:
     """Counts, per example id (from 1), how often this rank's training trained on it: through
-    a compiled metric on an output that echoes the id (``keras_programs.SeenIds``), which sees
+    a compiled metric on an output that echoes the id (``programs.harness.SeenIds``), which sees
     real rows only (a rank that runs short is filled with real rows at weight zero)."""
     import tensorflow as tf
 
-    from keras_programs import SeenIds, echoed, example_id_input
+    from programs.harness import SeenIds, echoed, example_id_input
 
     n = len(x)
     ids = np.arange(1, n + 1, dtype=np.int64)

@@ -3,7 +3,7 @@ keras.io example or guide (named in its section) on offline data: a supervised c
 ``Loss`` overriding ``__call__``, a token loss divided by the batch's real tokens, Keras' own
 mask weighting of a per-token loss, ``reduction="mean_with_sample_weight"``, and batch
 normalisation, per rank and ``synchronized=True``. ``keras_examples`` lists them with their
-``Spec`` (the harness: ``keras_programs``' module doc).
+``Spec`` (the harness: ``programs.harness``).
 
 One process reduces (or normalises) each batch of 32 rows as a whole; hvdtrain must compute the
 same, or say in one line on rank 0 that each rank takes its own 16 rows (``Spec.coupled``).
@@ -18,7 +18,7 @@ import numpy as np
 import tensorflow as tf
 from keras import ops
 
-from keras_programs import Context, Outcome, _digits
+from programs.harness import Context, Outcome, digits
 
 
 # --- Supervised contrastive learning (keras.io/examples/vision/supervised-contrastive-learning)
@@ -51,7 +51,7 @@ def supervised_contrastive(ctx: Context) -> Outcome:
     """The first stage: an encoder and a projection head trained on the contrastive loss alone
     (the example's ResNet and augmentation shrunk to dense layers; its second stage, an ordinary
     classifier on the frozen encoder, left out): 256 digits, temperature 0.05."""
-    x, y = _digits()
+    x, y = digits()
     keras.utils.set_random_seed(204)
     encoder = keras.Sequential([keras.Input((8, 8, 1)), keras.layers.Flatten(),
                                 keras.layers.Dense(32, activation="relu")], name="encoder")
@@ -90,7 +90,7 @@ def bn_convnet(ctx: Context) -> Outcome:
     """Even digits against odd as the example's cats against dogs: batched datasets for training
     (256 images) and validation (64), binary cross-entropy on logits. Batch normalisation
     without ``synchronized``: in one process it normalises by 32 images, on a rank by its 16."""
-    x, y = _digits()
+    x, y = digits()
     odd = (y % 2).astype(np.float32)
     keras.utils.set_random_seed(205)
     model = _residual_convnet()

@@ -1,11 +1,11 @@
 """Issue 46's further program shapes, each a shrunken copy of one keras.io example or guide (named
-in its section) on offline data, run by the harness of ``keras_programs`` (its module doc:
-``Context``, ``Outcome``, ``Spec``, the modes, the example counters). Here: a siamese pair as a
+in its section) on offline data, run by the program harness (``programs.harness``: ``Context``,
+``Outcome``, ``Spec``, the modes, the example counters). Here: a siamese pair as a
 list ``x`` under a loss function returning one value per batch, a shuffling ``PyDataset``,
 lists of inputs, outputs, losses and loss weights, ``add_loss`` inside a layer, a summed Huber
 loss with sample weights, label smoothing on one-hot targets and a custom metric class;
 ``keras_coupled_examples`` has those whose rows are coupled within a batch. ``PROGRAMS`` is
-every program the harness runs.
+the Keras-example set: issue 27's programs and these.
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ from keras import ops
 from keras_coupled_examples import (bn_convnet, fcn_synchronized_bn, masked_gru_tagger,
                                     mean_with_sample_weight, ner_token_loss, supervised_contrastive)
 from keras_programs import PROGRAMS as FIRST_PROGRAMS
-from keras_programs import (MODES, VAL_IDS, Context, Outcome, SeenIds, Spec, _digits, counter,
-                            echoed, example_id_input, ids)
+from programs.harness import (MODES, VAL_IDS, Context, Outcome, SeenIds, Spec, counter, digits,
+                              echoed, example_id_input, ids)
 
 
 # --- Siamese network, contrastive loss function (keras.io/examples/vision/siamese_contrastive)
@@ -56,7 +56,7 @@ def siamese_contrastive(ctx: Context) -> Outcome:
     sigmoid, ``fit([x1, x2], y)``: 256 training pairs and 64 validation pairs, batches of equal
     size. The example's batch normalisation layers are left out (``keras_coupled_examples``
     has them)."""
-    x, y = _digits()
+    x, y = digits()
     train_x, train_y = _pairs(x[:1200], y[:1200], 256, 201)
     val_x, val_y = _pairs(x[1200:], y[1200:], 64, 202)
     keras.utils.set_random_seed(203)
@@ -130,7 +130,7 @@ def keypoints_pydataset(ctx: Context) -> Outcome:
     shuffles the order of the batches too), ``mse`` and Adam; the example's MobileNet backbone
     shrunk to a convolution and two separable convolutions down to 1x1x4: 256 training digits,
     64 for validation."""
-    x, _ = _digits()
+    x, _ = digits()
     points = _ink_points(x)
     keras.utils.set_random_seed(208)
     counts = counter(VAL_IDS + 64)
@@ -234,7 +234,7 @@ def vae_add_loss(ctx: Context) -> Outcome:
     """``vae.compile(optimizer, loss=MeanSquaredError())``, ``vae.fit(x, x)``: the reported loss
     is the reconstruction's plus the layer's KL term; 320 flattened digits, 2 epochs. The
     sampling draws at random on every rank, so losses are compared within a tolerance."""
-    x, _ = _digits()
+    x, _ = digits()
     flat = x.reshape(len(x), 64)
     keras.utils.set_random_seed(215)
     vae = VariationalAutoEncoder(64, 16, 2)
@@ -260,7 +260,7 @@ def huber_sum_boxes(ctx: Context) -> Outcome:
     """Box regression with the example's smooth-L1 as ``keras.losses.Huber(reduction="sum")``
     (the batch's sum, as RetinaNet sums its box loss before normalising), sample weights and a
     mean-absolute-error metric: 300 digits, 2 epochs, a short last batch."""
-    x, y = _digits()
+    x, y = digits()
     boxes = _ink_boxes(x)
     weights = np.where(np.isin(y, [0, 8]), 2.0, 1.0).astype(np.float32)
     keras.utils.set_random_seed(216)
@@ -296,7 +296,7 @@ def cct_label_smoothing(ctx: Context) -> Outcome:
     biases here: the key bias and the pooling's bias get no gradient (a softmax ignores them), so
     Adam turns the rounding noise of their gradients, which depends on the order of summation,
     into full steps (measured: 1e-4 apart from one process with identical metrics)."""
-    x, y = _digits()
+    x, y = digits()
     one_hot = keras.utils.to_categorical(y, 10)
     keras.utils.set_random_seed(219)
     inputs = keras.Input((8, 8, 1))
@@ -352,7 +352,7 @@ class CategoricalTruePositives(keras.metrics.Metric):
 def custom_metric_class(ctx: Context) -> Outcome:
     """The guide's MNIST MLP on flattened digits with RMSprop and the metric above: 320
     digits, 2 epochs."""
-    x, y = _digits()
+    x, y = digits()
     flat = x.reshape(len(x), 64)
     keras.utils.set_random_seed(220)
     inputs = keras.Input((64,), name="digits")
@@ -415,5 +415,5 @@ EXAMPLES: dict[str, Spec] = {
                                 rank_averaged={"categorical_true_positives": "count"}),
 }
 
-# Every program the harness runs: issue 27's, then these.
+# The Keras-example set: issue 27's programs, then these.
 PROGRAMS: dict[str, Spec] = {**FIRST_PROGRAMS, **EXAMPLES}

@@ -1,31 +1,34 @@
-"""Issue 27's real-program shapes (``keras_programs``) and issue 46's (``keras_examples``,
-``keras_coupled_examples``) on 2 ranks, through ``hvdtrain.fit`` (on Horovod) and through the
-Horovod drop-in, each against the same program in one plain Keras process with the global batch.
+"""The Keras-example set (``keras_programs``, ``keras_pipelines``: issue 27's real-program shapes;
+``keras_examples``, ``keras_coupled_examples``: issue 46's) on 2 ranks, through ``hvdtrain.fit``
+(on the default backend) and through the Horovod drop-in, each against the same program in one
+plain Keras process with the global batch.
 
-Three jobs, each running every program of its mode one after the other
-(``keras_program_ranks``): ``hvdtrain`` on Horovod, the drop-in (``import hvdtrain.keras as
-hvd``; the default backend) and the one-process reference. Each job runs once, when a test
-first needs it. (hvdtrain on TensorFlow's collectives is held to one process by other files'
-tests, see ``RUNS``.) The checks, per program and run:
+The program harness (``programs``) runs every program of a mode one after the other: on 2
+ranks, the ``hvdtrain`` mode (with the user-program set's programs) and then, in the same
+processes, the drop-in's (``import hvdtrain.keras as hvd``); in one process, the reference
+(both sets). Each launch runs once per session, when a test first needs it. (hvdtrain on
+TensorFlow's collectives is held to one process by other files' tests:
+``test_training_distributed``, ``test_compiled_models``, ``test_zero`` and the rank checks, on
+both backends.) The checks, per program and run:
 
 * both ranks end with identical weights;
 * weights and every epoch's metrics within the program's stated tolerance of one process
   (1e-5 relative where the program draws nothing at random; the drop-in's is wider where a
   rank's last batch is smaller than the other's, since its update is a mean of the ranks'
-  means; see ``keras_programs.Spec``);
+  means; see ``programs.harness.Spec``);
 * the History and the batch logs (what users' callbacks see) have exactly one process's keys;
 * every epoch runs as many steps as in one process, on both ranks, and a model's own
   ``train_step`` runs as often as in one process;
 * every example is trained on (and validated on) as often as in one process, counted per
   example id, for the programs that say so exactly once per epoch (odd example counts, uneven
   shards, seeded, unseeded-and-refused and function-built shuffles). Why through a compiled
-  metric (``keras_programs.SeenIds``, on an extra output that echoes an id input): hvdtrain's
-  exact step fills a rank that runs short with real batches of its own data carrying loss
-  weight zero, which a layer counting ids in the forward pass would count too, while compiled
-  metrics are updated with real rows only; Keras updates them once per example trained on or
-  validated on, so training and validation ids (disjoint ranges) come out of one counter. A
-  model with its own ``train_step`` (the Distiller) counts in its step, which never sees
-  filler. The count therefore also holds hvdtrain to updating a user's compiled metrics
+  metric (``programs.harness.SeenIds``, on an extra output that echoes an id input):
+  hvdtrain's exact step fills a rank that runs short with real batches of its own data
+  carrying loss weight zero, which a layer counting ids in the forward pass would count too,
+  while compiled metrics are updated with real rows only; Keras updates them once per example
+  trained on or validated on, so training and validation ids (disjoint ranges) come out of one
+  counter. A model with its own ``train_step`` (the Distiller) counts in its step, which never
+  sees filler. The count therefore also holds hvdtrain to updating a user's compiled metrics
   nowhere else (no probe batch, no extra evaluation);
 * where a batch's rows are coupled (a loss over the batch, batch normalisation per rank;
   ``Spec.coupled``): hvdtrain is one process's to 1e-5, or rank 0 says so in one line at the
@@ -35,109 +38,39 @@ tests, see ``RUNS``.) The checks, per program and run:
   callbacks that write files writing each once, the drop-in keeping the user's optimizer (a
   schedule without ``get_config``).
 
-Cost on the project's 2-core VM, shared with other work, each measured right after the four
-jobs of issue 27's programs alone (hvdtrain on Horovod and on TensorFlow's collectives, the
-drop-in, one process) under the same load: at load 2-3, 104 s (hvdtrain 59 s, the drop-in 18 s,
-one process 24 s) against their 110 s (28, 40, 29 and 11 s); at load 6-9, 248 s (142, 47 and
-53 s) against 331 s (129, 115, 46 and 34 s). Four of issue 46's programs still failed early
-there (hvdtrain's step raised, each under a second), so their hvdtrain runs will cost about a
-second or two more each. Each job's wall time is printed (``-s``) and its output
-kept in ``<mode>.log`` under the test's temporary directory. Working on the checks alone,
-``KERAS_PROGRAMS_REUSE=DIR`` reads earlier jobs' files from ``DIR/<mode>-<backend>/`` instead of
-running them (``keras-auto``, ``dropin-auto``, ``hvdtrain-horovod``).
+Each launch's wall time is printed (``-s``) and its output kept under its temporary directory
+(``programs.jobs``).
 """
 
 from __future__ import annotations
 
-import json
-import os
 import re
-import subprocess
-import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from conftest import LAUNCHER, RANK_PYTHONPATH, launch
-from keras_examples import PROGRAMS
-from keras_programs import VAL_IDS
+from programs.harness import VAL_IDS
+from programs.jobs import Job, counts, shared_job, weights
+from programs.sets import KERAS as PROGRAMS
 
 pytestmark = pytest.mark.distributed
-BATCH = 16         # per rank; one process runs 2 x BATCH
-JOB_TIMEOUT = 420
-# The distributed runs: (mode, backend). hvdtrain on TensorFlow's collectives is not run here:
-# that seam is held to one process by test_user_programs, test_compiled_models and
-# test_training_distributed on both backends, and its job's time pays for issue 46's programs.
-RUNS = [("hvdtrain", "horovod"), ("dropin", "auto")]
+RUNS = ["hvdtrain", "dropin"]       # the distributed jobs, each against the reference
 NAMES = list(PROGRAMS)
 COUNTED = [name for name, spec in PROGRAMS.items() if spec.counted]
 COUPLED = [name for name, spec in PROGRAMS.items() if spec.coupled]
 EXACT = 1e-5
 
 
-@dataclass
-class Job:
-    mode: str
-    records: list[dict]       # per rank: program name -> record
-    output: str
-    returncode: int | None
-    seconds: float
-
-    def record(self, name: str, rank: int = 0) -> dict:
-        """A program's record on ``rank``; fails naming what happened when it is missing or the
-        program raised."""
-        records = self.records[rank] if rank < len(self.records) else {}
-        if name not in records:
-            pytest.fail(f"the {self.mode} job left no record of {name} on rank {rank} "
-                        f"(exit {self.returncode}):\n{self.output[-3000:]}")
-        record = records[name]
-        if record["error"]:
-            pytest.fail(f"{name} raised on rank {rank} under {self.mode}: {record['error']}")
-        return record
-
-
-def run_job(out: Path, mode: str, backend: str) -> Job:
-    ranks = 1 if mode == "keras" else 2
-    kept = os.environ.get("KERAS_PROGRAMS_REUSE")    # working on the checks: earlier jobs' files
-    if kept and (Path(kept) / f"{mode}-{backend}" / f"{mode}-0.json").exists():
-        out = Path(kept) / f"{mode}-{backend}"
-        records = [json.loads((out / f"{mode}-{rank}.json").read_text()) for rank in range(ranks)]
-        return Job(mode, records, f"(reused {out})", 0, 0.0)
-    out.mkdir(parents=True, exist_ok=True)
-    env = {"PYTHONPATH": RANK_PYTHONPATH}
-    if backend != "auto":
-        env["HVDTRAIN_BACKEND"] = backend
-    batch = BATCH * (2 if ranks == 1 else 1)
-    started = time.perf_counter()
-    try:
-        result = launch(LAUNCHER if ranks > 1 else "none", ranks, [mode, str(out), str(batch)],
-                        cwd=out, module="keras_program_ranks", timeout=JOB_TIMEOUT, **env)
-        output, code = result.stdout + result.stderr, result.returncode
-    except subprocess.TimeoutExpired as error:
-        output = "".join(part.decode() if isinstance(part, bytes) else part or ""
-                         for part in (error.stdout, error.stderr))
-        output += f"\n(killed after {JOB_TIMEOUT} s)"
-        code = None
-    seconds = time.perf_counter() - started
-    (out / f"{mode}.log").write_text(output)
-    print(f"\nkeras programs: {mode} job on {backend}: {seconds:.1f} s, exit {code}")
-    records = [json.loads(path.read_text()) if path.exists() else {}
-               for path in (out / f"{mode}-{rank}.json" for rank in range(ranks))]
-    return Job(mode, records, output, code, seconds)
-
-
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def reference(tmp_path_factory) -> Job:
     """One plain Keras process with the global batch."""
-    return run_job(tmp_path_factory.mktemp("keras-programs-keras"), "keras", "auto")
+    return shared_job("keras", tmp_path_factory)
 
 
-@pytest.fixture(scope="module", params=RUNS, ids=[f"{mode}-{backend}" for mode, backend in RUNS])
+@pytest.fixture(scope="module", params=RUNS)
 def run(request, tmp_path_factory) -> Job:
-    mode, backend = request.param
-    return run_job(tmp_path_factory.mktemp(f"keras-programs-{mode}-{backend}"), mode, backend)
+    return shared_job(request.param, tmp_path_factory)
 
 
 def in_mode(job: Job, name: str) -> None:
@@ -150,19 +83,6 @@ def compared(job: Job, name: str) -> None:
     in_mode(job, name)
     if "keras" not in PROGRAMS[name].modes:
         pytest.skip(f"{name} has no one-process reference: {PROGRAMS[name].skipped}")
-
-
-def weights(record: dict) -> dict[str, list[np.ndarray]]:
-    found = {}
-    for model, path in record["weights"].items():
-        with np.load(path) as archive:
-            found[model] = [archive[key] for key in archive.files]
-    return found
-
-
-def counts(record: dict, counter: str = "ids") -> dict[int, int]:
-    seen = record["counts"][counter]
-    return dict(zip(seen["ids"], seen["times"]))
 
 
 def epochs_trained(record: dict) -> int:
@@ -202,7 +122,7 @@ def test_both_ranks_end_with_identical_weights(run, name):
 
 @pytest.mark.parametrize("name", NAMES)
 def test_weights_and_metrics_equal_one_process(run, reference, name):
-    """Within the program's stated tolerance (``keras_programs.Spec``)."""
+    """Within the program's stated tolerance (``programs.harness.Spec``)."""
     compared(run, name)
     spec = PROGRAMS[name]
     tolerance = spec.dropin_tolerance if run.mode == "dropin" else spec.tolerance
@@ -380,7 +300,7 @@ def test_a_prebatched_pipelines_log_states_the_real_global_batch(run):
     said = [line for line in run.record("prebatched_pipeline")["fits"][0]["said"]
             if "global batch" in line]
     stated = re.findall(r"global batch (?:\d+ x \d+ = )?(\d+)", "\n".join(said))
-    assert stated and set(stated) == {str(2 * BATCH)}, said
+    assert stated and set(stated) == {str(2 * PROGRAMS["prebatched_pipeline"].batch)}, said
 
 
 def test_callbacks_that_write_files_write_each_file_once(run):
