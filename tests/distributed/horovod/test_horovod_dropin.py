@@ -3,9 +3,10 @@ backends.
 
 Launches on 2 ranks (the single-process checks of the argument mapping and of what imports
 without Horovod: tests/unit/dropin/test_dropin.py), each parametrised over the backend the ranks
-choose (``HVDTRAIN_BACKEND`` under ``horovodrun``; ``no-horovod``: ``launch/mpirun.sh`` into
-processes where ``import horovod`` fails, so the drop-in's auto choice is TensorFlow's
-collectives):
+choose (``HVDTRAIN_BACKEND``: Horovod's under ``horovodrun``, TensorFlow's under
+``launch/mpirun.sh``, whose job skips horovodrun's build check, as the launcher is not what
+those launches test; ``no-horovod``: ``launch/mpirun.sh`` into processes where ``import
+horovod`` fails, so the drop-in's auto choice is TensorFlow's collectives):
 * ``dropin_rank_checks.py`` under pytest on every rank: Horovod's applicable
   ``test_tensorflow2_keras.py`` tests re-expressed for Keras 3, plus the behaviour Horovod users
   rely on (elastic states, ``broadcast_``, TensorFlow 1 graphs, zero-sized, scalar and
@@ -41,11 +42,16 @@ PROGRAMS = RANKS / "horovod_programs"
 BACKENDS = ["horovod", "tensorflow"]
 
 
-def horovodrun(cwd: Path, *program: str, backend: str = "horovod", **env: str) -> str:
-    """Run ``python PROGRAM`` on 2 ranks in ``cwd`` on ``backend``; fail with the output unless
+def on_two_ranks(cwd: Path, *program: str, backend: str = "horovod") -> str:
+    """Run ``python PROGRAM`` on 2 ranks in ``cwd`` on ``backend`` (Horovod's: with horovodrun,
+    as its users launch; TensorFlow's: with ``launch/mpirun.sh``); fail with the output unless
     it succeeds."""
-    command = [str(BIN / "horovodrun"), "-np", "2", str(BIN / "python"), *program]
-    return run_ranks(command, cwd, HVDTRAIN_BACKEND=backend, **env)
+    if backend == "horovod":
+        command = [str(BIN / "horovodrun"), "-np", "2", str(BIN / "python"), *program]
+    else:
+        command = [str(REPO / "launch" / "mpirun.sh"), "-np", "2", "--command",
+                   " ".join([str(BIN / "python"), *program])]
+    return run_ranks(command, cwd, HVDTRAIN_BACKEND=backend)
 
 
 def mpirun_without_horovod(cwd: Path, shim: str, *program: str) -> str:
@@ -74,9 +80,9 @@ def assert_identical_weights(directory: Path) -> None:
 @pytest.mark.distributed
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_horovod_keras_tests_reexpressed_pass_on_two_ranks(tmp_path, backend):
-    output = horovodrun(tmp_path, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                        "-W", "ignore::DeprecationWarning",
-                        str(RANKS / "dropin_rank_checks.py"), backend=backend)
+    output = on_two_ranks(tmp_path, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                          "-W", "ignore::DeprecationWarning",
+                          str(RANKS / "dropin_rank_checks.py"), backend=backend)
     summaries = re.findall(r"(\d+) passed", output)
     assert len(summaries) == 2 and summaries[0] == summaries[1] and int(summaries[0]) >= 30
     assert " failed" not in output
@@ -128,7 +134,7 @@ def test_keras_fit_with_horovods_callbacks_and_rank0_checkpoints(tmp_path, setup
     TensorFlow's collectives): the same training, both ranks identical."""
     program = str(PROGRAMS / "keras_fit_callbacks.py")
     if setup == "horovod":
-        horovodrun(tmp_path, program)
+        on_two_ranks(tmp_path, program)
     else:
         output = mpirun_without_horovod(tmp_path, no_horovod, program)
         assert output.count("hvdtrain: TensorFlow's collectives, not Horovod (auto: Horovod is "
@@ -149,7 +155,7 @@ def test_keras_fit_with_horovods_callbacks_and_rank0_checkpoints(tmp_path, setup
 def test_gradient_tape_loop_with_broadcast_after_the_first_step(tmp_path, backend):
     """``gradient_tape_loop.py``: the ranks' averaged loss falls, both ranks log the same
     averages and end identical, rank 0 alone writes the checkpoint."""
-    output = horovodrun(tmp_path, str(PROGRAMS / "gradient_tape_loop.py"), backend=backend)
+    output = on_two_ranks(tmp_path, str(PROGRAMS / "gradient_tape_loop.py"), backend=backend)
     reports = rank_reports(tmp_path)
     assert reports[0] == reports[1]                          # hvd.allreduce of the metrics
     logged = reports[0]["logged"]
@@ -173,8 +179,8 @@ def test_synthetic_throughput_with_fp16_allreduce(tmp_path, backend):
     ends in the drop-in's refusal, checked for ``DistributedGradientTape`` on 2 ranks in
     ``dropin_rank_checks.py`` (a launch here would only repeat it)."""
     adasum = ["--use-adasum"] if backend == "horovod" else []
-    output = horovodrun(tmp_path, str(PROGRAMS / "synthetic_throughput.py"), *SMALL_BENCHMARK,
-                        *adasum, backend=backend)
+    output = on_two_ranks(tmp_path, str(PROGRAMS / "synthetic_throughput.py"), *SMALL_BENCHMARK,
+                          *adasum, backend=backend)
     reports = rank_reports(tmp_path)
     assert all(report["last_loss"] < report["first_loss"] for report in reports)
     rates = [sum(report["img_per_sec"]) / 3 for report in reports]
