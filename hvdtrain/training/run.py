@@ -1,9 +1,10 @@
 """One training run on every rank, in phases: setup (world, run directory, data, model and
 step, probed on a real batch: ``prepared``), restore (``checkpoints.restore``), train (Keras
 ``fit``, the custom loop or the elastic loop, with the run's callbacks), finish (exact held-out
-metrics, weights compared across ranks, rank 0's files: ``closing``). The CLI and ``hvdtrain.fit`` share it. What a run changes
-in the process is put back when it ends (``process_state``), and a run that fails on one rank
-leaves the collectives so no peer waits for it.
+metrics, weights compared across ranks, rank 0's files: ``closing``). The CLI and
+``hvdtrain.fit`` share it. What a run changes in the process is put back when it ends
+(``process_state``), and a run that fails on one rank leaves the collectives so no peer waits
+for it.
 """
 
 from __future__ import annotations
