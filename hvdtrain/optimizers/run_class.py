@@ -29,8 +29,7 @@ _ATTACHED = "_hvdtrain_run"
 class RunOptimizer:
     """Mixed in before the user's optimizer class: ``apply`` with Keras' own checks and lazy
     build, then ``apply_for_the_run``; what ``applied_by_keras`` says stays the user's class's
-    own update (``keras_apply``).
-    ``hvdtrain_settings``: its class's setting (``run_class``)."""
+    own update (``keras_apply``). ``hvdtrain_settings``: the class's setting (``run_class``)."""
 
     hvdtrain_settings: Any = None
 

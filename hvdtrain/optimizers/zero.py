@@ -154,7 +154,8 @@ def saved_from_pieces(optimizers: Sequence[keras.optimizers.Optimizer]) -> Itera
             try:
                 drain(stream, quietly=in_flight is not None)
             finally:   # the class comes back; its state stays in pieces (the process ends)
-                object.__delattr__(optimizer, "_hvdtrain_stream")
+                if "_hvdtrain_stream" in vars(optimizer):
+                    object.__delattr__(optimizer, "_hvdtrain_stream")
                 give_back(optimizer)
 
 
