@@ -19,7 +19,7 @@ import tensorflow as tf
 
 from hvdtrain.collectives import GradientReduction
 from hvdtrain.optimizers.run_class import Kept, RunOptimizer, class_for_the_run, run_class
-from hvdtrain.training.step.accumulation import Accumulation
+from hvdtrain.optimizers.accumulation import Accumulation
 
 # How a distributed optimizer combines a list of gradients across ranks (None stays None).
 Reducer = Callable[[Sequence[Any], GradientReduction], list[Any]]

@@ -23,7 +23,7 @@ import keras
 import tensorflow as tf
 
 from hvdtrain.collectives import Collectives, GradientReduction, gathered_rows
-from hvdtrain.training.step.accumulation import Accumulation
+from hvdtrain.optimizers.accumulation import Accumulation
 from hvdtrain.training.memory import variable_bytes
 from hvdtrain.training.step.sync_batch_norm import batch_rows
 from hvdtrain.training.step.votes import StopVotes
