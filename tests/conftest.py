@@ -169,13 +169,15 @@ def final_weights(run_dir: Path) -> list:
     return keras.saving.load_model(run_dir / "model.keras", safe_mode=True).get_weights()
 
 
-def probe_shards(tmp: Path, kind: str, what: str, batch: int) -> list[dict]:
-    """Every rank's example ids, step counts and weight sums over two epochs (shard_probe)."""
-    out = tmp / f"shards-{kind}.json"
-    result = launch(LAUNCHER, 2, [kind, what, str(batch), str(out)], module="shard_probe",
-                    PYTHONPATH=RANK_PYTHONPATH)
+def probe_shards(tmp: Path, *probes: tuple[str, str, int]) -> list[list[dict]]:
+    """Per ``(kind, what, batch)`` probe: every rank's example ids, step counts and weight sums
+    over two epochs (shard_probe; all the probes in one launch)."""
+    outs = [tmp / f"shards-{kind}-{index}.json" for index, (kind, _, _) in enumerate(probes)]
+    args = [str(arg) for (kind, what, batch), out in zip(probes, outs)
+            for arg in (kind, what, batch, out)]
+    result = launch(LAUNCHER, 2, args, module="shard_probe", PYTHONPATH=RANK_PYTHONPATH)
     assert result.returncode == 0, result.stdout + result.stderr
-    return json.loads(out.read_text())
+    return [json.loads(out.read_text()) for out in outs]
 
 
 def assert_partition(records: list[dict], num_examples: int, steps: int) -> None:
@@ -216,35 +218,14 @@ BACKENDS = ("horovod", "tensorflow")
 
 
 @pytest.fixture(scope="session")
-def exact_run(session_tmp):
-    """The exactness runs, each trained once when a test first asks for it: 2 ranks x batch 16
-    at rate 0.05 (linear scaling: 0.1) on a backend, against 1 rank x 32 at 0.1.
+def training_runs(session_tmp):
+    """``training_runs(group, name)``: a run directory of the trainer and option tests
+    (tests/support/training_cases.py), each group trained in one launch when a test first asks
+    for one of its runs."""
+    from case_jobs import trained_on_demand
+    from training_cases import cases
 
-    1,438 training examples do not divide into global batches of 32: the last one is short,
-    and the equivalence covers it.
-    """
-    made: dict[tuple, Path] = {}
-
-    def run(loop: str, ranks: int, backend: str = "horovod") -> Path:
-        key = (loop, ranks, backend if ranks > 1 else "none")
-        if key not in made:
-            if ranks == 1:
-                made[key] = train(session_tmp, f"exact-{loop}-1", *EXACT, "--loop", loop,
-                                  "--batch-size", "32", "--learning-rate", "0.1", np=1)
-            else:
-                made[key] = train(session_tmp, f"exact-{loop}-2-{backend}", *EXACT, "--loop",
-                                  loop, "--batch-size", "16", "--learning-rate", "0.05",
-                                  "--backend", backend)
-        return made[key]
-
-    return run
-
-
-@pytest.fixture(scope="session")
-def exact_runs(exact_run):
-    """The Horovod backend's exactness runs by (loop, ranks)."""
-    return {(loop, ranks): exact_run(loop, ranks) for loop in ("fit", "custom")
-            for ranks in (2, 1)}
+    return trained_on_demand(lambda group: session_tmp / f"cases-{group}", cases)
 
 
 @pytest.fixture(scope="session")

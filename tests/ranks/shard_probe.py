@@ -4,6 +4,9 @@ to the output file (a file, because launchers split long output lines).
 
     python -m shard_probe arrays NUM_EXAMPLES BATCH OUT
     python -m shard_probe tfrecord DIR BATCH OUT       (DIR/train-*; labels: the example ids)
+
+Several probes, one after the other in the same ranks (one launch): their four arguments in a
+row, ``KIND WHAT BATCH OUT KIND WHAT BATCH OUT ...``.
 """
 
 from __future__ import annotations
@@ -21,9 +24,8 @@ from hvdtrain.data.files import tfrecord_split
 from hvdtrain.data.pipeline import ShardSpec
 
 
-def main() -> None:
-    kind, what, batch, out = sys.argv[1], sys.argv[2], int(sys.argv[3]), Path(sys.argv[4])
-    collectives = init_collectives()
+def probe(collectives, kind: str, what: str, batch: int, out: Path) -> None:
+    """One probe: rank 0 writes every rank's record to ``out``."""
     world = collectives.world
     if kind == "arrays":
         ids = np.arange(int(what))
@@ -46,6 +48,14 @@ def main() -> None:
     everyone = collectives.allgather_object(record)
     if world.is_chief:
         out.write_text(json.dumps(everyone))
+
+
+def main() -> None:
+    collectives = init_collectives()
+    args = sys.argv[1:]
+    for start in range(0, len(args), 4):
+        kind, what, batch, out = args[start:start + 4]
+        probe(collectives, kind, what, int(batch), Path(out))
 
 
 if __name__ == "__main__":

@@ -12,8 +12,8 @@ import re
 import numpy as np
 import pytest
 
-from conftest import (LAUNCHER, assert_partition, launch, probe_shards, read_metrics, read_summary,
-                      train)
+from case_jobs import train_together
+from conftest import LAUNCHER, assert_partition, launch, probe_shards, read_metrics, read_summary
 from hvdtrain.data.convert import convert
 
 
@@ -26,42 +26,59 @@ def _id_dataset(tmp_path, n: int, shards: int):
     return str(tmp_path / f"ids-{shards}")      # its train-* files
 
 
+SHARDINGS = [(5, "file", 11), (1, "element", 9)]
+
+
+@pytest.fixture(scope="module")
+def tfrecord_probes(tmp_path_factory) -> dict[int, list[dict]]:
+    """Per number of files: the probe's records of 203 ids as that many TFRecord files, both
+    probes in one launch."""
+    tmp = tmp_path_factory.mktemp("tfrecord-probes")
+    shard_counts = [shards for shards, _, _ in SHARDINGS]
+    records = probe_shards(tmp, *[("tfrecord", _id_dataset(tmp, 203, shards), 12)
+                                  for shards in shard_counts])
+    return dict(zip(shard_counts, records))
+
+
 @pytest.mark.distributed
-@pytest.mark.parametrize("shards, mode, steps", [(5, "file", 11), (1, "element", 9)])
-def test_tfrecord_sharding_is_a_partition_in_both_modes(tmp_path, shards, mode, steps):
+@pytest.mark.parametrize("shards, mode, steps", SHARDINGS)
+def test_tfrecord_sharding_is_a_partition_in_both_modes(tfrecord_probes, shards, mode, steps):
     # 203 records, 2 ranks x 12. File mode: shards of 41, 41, 41, 41, 39; the largest share a
     # rank can draw is 3 files = 123 records -> 11 steps. Element mode: 102 -> 9 steps.
-    records = probe_shards(tmp_path, "tfrecord", _id_dataset(tmp_path, 203, shards), 12)
+    records = tfrecord_probes[shards]
     assert {r["mode"] for r in records} == {mode}
     assert_partition(records, 203, steps=steps)
 
 
 @pytest.mark.distributed
 def test_tfrecord_and_csv_train_on_two_ranks(tmp_path):
+    """The same examples as TFRecord files and as CSV files, both trained in one launch."""
     rng = np.random.default_rng(2)
     teacher = rng.standard_normal((5, 3))
     x = rng.standard_normal((400, 5)).astype(np.float32)
     y = np.argmax(x @ teacher, axis=1)
     np.savez(tmp_path / "t.npz", x=x[:300], y=y[:300], x_val=x[300:], y_val=y[300:])
     convert(tmp_path / "t.npz", tmp_path / "rec", shards=1)    # 1 file < 2 ranks: by element
-    run = train(tmp_path, "tfrecord", "--dataset", "tfrecord", "--data-path",
-                str(tmp_path / "rec" / "train-*"), "--val-data-path",
-                str(tmp_path / "rec" / "validation-*"), "--epochs", "8", "--cache",
-                "--lr-schedule", "step", "--lr-decay-epochs", "3", "--lr-decay-factor", "0.5",
-                "--warmup-epochs", "0")
-    assert "sharding 1 file(s) across 2 rank(s) by element" in run.with_suffix(".log").read_text()
-    assert read_summary(run)["metrics"]["val_accuracy"] > 0.8
-    # 150 records per rank / 32 = 5 steps an epoch; x0.5 every 15 steps, after linear scaling.
-    assert [row["lr"] for row in read_metrics(run)] == pytest.approx(
-        [0.1, 0.1, 0.1, 0.05, 0.05, 0.05, 0.025, 0.025])
     for name, rows in (("train", range(300)), ("val", range(300, 400))):
         with open(tmp_path / f"{name}.csv", "w", newline="") as handle:
             writer = csv.writer(handle)
             writer.writerow(["a", "b", "label", "c", "d", "e"])
             for i in rows:
                 writer.writerow([*x[i, :2], y[i], *x[i, 2:]])
-    run = train(tmp_path, "csv", "--dataset", "csv", "--data-path", str(tmp_path / "train.csv"),
-                "--val-data-path", str(tmp_path / "val.csv"), "--epochs", "8")
+    runs = train_together(tmp_path, {
+        "tfrecord": ["--dataset", "tfrecord", "--data-path", str(tmp_path / "rec" / "train-*"),
+                     "--val-data-path", str(tmp_path / "rec" / "validation-*"), "--epochs",
+                     "8", "--cache", "--lr-schedule", "step", "--lr-decay-epochs", "3",
+                     "--lr-decay-factor", "0.5", "--warmup-epochs", "0"],
+        "csv": ["--dataset", "csv", "--data-path", str(tmp_path / "train.csv"),
+                "--val-data-path", str(tmp_path / "val.csv"), "--epochs", "8"]})
+    run = runs["tfrecord"]
+    assert "sharding 1 file(s) across 2 rank(s) by element" in run.with_suffix(".log").read_text()
+    assert read_summary(run)["metrics"]["val_accuracy"] > 0.8
+    # 150 records per rank / 32 = 5 steps an epoch; x0.5 every 15 steps, after linear scaling.
+    assert [row["lr"] for row in read_metrics(run)] == pytest.approx(
+        [0.1, 0.1, 0.1, 0.05, 0.05, 0.05, 0.025, 0.025])
+    run = runs["csv"]
     assert read_summary(run)["metrics"]["val_accuracy"] > 0.8
     assert read_summary(run)["weights_identical"]
 

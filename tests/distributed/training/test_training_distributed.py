@@ -1,61 +1,69 @@
-"""The trainer core, proven with real ranks started by launch/mpirun.sh (and horovodrun)."""
+"""The trainer core, proven with real ranks started by launch/mpirun.sh (and horovodrun).
+
+The training runs these tests read (and test_training_options.py's) are trained in three
+launches, one per backend and one process for the references (conftest's ``training_runs``,
+tests/support/training_cases.py): each run is the command line it was as a job of its own, in
+ranks that had trained other cases before it (a run restores the process-wide state it set)."""
 
 from __future__ import annotations
 
 import math
 import re
-import textwrap
 
 import keras
 import numpy as np
 import pytest
 
-from conftest import (BACKENDS, EXACT, LAUNCHER, assert_partition, assert_same_weights,
-                      final_weights, launch, probe_shards, read_metrics, read_summary, train)
+from conftest import (BACKENDS, LAUNCHER, assert_partition, assert_same_weights, final_weights,
+                      launch, probe_shards, read_metrics, read_summary, train)
 from hvdtrain.config import ModelConfig
 from hvdtrain.models import build_model
+from training_cases import BUCKETS, bucket_case, plugin_data
 
 pytestmark = pytest.mark.distributed
 
 
+def exact(training_runs, loop: str, ranks: int, backend: str = "horovod"):
+    """The exactness run of ``loop`` on 2 ranks of ``backend``, or its one-process reference."""
+    if ranks == 1:
+        return training_runs("one", f"exact-{loop}-1")
+    return training_runs(backend, f"exact-{loop}-2-{backend}")
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("loop", ["fit", "custom"])
-def test_two_ranks_compute_what_one_process_with_twice_the_batch_does(exact_run, loop, backend):
-    two, one = final_weights(exact_run(loop, 2, backend)), final_weights(exact_run(loop, 1))
+def test_two_ranks_compute_what_one_process_with_twice_the_batch_does(training_runs, loop,
+                                                                      backend):
+    two = final_weights(exact(training_runs, loop, 2, backend))
+    one = final_weights(exact(training_runs, loop, 1))
     assert_same_weights(two, one, atol=2e-5)
     # The tolerance is far below how far training moved the weights from their start.
     keras.utils.set_random_seed(1)
     start = build_model(ModelConfig(hidden_units=[32], weight_decay=0.001), (8, 8, 1),
                         10).get_weights()
     assert max(np.abs(a - b).max() for a, b in zip(one, start)) > 0.05
-    assert read_summary(exact_run(loop, 2, backend))["weights_identical"]
-    log = exact_run(loop, 2, backend).with_suffix(".log").read_text()
+    assert read_summary(exact(training_runs, loop, 2, backend))["weights_identical"]
+    log = exact(training_runs, loop, 2, backend).with_suffix(".log").read_text()
     assert f"backend: {backend} (as asked)" in log
 
 
 @pytest.mark.parametrize("loop", ["fit", "custom"])
-def test_both_backends_end_with_the_same_weights(exact_run, loop):
+def test_both_backends_end_with_the_same_weights(training_runs, loop):
     """The same deterministic run on Horovod's collectives and on TensorFlow's: the sums are
     taken in the same order (two ranks), so the weights agree bit for bit or within 1e-6."""
-    assert_same_weights(final_weights(exact_run(loop, 2, "horovod")),
-                        final_weights(exact_run(loop, 2, "tensorflow")), atol=1e-6)
+    assert_same_weights(final_weights(exact(training_runs, loop, 2, "horovod")),
+                        final_weights(exact(training_runs, loop, 2, "tensorflow")), atol=1e-6)
 
 
-@pytest.mark.parametrize("backend, loop, accumulation, order", [
-    ("horovod", "fit", 2, "ready"), ("tensorflow", "custom", 1, "issued"),
-    ("horovod", "custom", 1, "issued")])
-def test_gradients_in_several_buckets_compute_what_one_process_does(session_tmp, exact_run,
-                                                                    backend, loop,
+@pytest.mark.parametrize("backend, loop, accumulation, order", BUCKETS)
+def test_gradients_in_several_buckets_compute_what_one_process_does(training_runs, backend, loop,
                                                                     accumulation, order):
     """--bucket-mib 0.001 (1,049 bytes) sends the MLP's gradients in several allreduces, the
     loss and the stop votes riding in the first, submitted as each is ready or (``--bucket-order
     issued``) each after the one before: 2 ranks x b (x k accumulated) still make the update of
     one process with the whole batch, and the same as one group (within 1e-6 on the same
     backend and loop)."""
-    run = train(session_tmp, f"buckets-{backend}-{loop}-{accumulation}", *EXACT, "--loop",
-                loop, "--batch-size", str(16 // accumulation), "--accumulation-steps",
-                str(accumulation), "--learning-rate", "0.05", "--bucket-mib", "0.001",
-                "--backend", backend, "--bucket-order", order)
+    run = training_runs(backend, bucket_case(backend, loop, accumulation, order))
     log = run.with_suffix(".log").read_text()
     buckets = re.search(r"gradients: [\d.]+ MiB in (\d+) bucket", log)
     assert buckets and int(buckets.group(1)) >= 2
@@ -64,17 +72,18 @@ def test_gradients_in_several_buckets_compute_what_one_process_does(session_tmp,
     in_order = "each sent once the one before has completed (one order on every rank)"
     assert (in_order in log) == (accumulation == 1 and (backend == "tensorflow"
                                                         or order == "issued")), log[-2000:]
-    assert_same_weights(final_weights(run), final_weights(exact_run(loop, 1)), atol=2e-5)
+    assert_same_weights(final_weights(run), final_weights(exact(training_runs, loop, 1)),
+                        atol=2e-5)
     if accumulation == 1:
-        assert_same_weights(final_weights(run), final_weights(exact_run(loop, 2, backend)),
-                            atol=1e-6)
+        assert_same_weights(final_weights(run),
+                            final_weights(exact(training_runs, loop, 2, backend)), atol=1e-6)
     assert read_summary(run)["weights_identical"]
 
 
-def test_fit_and_custom_loop_give_the_same_result(exact_runs):
-    assert_same_weights(final_weights(exact_runs["fit", 2]),
-                        final_weights(exact_runs["custom", 2]), atol=1e-6)
-    fit, custom = read_metrics(exact_runs["fit", 2]), read_metrics(exact_runs["custom", 2])
+def test_fit_and_custom_loop_give_the_same_result(training_runs):
+    fit, custom = exact(training_runs, "fit", 2), exact(training_runs, "custom", 2)
+    assert_same_weights(final_weights(fit), final_weights(custom), atol=1e-6)
+    fit, custom = read_metrics(fit), read_metrics(custom)
     for a, b in zip(fit, custom):
         assert a["val_accuracy"] == pytest.approx(b["val_accuracy"], abs=1e-9)
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-4)
@@ -82,16 +91,22 @@ def test_fit_and_custom_loop_give_the_same_result(exact_runs):
 
 def test_sharding_is_a_partition_with_equal_steps(tmp_path):
     # 1,001 examples, 2 ranks x 16: 32 steps, the last global batch holds 9 examples.
-    records = probe_shards(tmp_path, "arrays", "1001", 16)
+    [records] = probe_shards(tmp_path, ("arrays", "1001", 16))
     assert_partition(records, 1001, steps=32)
 
 
 @pytest.mark.parametrize("launcher", ["horovodrun", "mpirun"])
-def test_ranks_seeded_differently_agree_after_the_first_step(session_tmp, launcher):
+def test_ranks_seeded_differently_agree_after_the_first_step(session_tmp, training_runs,
+                                                             launcher):
+    """Each launcher's rank variables seed the ranks differently. The mpirun run is a case of
+    the Horovod job (launch/mpirun.sh); horovodrun's is a launch of its own."""
     # 80 synthetic examples, 20% held out: 64 to train = one step of 2 x 32.
-    run = train(session_tmp, f"broadcast-{launcher}", "--dataset", "synthetic",
-                "--synthetic-examples", "80", "--epochs", "1", "--batch-size", "32",
-                launcher=launcher)
+    if launcher == "mpirun":
+        run = training_runs("horovod", "broadcast-mpirun")
+    else:
+        run = train(session_tmp, f"broadcast-{launcher}", "--dataset", "synthetic",
+                    "--synthetic-examples", "80", "--epochs", "1", "--batch-size", "32",
+                    launcher=launcher)
     summary = read_summary(run)
     before = summary["fingerprints_before_broadcast"]
     assert len(before) == 2 and before[0] != before[1]     # the seeds really differ per rank
@@ -99,30 +114,12 @@ def test_ranks_seeded_differently_agree_after_the_first_step(session_tmp, launch
     assert [row["epoch"] for row in read_metrics(run)] == [1]
 
 
-PLUGIN = textwrap.dedent("""
-    import keras
-
-    def build(input_shape, num_classes):
-        return keras.Sequential([keras.Input(shape=input_shape),
-                                 keras.layers.Dense(16, activation="relu"),
-                                 keras.layers.Dense(num_classes, activation="softmax")])
-""")
-
-
-def test_user_model_and_npz_train_and_eval_is_exact(session_tmp):
-    """Validation shards of unequal size and accuracy: the reported accuracy is the global one."""
-    rng = np.random.default_rng(0)
-    teacher = rng.standard_normal((6, 3))
-    x = rng.standard_normal((400, 6)).astype(np.float32)
-    x_val = rng.standard_normal((101, 6)).astype(np.float32)
-    y_val = np.argmax(x_val @ teacher, axis=1)
-    y_val[64:] = rng.integers(0, 3, 37)   # rank 1's shard (ids 64..100) is mostly noise
-    data = session_tmp / "mine.npz"
-    np.savez(data, x=x, y=np.argmax(x @ teacher, axis=1), x_val=x_val, y_val=y_val)
-    (session_tmp / "my_models.py").write_text(PLUGIN)
-    run = train(session_tmp, "plugin", "--dataset", "npz", "--data-path", str(data),
-                "--model", "my_models:build", "--epochs", "6", "--batch-size", "64",
-                PYTHONPATH=str(session_tmp))
+def test_user_model_and_npz_train_and_eval_is_exact(training_runs):
+    """Validation shards of unequal size and accuracy: the reported accuracy is the global one
+    (the model plugin and the .npz: tests/support/training_cases.py)."""
+    data = plugin_data()
+    x_val, y_val = data["x_val"], data["y_val"]
+    run = training_runs("horovod", "plugin")
     model = keras.saving.load_model(run / "model.keras", safe_mode=True)
     correct = np.argmax(model.predict(x_val, verbose=0), axis=1) == y_val
     shard_means = correct[:64].mean(), correct[64:].mean()
@@ -134,14 +131,11 @@ def test_user_model_and_npz_train_and_eval_is_exact(session_tmp):
 
 
 @pytest.fixture(scope="module")
-def resume_runs(session_tmp):
-    common = ["--epochs", "4", "--momentum", "0.9", "--warmup-epochs", "1", "--seed", "3",
-              "--hidden-units", "32", "--deterministic"]
-    straight = train(session_tmp, "straight", *common)
-    common[1] = "2"
-    resumed = train(session_tmp, "resumed", *common)
-    common[1] = "4"
-    train(session_tmp, "resumed", *common, "--resume")
+def resume_runs(training_runs):
+    """An uninterrupted 4-epoch run, and one of 2 epochs continued to 4 with --resume."""
+    straight = training_runs("horovod", "straight")
+    resumed = training_runs("horovod", "resumed")
+    training_runs("horovod", "resumed-continued")
     return straight, resumed
 
 

@@ -1,6 +1,9 @@
 """The training options and what they change: gradient accumulation equals a larger batch,
 fp16 compression and Adasum change the reduction, mixed precision trains and saves float32 (2
-ranks each). The learning-rate schedules, in one process: tests/unit/step/test_schedules.py."""
+ranks each). The learning-rate schedules, in one process: tests/unit/step/test_schedules.py.
+The runs are cases of the three launches of conftest's ``training_runs``
+(tests/support/training_cases.py); the one-process k-times batch is trained once for both
+backends' accumulation (the same command line either way)."""
 
 from __future__ import annotations
 
@@ -8,35 +11,33 @@ import keras
 import numpy as np
 import pytest
 
-from conftest import (BACKENDS, EXACT, assert_same_weights, final_weights, read_metrics,
-                      read_summary, train)
+from conftest import BACKENDS, assert_same_weights, final_weights, read_metrics, read_summary
 from hvdtrain.config import DataConfig
 from hvdtrain.data.load import load_source
+from training_cases import MIXED_PRECISION, REDUCTIONS
 
 
 @pytest.mark.distributed
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_accumulation_equals_a_k_times_larger_batch(session_tmp, backend):
-    accumulated = train(session_tmp, f"accumulated-{backend}", *EXACT, "--batch-size", "16",
-                        "--accumulation-steps", "2", "--learning-rate", "0.05", "--backend",
-                        backend)
-    large = train(session_tmp, f"large-batch-{backend}", *EXACT, "--batch-size", "64",
-                  "--learning-rate", "0.1", np=1)
+def test_accumulation_equals_a_k_times_larger_batch(training_runs, backend):
+    """2 ranks x 16 x 2 accumulated (--accumulation-steps 2) against 1 process x 64."""
+    accumulated = training_runs(backend, f"accumulated-{backend}")
+    large = training_runs("one", "large-batch")
     assert_same_weights(final_weights(accumulated), final_weights(large), atol=2e-5)
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("flag, value", [("--compression", "fp16"), ("--reduction", "adasum")])
-def test_compression_and_adasum_train_and_change_the_reduction(session_tmp, exact_runs, flag,
-                                                               value):
-    run = train(session_tmp, f"reduction-{value}", *EXACT, "--batch-size", "16",
-                "--learning-rate", "0.05", flag, value)
+@pytest.mark.parametrize("flag, value", REDUCTIONS)
+def test_compression_and_adasum_train_and_change_the_reduction(training_runs, flag, value):
+    """The exactness run's options plus ``flag value``, against the exactness run itself."""
+    run = training_runs("horovod", f"reduction-{value}")
+    exact_run = training_runs("horovod", "exact-fit-2-horovod")
     summary = read_summary(run)
-    exact = read_summary(exact_runs["fit", 2])
+    exact = read_summary(exact_run)
     assert summary["weights_identical"]
     assert summary["fingerprints"][0] != exact["fingerprints"][0]   # the option took effect
     if value == "fp16":   # fp16 rounding only: close to the exact reduction
-        assert_same_weights(final_weights(run), final_weights(exact_runs["fit", 2]), atol=5e-3)
+        assert_same_weights(final_weights(run), final_weights(exact_run), atol=5e-3)
         assert summary["metrics"]["val_accuracy"] == pytest.approx(
             exact["metrics"]["val_accuracy"], abs=0.02)
     else:                 # Adasum keeps the single-rank rate (no linear scaling) and learns
@@ -46,12 +47,9 @@ def test_compression_and_adasum_train_and_change_the_reduction(session_tmp, exac
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("precision, loop", [("mixed_float16", "fit"),
-                                             ("mixed_float16", "custom"),
-                                             ("mixed_bfloat16", "fit")])
-def test_mixed_precision_trains_and_saves_float32(session_tmp, precision, loop):
-    run = train(session_tmp, f"{precision}-{loop}", "--precision", precision, "--loop", loop,
-                "--epochs", "4", "--hidden-units", "64")
+@pytest.mark.parametrize("precision, loop", MIXED_PRECISION)
+def test_mixed_precision_trains_and_saves_float32(training_runs, precision, loop):
+    run = training_runs("horovod", f"{precision}-{loop}")
     summary = read_summary(run)
     assert summary["weights_identical"] and summary["metrics"]["val_accuracy"] > 0.85
     model = keras.saving.load_model(run / "model.keras", safe_mode=True)

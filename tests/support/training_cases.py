@@ -1,0 +1,95 @@
+"""The training runs of tests/distributed/training/test_training_distributed.py and
+test_training_options.py, grouped into three launches (``case_jobs.train_together``): every
+2-rank case on Horovod's collectives in one job, every case on TensorFlow's in another, and the
+one-process references in one process. conftest's ``training_runs`` trains a group when a test
+first asks for one of its cases; each test then asserts on its own case's run directory.
+
+The exactness runs: 2 ranks x batch 16 at rate 0.05 (linear scaling: 0.1) against 1 rank x 32
+at 0.1. 1,438 training examples do not divide into global batches of 32: the last one is short,
+and the equivalence covers it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from conftest import EXACT
+
+LOOPS = ("fit", "custom")
+# (backend, loop, accumulation steps, bucket order) of the several-buckets test.
+BUCKETS = [("horovod", "fit", 2, "ready"), ("tensorflow", "custom", 1, "issued"),
+           ("horovod", "custom", 1, "issued")]
+REDUCTIONS = [("--compression", "fp16"), ("--reduction", "adasum")]
+MIXED_PRECISION = [("mixed_float16", "fit"), ("mixed_float16", "custom"),
+                   ("mixed_bfloat16", "fit")]
+RESUME_COMMON = ["--momentum", "0.9", "--warmup-epochs", "1", "--seed", "3", "--hidden-units",
+                 "32", "--deterministic"]
+PLUGIN = """\
+import keras
+
+def build(input_shape, num_classes):
+    return keras.Sequential([keras.Input(shape=input_shape),
+                             keras.layers.Dense(16, activation="relu"),
+                             keras.layers.Dense(num_classes, activation="softmax")])
+"""
+
+
+def plugin_data() -> dict[str, np.ndarray]:
+    """A user's .npz whose validation shards differ in size and accuracy: rank 1's shard (ids
+    64..100) is mostly noise, so a mean of the ranks' accuracies would not be the global one."""
+    rng = np.random.default_rng(0)
+    teacher = rng.standard_normal((6, 3))
+    x = rng.standard_normal((400, 6)).astype(np.float32)
+    x_val = rng.standard_normal((101, 6)).astype(np.float32)
+    y_val = np.argmax(x_val @ teacher, axis=1)
+    y_val[64:] = rng.integers(0, 3, 37)
+    return {"x": x, "y": np.argmax(x @ teacher, axis=1), "x_val": x_val, "y_val": y_val}
+
+
+def two_ranks(backend: str) -> list[str]:
+    return [*EXACT, "--batch-size", "16", "--learning-rate", "0.05", "--backend", backend]
+
+
+def bucket_case(backend: str, loop: str, accumulation: int, order: str) -> str:
+    return f"buckets-{backend}-{loop}-{accumulation}"
+
+
+def cases(group: str, tmp: Path) -> dict[str, list[str]]:
+    """``name: options`` of one group ("horovod", "tensorflow" or "one"), in training order."""
+    if group == "one":
+        return {**{f"exact-{loop}-1": [*EXACT, "--loop", loop, "--batch-size", "32",
+                                       "--learning-rate", "0.1"] for loop in LOOPS},
+                "large-batch": [*EXACT, "--batch-size", "64", "--learning-rate", "0.1"]}
+    found = {f"exact-{loop}-2-{group}": [*two_ranks(group), "--loop", loop] for loop in LOOPS}
+    for backend, loop, accumulation, order in BUCKETS:
+        if backend == group:
+            found[bucket_case(backend, loop, accumulation, order)] = [
+                *EXACT, "--loop", loop, "--batch-size", str(16 // accumulation),
+                "--accumulation-steps", str(accumulation), "--learning-rate", "0.05",
+                "--bucket-mib", "0.001", "--backend", backend, "--bucket-order", order]
+    found[f"accumulated-{group}"] = [*EXACT, "--batch-size", "16", "--accumulation-steps", "2",
+                                     "--learning-rate", "0.05", "--backend", group]
+    if group != "horovod":
+        return found
+    for flag, value in REDUCTIONS:
+        found[f"reduction-{value}"] = [*EXACT, "--batch-size", "16", "--learning-rate", "0.05",
+                                       flag, value]
+    for precision, loop in MIXED_PRECISION:
+        found[f"{precision}-{loop}"] = ["--precision", precision, "--loop", loop, "--epochs",
+                                        "4", "--hidden-units", "64"]
+    np.savez(tmp / "mine.npz", **plugin_data())
+    (tmp / "my_models.py").write_text(PLUGIN)
+    # Ranks seeded differently agree after the first step (80 examples, 20% held out: one step
+    # of 2 x 32); under horovodrun: the test's own launch.
+    found["broadcast-mpirun"] = ["--dataset", "synthetic", "--synthetic-examples", "80",
+                                 "--epochs", "1", "--batch-size", "32"]
+    found["plugin"] = ["--dataset", "npz", "--data-path", str(tmp / "mine.npz"), "--model",
+                       "my_models:build", "--epochs", "6", "--batch-size", "64"]
+    # An uninterrupted run; one of 2 of its 4 epochs, then continued to 4 (--resume).
+    found["straight"] = ["--epochs", "4", *RESUME_COMMON]
+    found["resumed"] = ["--epochs", "2", *RESUME_COMMON]
+    found["resumed-continued"] = ["--epochs", "4", *RESUME_COMMON, "--run-dir",
+                                  str(tmp / "resumed"), "--resume"]
+    return found
