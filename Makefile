@@ -33,7 +33,8 @@ $(BIN)/python:
 
 # The single-process layer, tests/unit: no ranks, daemons, containers or cluster. Every test
 # outside tests/unit is marked distributed, multinode or slow, so the marker filter alone would
-# select the same set; a unit test marked slow (a fresh interpreter, a build) runs in make test.
+# select the same set; a unit test marked slow (a fresh Python: what it loads, flake8) runs in
+# make test.
 test-fast: $(BIN)/python
 	$(BIN)/python -m pytest tests/unit -m "not distributed and not multinode and not slow" \
 		$(PYTEST_ARGS)
