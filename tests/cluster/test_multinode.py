@@ -24,7 +24,7 @@ import yaml
 import netcluster
 import system_packages
 from conftest import (BACKENDS, BIN, EXACT, REPO, SLOW_CYCLE_MS, assert_same_weights, final_weights,
-                      processes_mentioning, rank_env, read_metrics, read_summary, train)
+                      processes_mentioning, rank_env, read_metrics, read_summary)
 from hvdtrain.errors import STALLED_EXIT_CODE
 from hvdtrain.launchers import launcher_defaults
 
@@ -126,9 +126,11 @@ def test_doctor_from_outside_the_nodes_with_the_wrappers_ssh_option(cluster, tmp
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_mpirun_wrapper_with_a_hostfile_is_exact_across_nodes(cluster, tmp_path, backend):
+def test_mpirun_wrapper_with_a_hostfile_is_exact_across_nodes(cluster, tmp_path, backend,
+                                                              training_runs):
     """2 nodes x 2 ranks x batch 8 make the updates 1 process x batch 32 makes, on either
-    backend."""
+    backend (the one process: the session's exactness reference, trained once for every test
+    that compares with it)."""
     run_dir = tmp_path / "run"
     result = on_node1(cluster, [str(REPO / "launch" / "mpirun.sh"), "-np", "4",
                                 "--hostfile", str(cluster.hostfile(2)),
@@ -138,8 +140,7 @@ def test_mpirun_wrapper_with_a_hostfile_is_exact_across_nodes(cluster, tmp_path,
                                 "--backend", backend], tmp_path)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert_two_nodes_two_ranks_each(run_dir)
-    one = train(tmp_path, "one-process", *EXACT, "--batch-size", "32", "--learning-rate",
-                "0.1", np=1)
+    one = training_runs("one", "exact-fit-1")
     assert_same_weights(final_weights(run_dir), final_weights(one), atol=2e-5)
 
 
