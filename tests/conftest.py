@@ -219,9 +219,9 @@ BACKENDS = ("horovod", "tensorflow")
 
 @pytest.fixture(scope="session")
 def training_runs(session_tmp):
-    """``training_runs(group, name)``: a run directory of the trainer and option tests
-    (tests/support/training_cases.py), each group trained in one launch when a test first asks
-    for one of its runs."""
+    """``training_runs(group, name)``: a run directory of the trainer, option and compiled-model
+    tests (tests/support/training_cases.py), each group trained in one launch when a test first
+    asks for one of its runs."""
     from case_jobs import trained_on_demand
     from training_cases import cases
 

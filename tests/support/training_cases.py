@@ -1,8 +1,9 @@
-"""The training runs of tests/distributed/training/test_training_distributed.py and
-test_training_options.py, grouped into three launches (``case_jobs.train_together``): every
-2-rank case on Horovod's collectives in one job, every case on TensorFlow's in another, and the
-one-process references in one process. conftest's ``training_runs`` trains a group when a test
-first asks for one of its cases; each test then asserts on its own case's run directory.
+"""The training runs of tests/distributed/training/test_training_distributed.py,
+test_training_options.py and test_compiled_models.py, grouped into three launches
+(``case_jobs.train_together``): every 2-rank case on Horovod's collectives in one job, every
+case on TensorFlow's in another, and the one-process references in one process. conftest's
+``training_runs`` trains a group when a test first asks for one of its cases; each test then
+asserts on its own case's run directory.
 
 The exactness runs: 2 ranks x batch 16 at rate 0.05 (linear scaling: 0.1) against 1 rank x 32
 at 0.1. 1,438 training examples do not divide into global batches of 32: the last one is short,
@@ -34,6 +35,36 @@ def build(input_shape, num_classes):
                              keras.layers.Dense(16, activation="relu"),
                              keras.layers.Dense(num_classes, activation="softmax")])
 """
+# Plain SGD, fixed data order, op determinism: the update must not depend on the world size.
+EXACT_REGRESSION = ["--model", "workloads:regression_model", "--dataset",
+                    "workloads:regression_data", "--epochs", "3", "--optimizer", "sgd",
+                    "--momentum", "0", "--warmup-epochs", "0", "--seed", "1", "--deterministic"]
+# The model's jit_compile=True run: op determinism would make Keras turn XLA off, so it goes
+# without --deterministic (and first in its job, as in a job of its own).
+XLA_REGRESSION = [option for option in EXACT_REGRESSION if option != "--deterministic"]
+XLA_REGRESSION[XLA_REGRESSION.index("workloads:regression_model")] = \
+    "workloads:regression_model_xla"
+
+
+def compiled_cases(group: str) -> dict[str, list[str]]:
+    """test_compiled_models.py's runs of one group: a user's compiled models, arrays, pipelines
+    and callbacks (tests/support/workloads.py)."""
+    if group == "one":
+        return {"reg-1": [*EXACT_REGRESSION, "--batch-size", "32", "--learning-rate", "0.1"]}
+    two = ["--batch-size", "16", "--learning-rate", "0.05", "--backend", group]
+    found = {f"reg-xla-{group}": [*XLA_REGRESSION, *two],
+             f"reg-2-{group}": [*EXACT_REGRESSION, *two]}
+    if group == "horovod":
+        found.update({
+            "logits": ["--model", "workloads:logits_model"],
+            "auc": ["--model", "workloads:auc_model", "--dataset", "workloads:even_digits",
+                    "--epochs", "3", "--optimizer", "lamb", "--learning-rate", "0.005"],
+            "towers": ["--model", "workloads:two_tower_model", "--dataset",
+                       "workloads:two_tower_data", "--epochs", "3", "--optimizer",
+                       "workloads:adamw", "--learning-rate", "0.002"],
+            "pipeline": ["--dataset", "workloads:uneven_pipeline", "--batch-size", "16",
+                         "--epochs", "6", "--callbacks", "workloads:early_stop_callbacks"]})
+    return found
 
 
 def plugin_data() -> dict[str, np.ndarray]:
@@ -59,10 +90,13 @@ def bucket_case(backend: str, loop: str, accumulation: int, order: str) -> str:
 def cases(group: str, tmp: Path) -> dict[str, list[str]]:
     """``name: options`` of one group ("horovod", "tensorflow" or "one"), in training order."""
     if group == "one":
-        return {**{f"exact-{loop}-1": [*EXACT, "--loop", loop, "--batch-size", "32",
+        return {**compiled_cases(group),
+                **{f"exact-{loop}-1": [*EXACT, "--loop", loop, "--batch-size", "32",
                                        "--learning-rate", "0.1"] for loop in LOOPS},
                 "large-batch": [*EXACT, "--batch-size", "64", "--learning-rate", "0.1"]}
-    found = {f"exact-{loop}-2-{group}": [*two_ranks(group), "--loop", loop] for loop in LOOPS}
+    found = compiled_cases(group)
+    found.update({f"exact-{loop}-2-{group}": [*two_ranks(group), "--loop", loop]
+                  for loop in LOOPS})
     for backend, loop, accumulation, order in BUCKETS:
         if backend == group:
             found[bucket_case(backend, loop, accumulation, order)] = [

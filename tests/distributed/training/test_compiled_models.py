@@ -3,79 +3,41 @@ Precision, two inputs and two outputs), with the user's arrays and tf.data pipel
 and callbacks, through the command line and the Python API under horovodrun; an uncompiled
 logits model is refused with one line.
 
-The training runs are cases of three launches (``compiled_runs``: ``case_jobs``), one per
-backend and one process for the reference; ``evaluate``, ``predict``, the Python API and the
-refusal are launches of their own."""
+The training runs are cases of the three launches of conftest's ``training_runs`` (one per
+backend and one process for the references; their command lines in
+tests/support/training_cases.py); ``evaluate``, ``predict``, the Python API and the refusal are
+launches of their own."""
 
 from __future__ import annotations
 
 import json
 import subprocess
-from pathlib import Path
 
 import keras
 import numpy as np
 import pytest
 
-from case_jobs import trained_on_demand
 from conftest import (BACKENDS, BIN, LAUNCHER, RANKS, RANK_PYTHONPATH, final_weights, launch,
                       read_metrics, read_summary)
 
 pytestmark = pytest.mark.distributed
-# Plain SGD, fixed data order, op determinism: the update must not depend on the world size.
-EXACT_REGRESSION = ["--model", "workloads:regression_model", "--dataset",
-                    "workloads:regression_data", "--epochs", "3", "--optimizer", "sgd",
-                    "--momentum", "0", "--warmup-epochs", "0", "--seed", "1", "--deterministic"]
-
-
-# The model's jit_compile=True run: op determinism would make Keras turn XLA off, so it goes
-# without --deterministic (and first in its job, as in a job of its own).
-XLA_REGRESSION = [option for option in EXACT_REGRESSION if option != "--deterministic"]
-XLA_REGRESSION[XLA_REGRESSION.index("workloads:regression_model")] = \
-    "workloads:regression_model_xla"
-
-
-def cases(group: str, directory: Path) -> dict[str, list[str]]:
-    """``name: options`` of one launch: "one" (the reference), "horovod" or "tensorflow"."""
-    if group == "one":
-        return {"reg-1": [*EXACT_REGRESSION, "--batch-size", "32", "--learning-rate", "0.1"]}
-    two = ["--batch-size", "16", "--learning-rate", "0.05", "--backend", group]
-    found = {f"reg-xla-{group}": [*XLA_REGRESSION, *two],
-             f"reg-2-{group}": [*EXACT_REGRESSION, *two]}
-    if group == "horovod":
-        found.update({
-            "logits": ["--model", "workloads:logits_model"],
-            "auc": ["--model", "workloads:auc_model", "--dataset", "workloads:even_digits",
-                    "--epochs", "3", "--optimizer", "lamb", "--learning-rate", "0.005"],
-            "towers": ["--model", "workloads:two_tower_model", "--dataset",
-                       "workloads:two_tower_data", "--epochs", "3", "--optimizer",
-                       "workloads:adamw", "--learning-rate", "0.002"],
-            "pipeline": ["--dataset", "workloads:uneven_pipeline", "--batch-size", "16",
-                         "--epochs", "6", "--callbacks", "workloads:early_stop_callbacks"]})
-    return found
 
 
 @pytest.fixture(scope="module")
-def compiled_runs(tmp_path_factory):
-    """``compiled_runs(group, name)``: a run directory, its group trained in one launch when a
-    test first asks for one of its runs."""
-    return trained_on_demand(lambda group: tmp_path_factory.mktemp(f"compiled-{group}"), cases)
-
-
-@pytest.fixture(scope="module")
-def regression_one_process(compiled_runs):
+def regression_one_process(training_runs):
     """The regression model trained by one process on the 2-rank run's global batch: the
     exactness tests' reference and the model the predict test serves."""
-    return compiled_runs("one", "reg-1")
+    return training_runs("one", "reg-1")
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_jit_compile_true_on_two_ranks_equals_one_process_with_twice_the_batch(
-        compiled_runs, regression_one_process, backend):
+        training_runs, regression_one_process, backend):
     """The model's ``jit_compile=True`` is honoured (XLA for the forward and backward pass; the
     run log says so) and changes no number beyond float32 rounding. Op determinism would make
-    Keras turn XLA off, so this run goes without ``--deterministic`` (``XLA_REGRESSION``)."""
-    two = compiled_runs(backend, f"reg-xla-{backend}")
+    Keras turn XLA off, so this run goes without ``--deterministic`` (training_cases'
+    ``XLA_REGRESSION``)."""
+    two = training_runs(backend, f"reg-xla-{backend}")
     assert "XLA: on for the forward and backward pass" in (two / "hvdtrain.log").read_text()
     for a, b in zip(final_weights(two), final_weights(regression_one_process)):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
@@ -83,8 +45,8 @@ def test_jit_compile_true_on_two_ranks_equals_one_process_with_twice_the_batch(
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_compiled_regression_two_ranks_equal_one_process_with_twice_the_batch(
-        compiled_runs, regression_one_process, backend):
-    two = compiled_runs(backend, f"reg-2-{backend}")
+        training_runs, regression_one_process, backend):
+    two = training_runs(backend, f"reg-2-{backend}")
     one = regression_one_process
     for a, b in zip(final_weights(two), final_weights(one)):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
@@ -95,15 +57,15 @@ def test_compiled_regression_two_ranks_equal_one_process_with_twice_the_batch(
     assert read_metrics(two)[-1]["loss"] < read_metrics(two)[0]["loss"]
 
 
-def test_logits_model_compiled_from_logits_reaches_the_default_accuracy(compiled_runs):
-    run = compiled_runs("horovod", "logits")
+def test_logits_model_compiled_from_logits_reaches_the_default_accuracy(training_runs):
+    run = training_runs("horovod", "logits")
     assert read_summary(run)["metrics"]["val_accuracy"] >= 0.95
 
 
-def test_auc_and_precision_on_two_ranks_equal_one_process_over_the_same_set(compiled_runs):
+def test_auc_and_precision_on_two_ranks_equal_one_process_over_the_same_set(training_runs):
     """Named optimizer (lamb), AUC and Precision from the compiled model: the 2-rank values are
     the metric over the whole validation set, computed here in one process."""
-    run = compiled_runs("horovod", "auc")
+    run = training_runs("horovod", "auc")
     from workloads import even_digits
 
     data = even_digits()
@@ -117,10 +79,10 @@ def test_auc_and_precision_on_two_ranks_equal_one_process_over_the_same_set(comp
     assert {"auc", "precision", "val_auc", "val_precision"} <= set(read_metrics(run)[-1])
 
 
-def test_two_inputs_two_outputs_train_evaluate_and_name_their_metrics(compiled_runs):
+def test_two_inputs_two_outputs_train_evaluate_and_name_their_metrics(training_runs):
     """Dict features, dict targets, loss_weights and sample weights, a user optimizer factory;
     every per-output metric reaches the metrics files, the curves and ``evaluate``."""
-    run = compiled_runs("horovod", "towers")
+    run = training_runs("horovod", "towers")
     rows = read_metrics(run)
     for name in ("loss", "digit_loss", "ink_loss", "digit_accuracy", "ink_mae",
                  "val_digit_accuracy", "val_ink_mae"):
@@ -147,10 +109,10 @@ def test_regression_predict_prints_values(regression_one_process, tmp_path):
     assert "class" not in result.stdout and result.stdout.startswith("0: [")
 
 
-def test_uneven_user_pipeline_finishes_with_equal_steps_and_user_callbacks(compiled_runs):
+def test_uneven_user_pipeline_finishes_with_equal_steps_and_user_callbacks(training_runs):
     """Rank 0's pipeline yields 63 batches, rank 1's 32: both run 63 steps (no hang); the
     user's callback stops training on every rank at the same epoch."""
-    run = compiled_runs("horovod", "pipeline")
+    run = training_runs("horovod", "pipeline")
     log = run.with_suffix(".log").read_text()
     assert "63 steps/epoch" in log
     summary = read_summary(run)

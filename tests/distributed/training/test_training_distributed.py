@@ -1,9 +1,10 @@
 """The trainer core, proven with real ranks started by launch/mpirun.sh (and horovodrun).
 
-The training runs these tests read (and test_training_options.py's) are trained in three
-launches, one per backend and one process for the references (conftest's ``training_runs``,
-tests/support/training_cases.py): each run is the command line it was as a job of its own, in
-ranks that had trained other cases before it (a run restores the process-wide state it set)."""
+The training runs these tests read (and test_training_options.py's and
+test_compiled_models.py's) are trained in three launches, one per backend and one process for
+the references (conftest's ``training_runs``, tests/support/training_cases.py): each run is the
+command line it was as a job of its own, in ranks that had trained other cases before it (a run
+restores the process-wide state it set; Keras' session is cleared between cases)."""
 
 from __future__ import annotations
 
