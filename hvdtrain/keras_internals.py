@@ -497,3 +497,20 @@ def keras_messages_silenced(silenced: bool = True) -> Iterator[None]:
         yield
     finally:
         io_utils.print_msg = keras_print
+
+
+@contextlib.contextmanager
+def automatic_names_kept() -> Iterator[None]:
+    """Keras' counters of automatic names (``dense``, ``dense_1``...) as they were before the
+    block. Layers built inside still get unique names; the ones built after it are named as if
+    the block never ran. How rank 0 rebuilds the trained model (its float32 copy for saving)
+    without naming the next model in this process differently from the other ranks' (a
+    variable's path names its collectives)."""
+    from keras.src.backend.common import global_state
+
+    counters = global_state.get_global_attribute("object_name_uids")
+    kept = None if counters is None else counters.copy()
+    try:
+        yield
+    finally:
+        global_state.set_global_attribute("object_name_uids", kept)

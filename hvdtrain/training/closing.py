@@ -20,7 +20,7 @@ import keras
 from hvdtrain.checkpoints.store import atomic_write_text
 from hvdtrain.collectives import Collectives
 from hvdtrain.errors import first_sentence
-from hvdtrain.keras_internals import sublayers
+from hvdtrain.keras_internals import automatic_names_kept, sublayers
 from hvdtrain.log import logger
 from hvdtrain.plots import plot_curves
 from hvdtrain.training.loops.run_callbacks import FirstStepClock
@@ -199,10 +199,13 @@ def write_outputs(run_dir: Path, model: keras.Model, summary: RunSummary) -> Non
 def float32_copy(model: keras.Model, precision: str,
                  rebuild: Callable[[], keras.Model]) -> keras.Model:
     """The trained model rebuilt (``rebuild``) under the float32 policy, for saving and
-    inference; the model itself when it trained in float32."""
+    inference; the model itself when it trained in float32. Rank 0 alone rebuilds, so Keras'
+    automatic names are kept as they were: a next run in this process names its layers, and so
+    its collectives, as the other ranks do."""
     if precision == "float32":
         return model
     keras.mixed_precision.set_global_policy("float32")
-    copy = rebuild()
+    with automatic_names_kept():
+        copy = rebuild()
     copy.set_weights(model.get_weights())
     return copy

@@ -255,6 +255,15 @@ def test_a_resized_variable_stays_the_same_object_in_every_list_that_holds_it():
     assert slot.numpy().tolist() == [1, 2, 3]
 
 
+def test_layers_built_while_automatic_names_are_kept_do_not_shift_the_next_names():
+    """Rank 0's float32 copy of a trained model must not rename the next model it builds."""
+    keras.layers.Dense(1, name=None)
+    with internals.automatic_names_kept():
+        inside = [keras.layers.Dense(1).name for _ in range(2)]
+    after = keras.layers.Dense(1).name
+    assert len(set(inside)) == 2 and after == inside[0]
+
+
 def test_a_config_at_a_constant_rate_leaves_the_optimizers_schedule():
     """A schedule written as Keras' examples write them (no ``get_config``) is where Keras keeps
     it (``_learning_rate``): the config has a constant rate, the optimizer its schedule."""
