@@ -21,3 +21,10 @@ def test_mypy_is_clean():
     result = subprocess.run([sys.executable, "-m", "mypy"], cwd=REPO, capture_output=True,
                             text=True, timeout=300)
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_test_files_have_unique_names():
+    """pytest imports each test file by its name alone (no packages under tests/), so two
+    files of one name in different folders stop the whole run at collection."""
+    names = [path.name for path in (REPO / "tests").rglob("test_*.py")]
+    assert not {name for name in names if names.count(name) > 1}
