@@ -3,8 +3,8 @@
 The dataclasses below are the single source of truth: the CLI flags (``--batch-size``), the YAML
 schema (``train: {batch_size: 32}``), the help text, and the validation errors all come from the
 fields and their metadata. Field names are unique across sections so a flag names one field.
-How options reach a ``Config`` (defaults < YAML file < command-line flags) and the README's
-options table are in ``hvdtrain.options``.
+How options reach a ``Config`` (defaults < YAML file < command-line flags) and the options
+table (``hvdtrain/README.md``) are in ``hvdtrain.options``.
 
 Over 450 lines: two thirds of it are the option fields, whose help texts are the flags' help
 and the options table; one module keeps them the one place a default is written, beside the

@@ -6,7 +6,7 @@ are measured on the user's own job. ``search`` is a coordinate search (every buc
 every cycle time with the fastest: at most 9 trials), and a setting wins only when it is
 ``MARGIN`` faster, since single runs on shared cores move by about 5%. Horovod's fusion threshold
 is not searched: Horovod 0.28.1 crashes restarting once both it and the cycle time are set.
-Nothing here touches a rank, so the search can be tested with a fake clock (``autotune_run``
+Nothing here touches a rank, so the search can be tested with a fake clock (``trials``
 measures).
 """
 

@@ -1,7 +1,10 @@
 """The rank seam: rank facts, device placement and the collective operations of a data-parallel
 run, behind one ``Collectives`` protocol with three backends (Horovod, TensorFlow's collective
 ops, a world of one). Nothing outside this package talks to a backend directly, so most of
-hvdtrain and its tests run in one process without MPI.
+hvdtrain and its tests run in one process without MPI. ``world`` holds the rank facts and
+device placement; ``base`` the protocol, the bucketed ``GradientReduction`` and the world of
+one; ``horovod_backend`` (the one module that imports Horovod) and ``tensorflow_backend`` (over
+``tf_graph_mode``) the two backends; this module picks one (``init_collectives``).
 """
 
 from __future__ import annotations

@@ -34,7 +34,7 @@ from hvdtrain.log import for_run, logger
 from hvdtrain.models import build_model, check_input_shape
 from hvdtrain.plugins import load_callbacks
 from hvdtrain.autotune.trials import Tuning, autotune
-from hvdtrain.training.loops.run_callbacks import Reporting, RunHooks, StepPosition
+from hvdtrain.training.loops.run_callbacks import Reporting, CallbackContext, StepPosition
 from hvdtrain.training.loops.checkpointing import CheckpointPlan
 from hvdtrain.training.checks import (check_backend, check_callbacks, check_data, check_world,
                                       data_errors_named)
@@ -264,7 +264,7 @@ class Run:
             return metrics
 
         def callbacks() -> CallbackGroups:
-            groups = standard_callbacks(RunHooks(
+            groups = standard_callbacks(CallbackContext(
                 collectives=run.collectives, step=run.step, rates=run.trainable.rates,
                 checkpoints=CheckpointPlan(run.store, run.state,
                                            config.train.checkpoint_every_steps, start.resume),

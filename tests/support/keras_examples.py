@@ -400,15 +400,15 @@ EXAMPLES: dict[str, Spec] = {
                            loss_tolerance=0.03,
                            coupled=("CustomNonPaddingTokenLoss", "custom_ner_loss")),
     "ticket_lists": Spec(ticket_lists, NO_DROPIN, NOT_THE_DROPINS),
-    # Sampling draws per rank: README promises within 10% (the drop-in's loss measured 0.2% off
-    # one process).
+    # Sampling draws per rank: hvdtrain/README.md promises within 10% (the drop-in's loss
+    # measured 0.2% off one process).
     "vae_add_loss": Spec(vae_add_loss, NO_DROPIN, NOT_THE_DROPINS, tolerance=None,
                          loss_tolerance=0.1),
     "huber_sum_boxes": Spec(
         huber_sum_boxes, NO_DROPIN,
         "drop-in: Horovod averages the ranks' gradients, so a summed loss trains at half one "
         "process's rate (Horovod's rule: scale the rate)"),
-    # One output: one process's to 1e-5 (measured so, and README's promise).
+    # One output: one process's to 1e-5 (measured so, and hvdtrain/README.md's promise).
     "mean_with_sample_weight": Spec(mean_with_sample_weight, NO_DROPIN, NOT_THE_DROPINS),
     "cct_label_smoothing": Spec(cct_label_smoothing, NO_DROPIN, SPLIT),
     "custom_metric_class": Spec(custom_metric_class, WITH_DROPIN,

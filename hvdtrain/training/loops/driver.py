@@ -218,9 +218,10 @@ def _custom_loop(step: TrainingStep, dataset: tf.data.Dataset, epochs: int, init
     model.stop_training = False
     history = keras.callbacks.History()
     hooks = RunCallbacks(callbacks, model, epochs, passes.keras_steps, last=[history])
+    batches = iter(dataset)     # before train begins, as Keras' fit makes its iterator
     hooks.on_train_begin()
     epoch_logs = train_epochs(hooks, train_step, model,
-                              _epochs(iter(dataset), passes, initial_epoch, epochs, done_steps))
+                              _epochs(batches, passes, initial_epoch, epochs, done_steps))
     if isinstance(getattr(model, "optimizer", None), keras.optimizers.Optimizer):
         model.optimizer.finalize_variable_values(model.trainable_weights)   # as fit ends
     hooks.on_train_end(epoch_logs)

@@ -32,7 +32,7 @@ from hvdtrain.config import Config
 from hvdtrain.data.contract import DataBundle
 from hvdtrain.data.pipeline import ShardSpec, real_rows_only
 from hvdtrain.log import logger
-from hvdtrain.training.loops.run_callbacks import Reporting, RunHooks
+from hvdtrain.training.loops.run_callbacks import Reporting, CallbackContext
 from hvdtrain.training.loops.checkpointing import CheckpointPlan
 from hvdtrain.training.loops.epoch_end import RunCallbacks, standard_callbacks
 from hvdtrain.training.loops.epochs import Epoch, train_epochs
@@ -111,7 +111,7 @@ def elastic_loop(run: ElasticRun) -> None:
         val_spec = ShardSpec(data.val.num_examples, world, config.train.batch_size, "pad",
                              False)
         epochs = config.train.epochs
-        hooks = RunCallbacks(standard_callbacks(RunHooks(
+        hooks = RunCallbacks(standard_callbacks(CallbackContext(
             collectives=collectives, step=step, rates=run.rates,
             checkpoints=CheckpointPlan(run.store, run.state),
             reporting=Reporting(run.run_dir, world.size * config.train.batch_size,

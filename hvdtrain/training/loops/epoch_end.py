@@ -16,9 +16,9 @@ import keras
 from hvdtrain.collectives import Collectives, assign_across_ranks
 from hvdtrain.keras_internals import pythonified_logs, sublayers
 from hvdtrain.training.loops.run_callbacks import (DataRanOut, EpochMetrics, KerasConsole,
-                                                   LivenessHooks, MetricsFiles, Progress, RunHooks,
-                                                   StopOnDivergence, TensorBoardEvents, rank_aware,
-                                                   validates_after)
+                                                   LivenessCallback, MetricsFiles, Progress,
+                                                   CallbackContext, StopOnDivergence,
+                                                   TensorBoardEvents, rank_aware, validates_after)
 from hvdtrain.training.loops.checkpointing import Checkpointing
 from hvdtrain.training.loops.run_columns import NoteRunColumns, Throughput
 from hvdtrain.training.step.core import TrainingStep
@@ -41,7 +41,7 @@ class EpochEnd:
     step: TrainingStep
     collectives: Collectives
     checkpointing: Checkpointing
-    liveness: LivenessHooks | None = None
+    liveness: LivenessCallback | None = None
     evaluate: Callable[[], dict[str, float]] | None = None
     validation_freq: int | list[int] = 1
     statistics: list[Any] = field(default_factory=list)
@@ -133,7 +133,7 @@ def end_epoch(groups: CallbackGroups, epoch: int, logs: dict,
         callback.on_epoch_end(epoch, logs)
 
 
-def standard_callbacks(hooks: RunHooks) -> CallbackGroups:
+def standard_callbacks(hooks: CallbackContext) -> CallbackGroups:
     """The callbacks of a run and its epoch end. The user's callbacks run on every rank (their
     logs hold the exact global metrics and validation, equal on every rank, and no key one plain
     ``model.fit`` would not have; writers on rank 0 only); rank 0's own writers and report add
@@ -146,7 +146,7 @@ def standard_callbacks(hooks: RunHooks) -> CallbackGroups:
     user = [c for c in hooks.user_callbacks if c is not console]
     own_bar = any(isinstance(c, keras.callbacks.ProgbarLogger) for c in user)
     throughput = Throughput(report.global_batch)
-    liveness = (LivenessHooks(hooks.liveness, hooks.collectives) if hooks.liveness is not None
+    liveness = (LivenessCallback(hooks.liveness, hooks.collectives) if hooks.liveness is not None
                 else None)
     before: list[keras.callbacks.Callback] = [
         *([liveness] if liveness is not None else []),

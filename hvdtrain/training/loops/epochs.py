@@ -3,7 +3,8 @@ sequence of Keras' hooks around one step function, as Keras' ``fit`` fires them.
 ``on_epoch_begin``, then per batch ``on_train_batch_begin``, the step, ``on_train_batch_end``;
 then the epoch end (``RunCallbacks.on_epoch_end``, the one ``epoch_end.end_epoch``) with the
 last step's scalar logs. A callback stops training by setting ``model.stop_training``, as under
-``fit``: after the batch it set it in, the epoch ends and no other begins.
+``fit``; hvdtrain's checkpointing turns it into a vote the next step carries, so every rank
+ends the epoch after that same step and no other begins.
 
 A loop gives the epochs as ``Epoch`` values, each with its batches; what it does between them
 (the elastic loop's commits and offsets) it does where it makes them: a generator's code after

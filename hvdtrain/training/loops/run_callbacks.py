@@ -1,7 +1,7 @@
 """The run's own callbacks besides the epoch end (``epoch_end``): per-step hooks (liveness,
 divergence, the first-step clock, where training is), rank 0's reporting (metrics files,
-TensorBoard, progress), the user's writer callbacks on rank 0 alone, and ``RunHooks``, what
-they act on. Every rank runs the hooks that hold collectives, in the same order, so no
+TensorBoard, progress), the user's writer callbacks on rank 0 alone, and ``CallbackContext``,
+what they act on. Every rank runs the hooks that hold collectives, in the same order, so no
 allreduce is left waiting; the logs hold only what one plain ``model.fit`` would put there."""
 
 from __future__ import annotations
@@ -116,7 +116,7 @@ class FirstStepClock(keras.callbacks.Callback):
             self.seconds, self.unix_time = process_age_seconds(), time.time()
 
 
-class LivenessHooks(keras.callbacks.Callback):
+class LivenessCallback(keras.callbacks.Callback):
     """Tell the rank's ``Liveness`` when each step begins and ends, and when the phase that
     ``end_epoch`` begins (validation and its collectives, rank 0's checkpoint) ends. With a
     stall limit, every rank serves a heartbeat port and learns the others' at train begin (an
@@ -307,7 +307,7 @@ class Reporting:
 
 
 @dataclass(frozen=True)
-class RunHooks:
+class CallbackContext:
     """What the callbacks of one run act on (built by the run, for whichever loop trains).
     ``run_columns``: where the run's own columns go (the run keeps it for ``RunResult``);
     ``world_size_column``: they include the world size (an elastic run's, which changes)."""

@@ -108,7 +108,7 @@ def _column_key(name: str) -> tuple[int, int, str]:
 
 
 def ordered(logs: dict) -> dict[str, float]:
-    """Epoch logs as floats in one fixed column order (the two loops fill logs differently)."""
+    """Epoch logs as floats in one fixed column order (the loops fill logs differently)."""
     return {name: float(logs[name]) for name in sorted(logs, key=_column_key)}
 
 

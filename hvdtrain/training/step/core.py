@@ -1,4 +1,4 @@
-"""One optimizer step and one evaluation step: the math both training loops share.
+"""One optimizer step and one evaluation step: the math every loop shares.
 
 Keras computes the loss and the metrics (``model.compute_loss``, ``compute_metrics`` and its
 loss tracker, as its own ``train_step`` does) on this rank's real rows; the distribution is
@@ -9,7 +9,7 @@ batch would make, the short last batch included. The gradients travel in buckets
 ``--bucket-mib`` inside the step's ``tf.function``, so each starts while the backward pass goes
 on; the loss, the shares and the stop votes ride in the first bucket, so every rank skips a
 non-finite update, or stops, after the same step. Metrics sum their state across ranks once per
-epoch. A model with its own ``train_step`` is trained by ``own_step``; both are a
+epoch. A model with its own ``train_step`` is trained by ``own``; both are a
 ``TrainingStep``.
 """
 

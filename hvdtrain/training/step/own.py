@@ -3,7 +3,7 @@
 on every rank, the distribution underneath that code, as in the Horovod drop-in.
 
 Every optimizer the model owns combines gradients across ranks before applying them
-(``distributed_optimizer``), each rank's weighted by its share of the global batch (its real
+(``hvdtrain.optimizers.reduction``), each rank's weighted by its share of the global batch (its real
 rows), so a step whose loss is a batch mean updates as one process would, the last partial
 global batch included: it is spread over the ranks, and each rank's step sees its real rows
 only. (A rank with no row of a step, where fewer rows than ranks are left, runs the step on a

@@ -2,8 +2,8 @@
 follow.
 
 A model on Keras' own ``train_step`` with a loss and targets gets hvdtrain's exact step
-(``step``); one with its own step, trained on ``add_loss`` alone, or given data without targets
-runs its own code (``own_step``). The optimizer is the model's compiled one unless
+(``core``); one with its own step, trained on ``add_loss`` alone, or given data without targets
+runs its own code (``own``). The optimizer is the model's compiled one unless
 ``--optimizer`` names another (an uncompiled model is compiled with hvdtrain's defaults), and
 every rate is scaled and warmed up as configured (``schedule``). Each choice is said in one line
 of the run log (``prepare``).

@@ -2,10 +2,10 @@
 
 Two requests can stop a run mid-epoch: a stop request on some rank (a signal, a stall:
 ``liveness``), and a callback that sets ``model.stop_training`` from a batch hook. Each rank
-casts its votes; the step sums them across ranks in the first bucket of its gradients (no
-collective of their own), so every rank learns after the same step that some rank asked, and
-every rank stops there. The step owns one ``StopVotes``; the loops and callbacks cast and read
-the votes through it.
+casts its votes; the step sums them across ranks with its loss and shares, in the first bucket
+of its gradients where it reduces in buckets (else in that one small allreduce), so every rank
+learns after the same step that some rank asked, and every rank stops there. The step owns one
+``StopVotes``; the loops and callbacks cast and read the votes through it.
 """
 
 from __future__ import annotations

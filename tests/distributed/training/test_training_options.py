@@ -1,6 +1,7 @@
 """The training options and what they change: gradient accumulation equals a larger batch,
 fp16 compression and Adasum change the reduction, mixed precision trains and saves float32 (2
-ranks each). The learning-rate schedules, in one process: tests/unit/training/step/test_schedules.py.
+ranks each). The learning-rate schedules, in one process:
+tests/unit/training/step/test_schedules.py.
 The runs are cases of the three launches of conftest's ``training_runs``
 (tests/support/training_cases.py); the one-process k-times batch is trained once for both
 backends' accumulation (the same command line either way)."""

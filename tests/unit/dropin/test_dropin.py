@@ -32,9 +32,9 @@ def test_horovod_arguments_map_to_the_trainers_gradient_reduction():
 
 
 def test_our_ops_and_compressors_are_horovods_values_and_both_translate():
-    """Without Horovod the drop-in's ops are ``dropin_ops``': Horovod's ints as an IntEnum, so
-    scripts that compare them with Horovod's (or mix the two) see equal values; either kind of
-    op and compressor maps to the same reduction."""
+    """Without Horovod the drop-in's ops are ``hvdtrain.dropin.ops``': Horovod's ints as an
+    IntEnum, so scripts that compare them with Horovod's (or mix the two) see equal values;
+    either kind of op and compressor maps to the same reduction."""
     horovod = pytest.importorskip("horovod.tensorflow")
     from hvdtrain.dropin import core as dropin, ops as dropin_ops
 

@@ -26,7 +26,7 @@ from hvdtrain.data.contract import ArraySplit
 from hvdtrain.data.pipeline import ShardSpec
 from hvdtrain.data.user import PipelineSplit
 from hvdtrain.errors import CheckpointWriteFailed, StoppedBySignal, UserError
-from hvdtrain.training.loops.run_callbacks import Reporting, RunHooks
+from hvdtrain.training.loops.run_callbacks import Reporting, CallbackContext
 from hvdtrain.training.loops.checkpointing import Checkpointing, CheckpointPlan, ResumePoint
 from hvdtrain.training.data_plan import agreed_pass_steps
 from hvdtrain.liveness.watch import Liveness
@@ -104,10 +104,12 @@ def _checkpointing(collectives: ScriptedCollectives, step: StepMath, run_dir: Pa
     schedule = make_schedule(OptimConfig(), collectives.size, 4, 2)
     liveness = Liveness()
     liveness.stop_reason = stop_reason
-    hooks = RunHooks(collectives=collectives, step=step, rates=RateControl(schedule, {}),
-                     checkpoints=CheckpointPlan(CheckpointStore(run_dir, 2),
-                                                CheckpointState(model="dense"), resume=resume),
-                     reporting=Reporting(run_dir, 8, show_progress=False), liveness=liveness)
+    hooks = CallbackContext(collectives=collectives, step=step, rates=RateControl(schedule, {}),
+                            checkpoints=CheckpointPlan(CheckpointStore(run_dir, 2),
+                                                       CheckpointState(model="dense"),
+                                                       resume=resume),
+                            reporting=Reporting(run_dir, 8, show_progress=False),
+                            liveness=liveness)
     callback = Checkpointing(hooks.step, hooks.collectives, hooks.checkpoints,
                              lambda: {"rates": {}}, hooks.run_columns,
                              hooks.liveness, hooks.passes)
