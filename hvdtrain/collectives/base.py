@@ -126,6 +126,11 @@ def static_bytes(tensor: Any) -> int:
     return 0 if elements is None else elements * tf.as_dtype(tensor.dtype).size
 
 
+def variable_bytes(variables: Sequence[Any]) -> int:
+    """Bytes of Keras or TensorFlow variables (or tensors) of known shapes."""
+    return sum(static_bytes(v) for v in variables)
+
+
 class Collectives(Protocol):
     """The collective operations a data-parallel run needs, for any backend."""
 

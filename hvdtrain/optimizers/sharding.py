@@ -17,11 +17,10 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from hvdtrain.collectives import Collectives, GradientReduction
+from hvdtrain.collectives import Collectives, GradientReduction, variable_bytes
 from hvdtrain.errors import UserError
 from hvdtrain.keras_internals import (optimizer_key, optimizer_variables_built_for,
                                       resize_variable, slot_name)
-from hvdtrain.training.memory import variable_bytes
 
 
 @dataclass(frozen=True)

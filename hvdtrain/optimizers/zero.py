@@ -25,7 +25,7 @@ import numpy as np
 import tensorflow as tf
 
 from hvdtrain.checkpoints.store import drain
-from hvdtrain.collectives import static_bytes
+from hvdtrain.collectives import static_bytes, variable_bytes
 from hvdtrain.errors import (AgreedError, CheckpointWriteFailed, StoppedBySignal, TrainingDiverged,
                              UserError)
 from hvdtrain.keras_internals import OptimizerHooks, config_at_a_constant_rate, slot_name
@@ -33,7 +33,6 @@ from hvdtrain.log import logger
 from hvdtrain.optimizers.run_class import (RunOptimizer, attached, class_for_the_run, give_back,
                                            run_class)
 from hvdtrain.optimizers.sharding import Sharding, holders, piece_bytes, variable_path
-from hvdtrain.training.memory import variable_bytes
 
 
 class _ShardedOptimizer(OptimizerHooks, RunOptimizer):

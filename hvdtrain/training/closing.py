@@ -18,14 +18,14 @@ from typing import Any, Callable, Sequence
 import keras
 
 from hvdtrain.checkpoints.store import atomic_write_text
-from hvdtrain.collectives import Collectives
+from hvdtrain.collectives import Collectives, variable_bytes
 from hvdtrain.errors import first_sentence
 from hvdtrain.keras_internals import automatic_names_kept, sublayers
 from hvdtrain.log import logger
 from hvdtrain.plots import plot_curves
 from hvdtrain.training.loops.run_callbacks import FirstStepClock
 from hvdtrain.training.loops.run_columns import RunColumns
-from hvdtrain.training.memory import HeldMemory, variable_bytes
+from hvdtrain.training.memory import HeldMemory
 from hvdtrain.optimizers.zero import saved_state_bytes
 from hvdtrain.artifacts import run_files
 

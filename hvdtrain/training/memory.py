@@ -6,11 +6,11 @@ ZeRO's savings are read from a run, not computed."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Sequence
 
 import keras
 
-from hvdtrain.collectives import static_bytes
+from hvdtrain.collectives import variable_bytes
 
 
 @dataclass(frozen=True)
@@ -23,11 +23,6 @@ class HeldMemory:
     optimizer_state_bytes: int
     gradient_bytes: int
     peak_resident_bytes: int | None
-
-
-def variable_bytes(variables: Sequence[Any]) -> int:
-    """Bytes of Keras or TensorFlow variables (or tensors) of known shapes."""
-    return sum(static_bytes(v) for v in variables)
 
 
 def peak_resident_bytes() -> int | None:

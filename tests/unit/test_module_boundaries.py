@@ -96,6 +96,13 @@ FACADE_BASES = ("hvdtrain.dropin", "hvdtrain.collectives", "hvdtrain.keras_inter
                 "hvdtrain.errors")
 
 
+def test_the_optimizer_wrappers_do_not_import_the_trainer():
+    """The drop-in builds on them, and the drop-in does not load the trainer."""
+    modules = package_modules()
+    for module in modules_of("hvdtrain.optimizers"):
+        assert not under(module_edges(module, modules), "hvdtrain.training"), module
+
+
 def test_the_dropin_package_does_not_import_the_trainer_or_its_facades():
     modules = package_modules()
     for module in modules_of("hvdtrain.dropin"):

@@ -22,9 +22,8 @@ from typing import Any, Callable, ContextManager, Protocol
 import keras
 import tensorflow as tf
 
-from hvdtrain.collectives import Collectives, GradientReduction, gathered_rows
+from hvdtrain.collectives import Collectives, GradientReduction, gathered_rows, variable_bytes
 from hvdtrain.optimizers.accumulation import Accumulation
-from hvdtrain.training.memory import variable_bytes
 from hvdtrain.training.step.sync_batch_norm import batch_rows
 from hvdtrain.training.step.votes import StopVotes
 from hvdtrain.keras_internals import (keras_logits, loss_tracker, marked, output_loss_trackers,
