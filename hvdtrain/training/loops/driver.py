@@ -90,14 +90,21 @@ class Segment:
     offset: int = 0
 
 
+def epoch_steps(passes: Passes, initial_epoch: int, epochs: int,
+                done_steps: int = 0) -> Iterator[tuple[int, int, int]]:
+    """(epoch, its first step, its steps) for epochs ``[initial_epoch, epochs)``: the first
+    resumes at ``done_steps`` (a resumed partial epoch), every other starts at 0."""
+    for epoch, steps in zip(range(initial_epoch, epochs),
+                            passes.epoch_lengths(initial_epoch, epochs)):
+        yield epoch, done_steps if epoch == initial_epoch else 0, steps
+
+
 def fit_segments(passes: Passes, initial_epoch: int, epochs: int,
                  done_steps: int = 0) -> list[Segment]:
     """The ``fit`` calls that train epochs ``[initial_epoch, epochs)``: consecutive epochs of
     one length share a call; a resumed partial epoch is a call of its own."""
     segments: list[Segment] = []
-    for epoch, steps in zip(range(initial_epoch, epochs),
-                            passes.epoch_lengths(initial_epoch, epochs)):
-        offset = done_steps if epoch == initial_epoch else 0
+    for epoch, offset, steps in epoch_steps(passes, initial_epoch, epochs, done_steps):
         last = segments[-1] if segments else None
         if last is not None and not offset and not last.offset and last.steps == steps:
             segments[-1] = Segment(last.first, epoch + 1, steps)
@@ -232,9 +239,7 @@ def _epochs(batches: Iterator[Any], passes: Passes, initial_epoch: int, epochs: 
             done_steps: int) -> Iterator[Epoch]:
     """Epochs ``[initial_epoch, epochs)`` of one stream of batches, each batch read as the
     driver comes to it; the first epoch numbers its batches from ``done_steps``."""
-    for epoch, steps in zip(range(initial_epoch, epochs),
-                            passes.epoch_lengths(initial_epoch, epochs)):
-        first = done_steps if epoch == initial_epoch else 0
+    for epoch, first, steps in epoch_steps(passes, initial_epoch, epochs, done_steps):
         yield Epoch(epoch, ((batch, next(batches)) for batch in range(first, steps)))
 
 
