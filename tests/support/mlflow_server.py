@@ -33,34 +33,44 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def mlflow_server(folder: Path) -> Iterator[tuple[str, subprocess.Popen]]:
-    """A server storing into ``folder``: (its URI, its process, which a test may kill)."""
+def mlflow_servers(*folders: Path) -> Iterator[list[tuple[str, subprocess.Popen]]]:
+    """One server per folder, storing into it, all started at the same time (each spends
+    seconds importing before it answers): (its URI, its process, which a test may kill) each."""
     assert SERVER.exists(), f"no MLflow server at {SERVER}: run launch/setup.sh --with mlflow"
-    folder.mkdir(parents=True, exist_ok=True)
-    port = free_port()
-    uri = f"http://127.0.0.1:{port}"
-    log = open(folder / "server.log", "w")
-    server = subprocess.Popen(
-        [str(SERVER), "server", "--backend-store-uri", f"sqlite:///{folder / 'mlflow.db'}",
-         "--artifacts-destination", str(folder / "artifacts"), "--host", "127.0.0.1",
-         "--port", str(port), "--workers", "1"],
-        cwd=folder, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-        start_new_session=True, env={**os.environ, "PYTHONPATH": "", **QUIET})
-    try:
-        deadline = time.time() + START_TIMEOUT_S
-        while True:
-            assert server.poll() is None, (folder / "server.log").read_text()[-3000:]
-            try:
-                with urllib.request.urlopen(f"{uri}/health", timeout=2) as answer:
-                    if answer.status == 200:
-                        break
-            except OSError:
-                pass
-            assert time.time() < deadline, "the MLflow server did not start"
-            time.sleep(0.3)
-        yield uri, server
-    finally:
-        if server.poll() is None:     # what it stored is the test's to read, not to keep
-            os.killpg(server.pid, signal.SIGKILL)
-            server.wait(20)
-        log.close()
+    started: list[tuple[str, subprocess.Popen, Path]] = []
+    with contextlib.ExitStack() as logs:
+        try:
+            for folder in folders:
+                folder.mkdir(parents=True, exist_ok=True)
+                port = free_port()
+                log = logs.enter_context(open(folder / "server.log", "w"))
+                started.append((f"http://127.0.0.1:{port}", subprocess.Popen(
+                    [str(SERVER), "server", "--backend-store-uri",
+                     f"sqlite:///{folder / 'mlflow.db'}", "--artifacts-destination",
+                     str(folder / "artifacts"), "--host", "127.0.0.1", "--port", str(port),
+                     "--workers", "1"],
+                    cwd=folder, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                    start_new_session=True, env={**os.environ, "PYTHONPATH": "", **QUIET}),
+                    folder))
+            deadline = time.time() + START_TIMEOUT_S
+            for uri, server, folder in started:
+                _wait_healthy(uri, server, folder, deadline)
+            yield [(uri, server) for uri, server, _ in started]
+        finally:
+            for _, server, _ in started:
+                if server.poll() is None:  # what it stored is the test's to read, not to keep
+                    os.killpg(server.pid, signal.SIGKILL)
+                    server.wait(20)
+
+
+def _wait_healthy(uri: str, server: subprocess.Popen, folder: Path, deadline: float) -> None:
+    while True:
+        assert server.poll() is None, (folder / "server.log").read_text()[-3000:]
+        try:
+            with urllib.request.urlopen(f"{uri}/health", timeout=2) as answer:
+                if answer.status == 200:
+                    return
+        except OSError:
+            pass
+        assert time.time() < deadline, "the MLflow server did not start"
+        time.sleep(0.3)

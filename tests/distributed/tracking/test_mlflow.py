@@ -21,7 +21,7 @@ from mlflow import MlflowClient
 from conftest import BIN, REPO, RUN_TIMEOUT, rank_env, read_metrics, wait_for
 from hvdtrain.tracking.content import job_facts
 from jobs import finish, start_wrapper, stop_after_a_step_checkpoint
-from mlflow_server import mlflow_server
+from mlflow_server import mlflow_servers
 
 pytestmark = pytest.mark.distributed
 
@@ -36,9 +36,18 @@ FAILURE_LINE = r"hvdtrain: MLflow tracking at \S+ stopped \("
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    with mlflow_server(tmp_path_factory.mktemp("mlflow")) as (uri, _):
-        yield uri
+def servers(tmp_path_factory) -> dict[str, tuple[str, subprocess.Popen]]:
+    """The module's server and the one the killed-server test kills (``doomed``), started at
+    the same time."""
+    names = ("main", "doomed")
+    folders = [tmp_path_factory.mktemp(f"mlflow-{name}") for name in names]
+    with mlflow_servers(*folders) as started:
+        yield dict(zip(names, started))
+
+
+@pytest.fixture(scope="module")
+def server(servers) -> str:
+    return servers["main"][0]
 
 
 def tracked(uri: str, experiment: str, *more: str) -> list[str]:
@@ -90,19 +99,20 @@ def test_a_stopped_and_resumed_two_rank_job_is_one_exact_run(server, tmp_path):
     assert sorted(steps) == list(range(5, 3 * STEPS_PER_EPOCH + 1, 5))
 
 
-def test_a_server_killed_mid_run_costs_one_line_and_track_sends_the_run_after(server, tmp_path):
+def test_a_server_killed_mid_run_costs_one_line_and_track_sends_the_run_after(
+        servers, server, tmp_path):
     run_dir = tmp_path / "run"
-    with mlflow_server(tmp_path / "doomed") as (doomed, process):
-        # Steps slowed less than a stop test's: the kill comes at train begin, well before the
-        # first epoch ends (45 steps of at least 30 ms).
-        job = start_wrapper("mpirun.sh", run_dir, *ARGS, "--epochs", "2",
-                            *tracked(doomed, "doomed"), HOROVOD_CYCLE_TIME="30")
-        try:     # once the run exists on the server: its first epoch's row finds it gone
-            wait_for(lambda: (run_dir / "tracking.json").exists() or job.poll() is not None,
-                     RUN_TIMEOUT)
-            os.killpg(process.pid, signal.SIGKILL)     # the server and its workers
-        finally:
-            code, output = finish(job, RUN_TIMEOUT)
+    doomed, process = servers["doomed"]
+    # Steps slowed less than a stop test's: the kill comes at train begin, well before the
+    # first epoch ends (45 steps of at least 30 ms).
+    job = start_wrapper("mpirun.sh", run_dir, *ARGS, "--epochs", "2",
+                        *tracked(doomed, "doomed"), HOROVOD_CYCLE_TIME="30")
+    try:     # once the run exists on the server: its first epoch's row finds it gone
+        wait_for(lambda: (run_dir / "tracking.json").exists() or job.poll() is not None,
+                 RUN_TIMEOUT)
+        os.killpg(process.pid, signal.SIGKILL)     # the server and its workers
+    finally:
+        code, output = finish(job, RUN_TIMEOUT)
     assert code == 0, output[-3000:]
     assert len(re.findall(FAILURE_LINE, output)) == 1, output[-3000:]
     assert "Traceback" not in output
