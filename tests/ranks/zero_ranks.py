@@ -14,7 +14,11 @@ none CASES`` for one process):
   done, written by another world size), and write a one-epoch run at stage 2 into TO.
 
 Every rank writes what it saw to ``OUT_DIR/zero-<rank>.json``: per case the largest relative
-difference from the reference, the optimizer state's shapes during training and after.
+difference from the reference, the optimizer state's shapes during training and after. Every rank
+trains every case (the collectives need them all), but the one-process reference of the i-th
+optimizer or variant case is fitted on rank ``i % SIZE`` alone, which writes that case (the test
+reads the cases from every rank's file): the reference is the same on every rank, so fitting it
+on each repeated the work, and a rank fitting one overlaps the next case's setup on the others.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ import numpy as np
 import tensorflow as tf
 
 import hvdtrain
+from hvdtrain.keras_internals import automatic_names_kept
 
 RANK = int(os.environ.get("OMPI_COMM_WORLD_RANK", "0"))
 SIZE = int(os.environ.get("OMPI_COMM_WORLD_SIZE", "1"))
@@ -161,21 +166,34 @@ def sharded_run(out: Path, name: str, make, x, y, epochs: int, **options):
     return trained, shapes.shapes
 
 
+def reference_fit(make, x, y, batch_size: int, epochs: int) -> keras.Model:
+    """Keras ``fit`` in this process, on one rank only: the automatic names it takes (dense_7...)
+    are given back, so the next run's layers, whose paths name their collectives, are named as
+    on the ranks that did not fit it."""
+    with automatic_names_kept():
+        reference = make()
+        reference.fit(x, y, batch_size=batch_size, epochs=epochs, shuffle=False, verbose=0)
+    return reference
+
+
 def case(out: Path, name: str, make, x, y, reference_batch: int, epochs: int = 2,
-         against_stage_0: bool = False, **options) -> dict:
-    """One sharded run on the job's ranks against Keras ``fit`` in this process (every rank
-    computes it: no collective, the same numbers); ``against_stage_0``: also against the same
-    run unsharded on these ranks."""
+         against_stage_0: bool = False, compared: bool = True, **options) -> dict | None:
+    """One sharded run on the job's ranks against Keras ``fit`` in this process (no collective:
+    the same numbers on every rank); ``against_stage_0``: also against the same run unsharded on
+    these ranks. ``compared`` False: this rank only trains its part (the runs' collectives), and
+    another rank compares; None."""
     trained, shapes = sharded_run(out, name, make, x, y, epochs, **options)
-    reference = make()
-    reference.fit(x, y, batch_size=reference_batch, epochs=epochs, shuffle=False, verbose=0)
+    if against_stage_0:
+        unsharded, _ = sharded_run(out, name + "-stage-0", make, x, y, epochs,
+                                   **{**options, "zero_stage": 0})
+    if not compared:
+        return None
+    reference = reference_fit(make, x, y, reference_batch, epochs)
     seen = {"weights": difference(trained.get_weights(), reference.get_weights()),
             "state": difference(state(trained), state(reference)),
             "shapes_while_training": shapes,
             "shapes_after": [list(v.shape) for v in state(trained)]}
     if against_stage_0:
-        unsharded, _ = sharded_run(out, name + "-stage-0", make, x, y, epochs,
-                                   **{**options, "zero_stage": 0})
         seen["weights_vs_stage_0"] = difference(trained.get_weights(), unsharded.get_weights())
         seen["state_vs_stage_0"] = difference(state(trained), state(unsharded))
     return seen
@@ -187,10 +205,17 @@ def case(out: Path, name: str, make, x, y, reference_batch: int, epochs: int = 2
 MAGNIFIED = ("rmsprop", "adagrad")
 
 
+def on_this_rank(cases: dict) -> dict:
+    """The cases this rank compared (``case`` returns None for the others)."""
+    return {name: seen for name, seen in cases.items() if seen is not None}
+
+
 def optimizer_cases(out: Path, x, y) -> dict:
-    return {name: case(out, name, lambda make=make: model(make()), x, y, BATCH * SIZE,
-                       against_stage_0=name in MAGNIFIED, zero_stage=2)
-            for name, make in OPTIMIZERS.items()}
+    return on_this_rank({
+        name: case(out, name, lambda make=make: model(make()), x, y, BATCH * SIZE,
+                   against_stage_0=name in MAGNIFIED, compared=index % SIZE == RANK,
+                   zero_stage=2)
+        for index, (name, make) in enumerate(OPTIMIZERS.items())})
 
 
 def mixed_precision_model() -> keras.Model:
@@ -203,18 +228,22 @@ def mixed_precision_model() -> keras.Model:
 
 def variant_cases(out: Path, x, y) -> dict:
     adam = lambda: model(keras.optimizers.Adam(0.01))  # noqa: E731
-    return {
-        "accumulated-stage-1": case(out, "acc1", adam, x, y, 2 * BATCH * SIZE, zero_stage=1,
-                                    accumulation_steps=2),
-        "accumulated-stage-2": case(out, "acc2", adam, x, y, 2 * BATCH * SIZE, zero_stage=2,
-                                    accumulation_steps=2),
-        "custom-loop": case(out, "custom", adam, x, y, BATCH * SIZE, zero_stage=2,
-                            loop="custom"),
-        "mixed-precision": case(out, "mixed", mixed_precision_model, x, y, BATCH * SIZE,
-                                against_stage_0=True, zero_stage=2),
-        "own-step-two-optimizers": case(out, "own-step", two_optimizers, x, y, BATCH * SIZE,
-                                        against_stage_0=True, zero_stage=2),
+    variants = {   # name: (run name, model, reference batch, options)
+        "accumulated-stage-1": ("acc1", adam, 2 * BATCH * SIZE,
+                                dict(zero_stage=1, accumulation_steps=2)),
+        "accumulated-stage-2": ("acc2", adam, 2 * BATCH * SIZE,
+                                dict(zero_stage=2, accumulation_steps=2)),
+        "custom-loop": ("custom", adam, BATCH * SIZE, dict(zero_stage=2, loop="custom")),
+        "mixed-precision": ("mixed", mixed_precision_model, BATCH * SIZE,
+                            dict(against_stage_0=True, zero_stage=2)),
+        "own-step-two-optimizers": ("own-step", two_optimizers, BATCH * SIZE,
+                                    dict(against_stage_0=True, zero_stage=2)),
     }
+    first = len(OPTIMIZERS)    # numbered on from the optimizer cases: the ranks share evenly
+    return on_this_rank({
+        name: case(out, run, make, x, y, batch, compared=(first + index) % SIZE == RANK,
+                   **options)
+        for index, (name, (run, make, batch, options)) in enumerate(variants.items())})
 
 
 def diverged_case(out: Path, x, y) -> dict:
@@ -233,11 +262,11 @@ def diverged_case(out: Path, x, y) -> dict:
             "weights": [list(w.shape) for w in trained.get_weights()]}
 
 
-def resume_case(out: Path, source: Path, x, y) -> dict:
+def resume_case(out: Path, source: Path, x, y) -> dict | None:
     """Continue at stage 2 a one-epoch run written by another world size with the same global
     batch (32), to epoch 2, without ``accept_changes``: the same run. Before, half that global
     batch is refused (its one line kept), leaving the run as it was. And how many ranks held
-    the state its checkpoint records."""
+    the state its checkpoint records. Rank 0 alone says it (the others: None)."""
     from hvdtrain.errors import UserError
 
     records = [json.loads(path.read_text()).get("sharded")
@@ -252,8 +281,9 @@ def resume_case(out: Path, source: Path, x, y) -> dict:
         refused = str(error)
     trained = model(keras.optimizers.Adam(0.01))
     hvdtrain.fit(trained, x, y, batch_size=32 // SIZE, **options)
-    reference = model(keras.optimizers.Adam(0.01))
-    reference.fit(x, y, batch_size=32, epochs=2, shuffle=False, verbose=0)
+    if RANK:        # rank 0 compares: the reference is the same on every rank
+        return None
+    reference = reference_fit(lambda: model(keras.optimizers.Adam(0.01)), x, y, 32, 2)
     return {"weights": difference(trained.get_weights(), reference.get_weights()),
             "state": difference(state(trained), state(reference)),
             "held_by": records[0]["ranks"] if len(records) == 1 and records[0] else records,
@@ -283,7 +313,9 @@ def main() -> None:
         elif name == "diverged":
             seen["diverged"] = diverged_case(out, x, y)
         elif name == "resume-from":
-            seen["resumed"] = resume_case(out, Path(cases.pop(0)), x, y)
+            resumed = resume_case(out, Path(cases.pop(0)), x, y)
+            if resumed is not None:
+                seen["resumed"] = resumed
         elif name == "checkpoint-to":
             checkpoint_to(Path(cases.pop(0)), x, y)
     (out / f"zero-{RANK}.json").write_text(json.dumps(seen, indent=1))

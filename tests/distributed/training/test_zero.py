@@ -25,11 +25,21 @@ MAGNIFIED_WITHIN = 1e-5
 
 
 def _job(out: Path, np: int, backend: str, *cases: str) -> dict:
+    """Launch ``zero_ranks`` and return what its ranks saw: each optimizer and variant case
+    from the rank that compared it (``zero_ranks``: rank ``i % np`` fits the i-th case's
+    reference), everything else from rank 0."""
     out.mkdir(exist_ok=True)
     result = launch(LAUNCHER if np > 1 else "none", np, [str(out), backend, *cases],
                     module="zero_ranks", cwd=out, timeout=400, PYTHONPATH=RANK_PYTHONPATH)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    return json.loads((out / "zero-0.json").read_text())
+    seen: dict = {}
+    for rank in range(np):
+        for key, value in json.loads((out / f"zero-{rank}.json").read_text()).items():
+            if key in ("optimizers", "variants"):
+                seen.setdefault(key, {}).update(value)
+            else:
+                seen.setdefault(key, value)
+    return seen
 
 
 @pytest.fixture(scope="module")
