@@ -31,9 +31,10 @@ from hvdtrain.launchers import launcher_defaults
 pytestmark = [pytest.mark.multinode, pytest.mark.distributed]
 
 HOSTS = "node1:2,node2:2"
-# The default job (mlp on digits) in fewer epochs: it reaches the same accuracy by epoch 10 on
-# 4 ranks, at half the time of 20 epochs with 4 ranks on 2 cores.
-SHORT = ["--epochs", "10", "--no-progress"]
+# The default job (mlp on digits) in fewer epochs: on 4 ranks its held-out accuracy is 0.961
+# after epochs 4 and 5 (the 2 warmup epochs and 3 at the full rate; 0.975 after 10), the same
+# on every launch path here, so 5 epochs still clear the 0.95 these tests assert.
+SHORT = ["--epochs", "5", "--no-progress"]
 JOB_TIMEOUT = 420
 
 
@@ -192,7 +193,7 @@ def test_slurm_multi_node_batch_script(cluster, tmp_path, launcher):
                                           "COMPLETING"):
             break
         assert time.time() < deadline, f"job {job} did not end in {JOB_TIMEOUT} s"
-        time.sleep(2)
+        time.sleep(0.5)
     output = "".join((tmp_path / name).read_text() for name in ("job.out", "job.err")
                      if (tmp_path / name).exists())
     assert record["JobState"] == "COMPLETED" and record["ExitCode"] == "0:0", output[-3000:]
