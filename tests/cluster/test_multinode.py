@@ -31,9 +31,10 @@ from hvdtrain.launchers import launcher_defaults
 pytestmark = [pytest.mark.multinode, pytest.mark.distributed]
 
 HOSTS = "node1:2,node2:2"
-# The default job (mlp on digits) in fewer epochs: it reaches the same accuracy by epoch 10 on
-# 4 ranks, at half the time of 20 epochs with 4 ranks on 2 cores.
-SHORT = ["--epochs", "10", "--no-progress"]
+# The default job (mlp on digits) in fewer epochs: on 4 ranks its held-out accuracy is 0.961
+# after epochs 4 and 5 (the 2 warmup epochs and 3 at the full rate; 0.975 after 10), the same
+# on every launch path here, so 5 epochs still clear the 0.95 these tests assert.
+SHORT = ["--epochs", "5", "--no-progress"]
 JOB_TIMEOUT = 420
 
 
@@ -192,7 +193,7 @@ def test_slurm_multi_node_batch_script(cluster, tmp_path, launcher):
                                           "COMPLETING"):
             break
         assert time.time() < deadline, f"job {job} did not end in {JOB_TIMEOUT} s"
-        time.sleep(2)
+        time.sleep(0.5)
     output = "".join((tmp_path / name).read_text() for name in ("job.out", "job.err")
                      if (tmp_path / name).exists())
     assert record["JobState"] == "COMPLETED" and record["ExitCode"] == "0:0", output[-3000:]
@@ -233,7 +234,7 @@ def test_a_node_cut_off_mid_epoch_ends_the_job_and_resume_continues(cluster, tmp
                          for node in cluster.nodes for pid in cluster.stray_pids(node.name)}
             if not leftovers:
                 break
-            time.sleep(1)
+            time.sleep(0.5)
         gone = time.time() - cut
     finally:
         if job.poll() is None:
@@ -257,8 +258,8 @@ def test_a_node_cut_off_mid_epoch_ends_the_job_and_resume_continues(cluster, tmp
     assert stalled and set(stalled) <= {"rank 0 of 4 on node1", "rank 1 of 4 on node1"}, \
         output[-3000:]
     done = [row["epoch"] for row in read_metrics(run_dir)]
-    # The job resumes on the same nodes, link back up, and finishes two more epochs.
-    more = str(done[-1] + 2)
+    # The job resumes on the same nodes, link back up, and finishes one more epoch.
+    more = str(done[-1] + 1)
     resumed = subprocess.run(cluster.on("node1", [*command[:-len(args)], "--epochs", more,
                                                   *args[2:], "--resume"]),
                              env=rank_env(), cwd=tmp_path, text=True, capture_output=True,
@@ -318,7 +319,7 @@ def test_a_node_cut_off_with_the_launchers_outside_the_nodes_ends_every_process(
                          for node in cluster.nodes for pid in cluster.stray_pids(node.name)}
             leftovers.update({pid: "on this machine" for run_dir in run_dirs.values()
                               for pid in processes_mentioning(str(run_dir))})
-            time.sleep(1)
+            time.sleep(0.5)
         gone = time.time() - cut
     finally:
         for job in jobs.values():
