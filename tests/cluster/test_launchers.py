@@ -27,7 +27,7 @@ def test_wrapper_help_and_two_rank_training(wrapper, tmp_path):
     assert run([str(script), "--help"], 30).stdout.startswith("Launch an hvdtrain job")
     assert run([str(script)], 30).returncode == 2          # -np is required
     run_dir = tmp_path / "run"
-    result = run([str(script), "-np", "2", "-H", "localhost:2", "--", "--epochs", "2",
+    result = run([str(script), "-np", "2", "-H", "localhost:2", "--", "--epochs", "1",
                   "--run-dir", str(run_dir), "--no-progress"], 300, env=rank_env(), cwd=tmp_path)
     assert result.returncode == 0, result.stdout + result.stderr
     summary = read_summary(run_dir)
@@ -40,7 +40,7 @@ def test_wrapper_help_and_two_rank_training(wrapper, tmp_path):
 @pytest.mark.parametrize("launcher", ["srun", "mpirun"])
 def test_slurm_batch_job_trains_on_two_ranks(slurm, launcher):
     run_dir = slurm.directory / f"run-{launcher}"
-    record, output = slurm.wait(slurm.submit("--epochs", "2", "--no-progress", "--run-dir",
+    record, output = slurm.wait(slurm.submit("--epochs", "1", "--no-progress", "--run-dir",
                                              str(run_dir), launcher=launcher))
     assert record["JobState"] == "COMPLETED" and record["ExitCode"] == "0:0", output
     assert "2 rank(s)" in output and "held-out accuracy" in output
