@@ -19,7 +19,6 @@ import pytest
 from hvdtrain.cli import main
 import system_packages
 from netcluster import SLURM_BASICS
-import nohorovod_env
 from nohorovod_env import venv_without_horovod  # noqa: F401  (a fixture, for every test file)
 
 REPO = Path(__file__).resolve().parents[1]
@@ -47,15 +46,6 @@ SLOW_CYCLE_MS = "100"
 # doctor, a killed rank, ranks seeded differently, autotune, elastic training, the Python API's
 # script, the drop-in's Horovod scripts, the nodes.
 LAUNCHER = "mpirun"
-
-
-def pytest_collection_finish(session: pytest.Session) -> None:
-    """The venv without Horovod (half a minute of pip) builds beside the first tests."""
-    nohorovod_env.start_building(session.items)
-
-
-def pytest_sessionfinish(session: pytest.Session) -> None:
-    nohorovod_env.stop_building()
 
 
 def rank_env(**extra: str) -> dict[str, str]:
