@@ -23,8 +23,11 @@ setup-tests:
 train: setup
 	PATH="$(CURDIR)/$(BIN):$$PATH" horovodrun -np $(NP) python -m hvdtrain $(ARGS)
 
+# Two pytest workers (tests/conftest.py: test_group): one runs the tests that mostly wait
+# (Slurm, the nodes, podman) beside the other's computing ones; TEST_WORKERS=0 runs in one.
+TEST_WORKERS ?= 2
 test: setup-tests
-	$(BIN)/python -m pytest $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadgroup $(PYTEST_ARGS)
 
 # The venv, made by setup only where it is missing: test-fast needs the venv, not setup's
 # checks of what is installed (the installed Horovod's own check takes seconds on every call).

@@ -48,6 +48,33 @@ SLOW_CYCLE_MS = "100"
 LAUNCHER = "mpirun"
 
 
+# make test runs two pytest workers (pytest-xdist, --dist loadgroup): on 2 cores, the tests
+# that mostly wait (Slurm's time limit, a cut node's timeouts, podman, a launcher's keep-alive)
+# run beside those that compute. Each test runs in the group ``xdist_group`` names, all of a
+# group in one worker, so that what a group shares is made once: the machine's one Slurm
+# cluster, network-namespace cluster and podman store ("machine"); a session fixture several
+# files share (by its name); otherwise a module's fixtures (by its file).
+MACHINE_FIXTURES = ("slurm", "cluster")
+SHARED_SESSION_FIXTURES = {"training_runs": "training_runs", "resnet_run": "resnet_run",
+                           "reference": "programs", "run": "programs",
+                           "venv_without_horovod": "venv_without_horovod"}
+
+
+def test_group(item: pytest.Item) -> str:
+    """The worker group of ``item`` (see above)."""
+    names = getattr(item, "fixturenames", ())
+    path = Path(str(item.fspath)).relative_to(REPO)
+    if path.parts[:2] == ("tests", "cluster") or any(n in names for n in MACHINE_FIXTURES):
+        return "machine"
+    shared = [group for name, group in SHARED_SESSION_FIXTURES.items() if name in names]
+    return shared[0] if shared else path.as_posix()
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        item.add_marker(pytest.mark.xdist_group(test_group(item)))
+
+
 def rank_env(**extra: str) -> dict[str, str]:
     """The environment every launched rank gets: quiet TensorFlow, CPU only, our venv first."""
     env = dict(os.environ)
