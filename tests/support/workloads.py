@@ -174,15 +174,15 @@ def slow_steps() -> list[keras.callbacks.Callback]:
 
 
 def slow_first_slurm_allocation() -> list[keras.callbacks.Callback]:
-    """A user's callback that makes every step 0.35 s longer (timing, not the math) in a Slurm
+    """A user's callback that makes every step 1 s longer (timing, not the math) in a Slurm
     job's first allocation only (``SLURM_RESTART_COUNT`` unset or 0): its training then outlasts
-    a two-minute time limit on any machine, and the allocation after the requeue trains at full
+    a one-minute time limit on any machine, and the allocation after the requeue trains at full
     speed."""
     import os
 
     if os.environ.get("SLURM_RESTART_COUNT", "0") != "0":
         return []
-    return [_sleep_after_each_step(0.35)]
+    return [_sleep_after_each_step(1.0)]
 
 
 def leave_mid_epoch() -> list[keras.callbacks.Callback]:

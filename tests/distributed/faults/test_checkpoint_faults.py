@@ -12,6 +12,8 @@ import re
 import signal
 import subprocess
 import time
+from pathlib import Path
+from shutil import copytree, ignore_patterns
 
 import numpy as np
 import pytest
@@ -21,11 +23,14 @@ from conftest import (LAUNCHER, assert_same_weights, final_weights, launch, rank
 from full_disk import fill, one_write_error, small_disk
 from hvdtrain.checkpoints.store import Checkpoint, CheckpointStore
 from hvdtrain.cli import main
-from jobs import ABORT_BOUND_S, assert_nothing_left, start
+from jobs import ABORT_BOUND_S, assert_nothing_left, finish, start, start_wrapper
+from uninterrupted_runs import ARGS, references
+
+EPOCHS = int(ARGS[ARGS.index("--epochs") + 1])
 
 
 @pytest.mark.distributed
-def test_a_kill_during_a_checkpoint_write_keeps_the_previous_one(tmp_path):
+def test_a_kill_during_a_checkpoint_write_keeps_the_previous_one(tmp_path, capsys):
     """Large weights make each save take a while; rank 0 is killed while a partial checkpoint
     directory exists, which proves the kill landed mid-write."""
     run_dir = tmp_path / "mid-write"
@@ -63,48 +68,67 @@ def test_a_kill_during_a_checkpoint_write_keeps_the_previous_one(tmp_path):
     optimizer.build(model.trainable_variables)
     latest.restore(model, optimizer)
     assert int(optimizer.iterations.numpy()) > 0
-    # And --resume continues from it to the end, every epoch once.
-    resumed = train(tmp_path, "mid-write", *args[:1], str(state.epoch + 2), *args[2:],
-                    "--resume")
-    epochs = [row["epoch"] for row in read_metrics(resumed)]
+    # And --resume continues from it to the end, every epoch once: in this process at the
+    # same global batch (1 x 512 for 2 x 256; the checkpoint, not the ranks, is under test).
+    assert main(["--run-dir", str(run_dir), "--no-progress", "--epochs", str(state.epoch + 2),
+                 "--hidden-units", "2048", "2048", "--batch-size", "512", "--resume"]) == 0, \
+        capsys.readouterr().err
+    epochs = [row["epoch"] for row in read_metrics(run_dir)]
     assert epochs == list(range(1, state.epoch + 3))
     assert not list((run_dir / "checkpoints").glob(".partial-*"))
 
 
+@pytest.fixture
+def reference(session_tmp):
+    """``reference(backend, name)``: an uninterrupted run (tests/support/uninterrupted_runs.py),
+    shared with the stop tests and trained with them in one launch per backend."""
+    return references(session_tmp)
+
+
 @pytest.mark.distributed
-def test_kill_and_resume_matches_an_uninterrupted_run(tmp_path):
-    # 20 short epochs (~0.3 s each here): the kill, at most 1 s after the first checkpoint,
-    # always lands mid-run.
-    epochs = 20
-    args = ["--epochs", str(epochs), "--deterministic", "--hidden-units", "64", "--seed", "5"]
-    straight = train(tmp_path, "straight", *args)
+def test_kill_and_resume_matches_an_uninterrupted_run(tmp_path, reference):
+    """Rank 1 SIGKILLed at a random step after the first checkpoint, the end of epoch 1 (no
+    step checkpoints here: the resume starts at an epoch boundary, the step checkpoints' resumes
+    are the stop tests'); --resume then ends equal to the uninterrupted run, every epoch once.
+    Checkpoints change no step, so the reference is the one with step checkpoints. The killed
+    job's steps are slowed to SLOW_CYCLE_MS (timing, not the math; 45 steps an epoch), so the
+    kill, at most 1 s after the checkpoint, always lands mid-run."""
+    args = [*without_step_checkpoints(ARGS), "--loop", "fit"]
     run_dir = tmp_path / "interrupted"
-    job = start(LAUNCHER, run_dir, *args)
+    job = start_wrapper("mpirun.sh", run_dir, *args)
     try:
         wait_for(lambda: CheckpointStore(run_dir, 1).latest() is not None, 180, every=0.02)
         time.sleep(float(np.random.default_rng().uniform(0.0, 1.0)))   # a random step
         os.kill(wait_for(lambda: rank_pid(str(run_dir), 1), 10, every=0.01), signal.SIGKILL)
         job.wait(timeout=ABORT_BOUND_S + 60)
     finally:
-        if job.poll() is None:
-            job.kill()
+        finish(job, 60)
     done = read_metrics(run_dir) if (run_dir / "metrics.jsonl").exists() else []
-    assert len(done) < epochs, "the kill came too late to interrupt the run"
+    assert len(done) < EPOCHS, "the kill came too late to interrupt the run"
     train(tmp_path, "interrupted", *args, "--resume")
-    assert [row["epoch"] for row in read_metrics(run_dir)] == list(range(1, epochs + 1))
+    straight = reference("horovod", "fit")
+    assert [row["epoch"] for row in read_metrics(run_dir)] == list(range(1, EPOCHS + 1))
     assert_same_weights(final_weights(straight), final_weights(run_dir), atol=1e-6)
     ours, theirs = read_summary(run_dir)["metrics"], read_summary(straight)["metrics"]
     assert ours["val_accuracy"] == pytest.approx(theirs["val_accuracy"], abs=1e-6)
 
 
+def without_step_checkpoints(args: list[str]) -> list[str]:
+    at = args.index("--checkpoint-every-steps")
+    return args[:at] + args[at + 2:]
+
+
 @pytest.mark.distributed
 @pytest.mark.parametrize("zero, free_kib", [([], 100), (["--zero-stage", "2"], 300)])
 def test_a_full_disk_during_a_checkpoint_stops_with_one_line_and_keeps_the_previous(
-        tmp_path, zero, free_kib):
+        tmp_path, capsys, zero, free_kib):
     """The run directory on a 4 MiB tmpfs, filled up after epoch 1: the epoch 2 checkpoint
     cannot be written. Both ranks stop with the same line and exit 74; epoch 1's checkpoint is
     whole and loads. Sharded (ZeRO), the weights' file fits and the optimizer's fails part way
-    through its gathers, which rank 0 finishes so that rank 1 is not left waiting."""
+    through its gathers, which rank 0 finishes so that rank 1 is not left waiting. Epoch 1 is
+    trained in this process at the same global batch (1 x 64 for 2 x 32: the update batch the
+    2-rank resume continues at), a launch fewer, and copied onto the small disk (this process
+    keeps its run directory locked): only epoch 2 is under test."""
     mount = tmp_path / "small-disk"
     mount.mkdir()
     if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(mount)],
@@ -112,8 +136,11 @@ def test_a_full_disk_during_a_checkpoint_stops_with_one_line_and_keeps_the_previ
         pytest.skip("cannot mount a tmpfs here (needs root)")
     try:
         args = ["--hidden-units", "256", "128", "--no-tensorboard", *zero]
-        run_dir = train(mount, "run", "--epochs", "1", *args)
-        (run_dir / "model.keras").unlink()
+        epoch_1 = tmp_path / "epoch-1"
+        assert main(["--run-dir", str(epoch_1), "--no-progress", "--epochs", "1",
+                     "--batch-size", "64", *args]) == 0, capsys.readouterr().err
+        run_dir = Path(copytree(epoch_1, mount / "run", ignore=ignore_patterns(
+            "model.keras")))
         filler = mount / "filler"
         with open(filler, "wb") as handle:   # fill the disk, then free 100 KiB
             try:

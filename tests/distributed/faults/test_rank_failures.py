@@ -8,11 +8,14 @@ import os
 import re
 import signal
 import time
+from pathlib import Path
+from shutil import copytree
 
 import pytest
 
-from conftest import LAUNCHER, processes_mentioning, rank_pid, read_metrics, train, wait_for
+from conftest import LAUNCHER, processes_mentioning, rank_pid, read_metrics, wait_for
 from hvdtrain.checkpoints.store import CheckpointStore
+from hvdtrain.cli import main
 from jobs import ABORT_BOUND_S, start
 
 pytestmark = pytest.mark.distributed
@@ -54,10 +57,16 @@ def test_a_killed_rank_fails_the_slurm_job(slurm):
     wait_for(lambda: processes_mentioning(str(run_dir)) == {}, 2)
 
 
-def test_nan_loss_stops_every_rank_and_keeps_the_last_good_checkpoint(tmp_path):
-    """Two good epochs, then a resume at an absurd learning rate: the weights blow up and the
-    loss stops being finite during epoch 3."""
-    run_dir = train(tmp_path, "diverge", "--epochs", "2", "--hidden-units", "32")
+def test_nan_loss_stops_every_rank_and_keeps_the_last_good_checkpoint(tmp_path, capsys):
+    """Two good epochs, then a 2-rank resume at an absurd learning rate: the weights blow up and
+    the loss stops being finite during epoch 3. The good epochs train in this process at the
+    same global batch (1 x 64 for 2 x 32, the update batch the resume continues at), a launch
+    fewer, into a directory copied for the ranks (this process keeps it locked): only the
+    resumed epochs are under test."""
+    good = tmp_path / "good"
+    assert main(["--run-dir", str(good), "--no-progress", "--epochs", "2", "--hidden-units",
+                 "32", "--batch-size", "64"]) == 0, capsys.readouterr().err
+    run_dir = Path(copytree(good, tmp_path / "diverge"))
     checkpoint = CheckpointStore(run_dir, 1).latest()
     before = {p.name: p.read_bytes() for p in checkpoint.path.iterdir()}
     job = start(LAUNCHER, run_dir, "--epochs", "4", "--hidden-units", "32",

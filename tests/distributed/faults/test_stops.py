@@ -25,16 +25,14 @@ import numpy as np
 import pytest
 
 from conftest import (BACKENDS, RANKS, RANK_PYTHONPATH, REPO, SLOW_CYCLE_MS, assert_same_weights,
-                      final_weights, launch, processes_mentioning, rank_env, rank_pid, read_metrics,
+                      final_weights, processes_mentioning, rank_env, rank_pid, read_metrics,
                       read_summary, run, train, wait_for)
 from hvdtrain.checkpoints.store import Checkpoint
+from hvdtrain.cli import main
 from jobs import (assert_nothing_left, finish, flip_a_byte, start_wrapper, step_checkpoint_after,
                   stop_after_a_step_checkpoint)
+from uninterrupted_runs import ARGS, DROPOUT_ARGS, GAN_ARGS, references
 
-# Short deterministic epochs (45 steps of 2 x 16 digits): long enough to stop mid-run, a step
-# checkpoint every 5 steps.
-ARGS = ["--epochs", "8", "--deterministic", "--hidden-units", "64", "--seed", "5",
-        "--batch-size", "16", "--checkpoint-every-steps", "5", "--no-tensorboard"]
 STOPPED = 75
 WRAPPERS = {"horovodrun.sh": "fit", "mpirun.sh": "custom"}
 
@@ -73,18 +71,17 @@ def assert_same_run(straight: Path, resumed: Path) -> None:
             assert b[name] == pytest.approx(a[name], rel=1e-6, abs=1e-9), (a["epoch"], name)
 
 
-@pytest.fixture(scope="module")
-def straight_runs(tmp_path_factory):
-    """The uninterrupted runs, one per training loop."""
-    tmp = tmp_path_factory.mktemp("straight")
-    return {loop: train(tmp, f"straight-{loop}", *ARGS, "--loop", loop)
-            for loop in WRAPPERS.values()}
+@pytest.fixture
+def reference(session_tmp):
+    """``reference(backend, name)``: an uninterrupted run (tests/support/uninterrupted_runs.py),
+    shared with the other fault tests and trained with them in one launch per backend."""
+    return references(session_tmp)
 
 
 @pytest.mark.distributed
 @pytest.mark.parametrize("wrapper", list(WRAPPERS))
 def test_sigterm_to_the_launcher_stops_at_a_step_and_resume_auto_matches(
-        tmp_path, straight_runs, wrapper):
+        tmp_path, capsys, reference, wrapper):
     """SIGTERM to the wrapper mid-run: every rank stops at the same step with exit 75 and one
     line, a mid-epoch checkpoint exists, nothing of the job remains; the job held the run
     directory's lock. horovodrun.sh: a run on a directory another process holds is refused.
@@ -113,11 +110,13 @@ def test_sigterm_to_the_launcher_stops_at_a_step_and_resume_auto_matches(
     assert list((run_dir / "checkpoints").glob("epoch-*-step-*")), "no mid-epoch checkpoint"
 
     if wrapper == "horovodrun.sh":
-        with holding_the_lock(run_dir):   # as another run would
-            second = launch("none", 1, ["--run-dir", str(run_dir), *args])
-        assert second.returncode == 2, second.stdout + second.stderr
+        with holding_the_lock(run_dir):   # as another run would (in this process: a lock
+            # of its own, on another open file)
+            code = main(["--run-dir", str(run_dir), *args])
+        err = capsys.readouterr().err
+        assert code == 2, err
         assert re.search(r"hvdtrain: error: run directory \S+ is in use by another run "
-                         r"\(pid \d+ on \S+\); wait for it", second.stderr), second.stderr
+                         r"\(pid \d+ on \S+\); wait for it", err), err
         victim = functools.partial(rank_pid, str(run_dir), 1)
     else:
         flip_a_byte(run_dir / "checkpoints" / stopped_at / "optimizer.npz")
@@ -137,7 +136,7 @@ def test_sigterm_to_the_launcher_stops_at_a_step_and_resume_auto_matches(
     job = start_wrapper(wrapper, run_dir, *args, slow=False)
     code, output = finish(job, 240)
     assert code == 0, output[-3000:]
-    assert_same_run(straight_runs[loop], run_dir)
+    assert_same_run(reference("horovod", loop), run_dir)
 
 
 @pytest.mark.distributed
@@ -201,13 +200,14 @@ def launcher_pid(run_dir: Path) -> int | None:
 
 @pytest.mark.distributed
 @pytest.mark.slow
-def test_slurm_stop_and_time_limit_requeue_finish_like_an_uninterrupted_run(slurm, straight_runs):
+def test_slurm_stop_and_time_limit_requeue_finish_like_an_uninterrupted_run(slurm, reference):
     """SIGTERM to the job step mid-epoch: the job ends with exit 75 and a mid-epoch checkpoint,
-    nothing remains. Resubmitted with a two-minute time limit shorter than its training (each
-    step of the first allocation slowed by 0.35 s in a user's callback, which changes timing,
-    not the math; the allocation after the requeue trains at full speed), the shipped script's
-    SIGUSR1 trap stops the ranks before the limit and requeues the job until training ends; the
-    weights and metrics rows equal an uninterrupted run's."""
+    nothing remains. Resubmitted with a one-minute time limit (Slurm's shortest) shorter than
+    its training (each step of the first allocation slowed by 1 s in a user's callback, which
+    changes timing, not the math; the allocation after the requeue trains at full speed), the
+    shipped script's SIGUSR1 trap stops the ranks before the limit, every rank at one step, and
+    requeues the job, which then trains to the end; the weights and metrics rows equal an
+    uninterrupted run's."""
     run_dir = slurm.directory / "preempted"
     args = [*ARGS, "--loop", "fit", "--no-progress", "--run-dir", str(run_dir)]
     slow = {"HOROVOD_CYCLE_TIME": "250"}
@@ -227,20 +227,30 @@ def test_slurm_stop_and_time_limit_requeue_finish_like_an_uninterrupted_run(slur
     assert list((run_dir / "checkpoints").glob("epoch-*-step-*")), "no mid-epoch checkpoint"
     assert_nothing_left(run_dir)
 
-    # Slurm warns up to a minute early: the signal came 50-95 s into the allocation, whose
-    # slowed training (8 epochs of 45 steps, over 126 s) outlasts the limit on any machine.
+    # Slurm tests time limits every 30 s: it sends the --signal warning at the first test
+    # within 30 s + the warning's seconds of the limit, and ends the job at the first test past
+    # the limit. With one minute and @1 the warning comes 29-59 s into the allocation, at least
+    # 30 s before the limit is enforced (time for the ranks to stop and the script to requeue).
+    # The ranks train by then: 10 s into the allocation on 2 cores, 27 s with 25 processes
+    # competing for them. The slowed training (135 steps of over 1 s) outlasts the limit.
     job = slurm.submit(*args, "--callbacks", "workloads:slow_first_slurm_allocation",
-                       sbatch=("--time=2", "--signal=B:USR1@10"), PYTHONPATH=RANK_PYTHONPATH)
-    deadline = time.time() + 900
+                       sbatch=("--time=1", "--signal=B:USR1@1"), PYTHONPATH=RANK_PYTHONPATH)
+    deadline = time.time() + 600
     while (record := slurm.finished(job)) is None:
         assert time.time() < deadline, slurm.output(job)[-3000:]
         release_a_requeued_job(slurm, job)
-        time.sleep(1)
+        time.sleep(0.5)
     output = slurm.output(job)
     assert record["JobState"] == "COMPLETED" and record["ExitCode"] == "0:0", output[-3000:]
-    assert int(record["Restarts"]) >= 1, output[-3000:]
+    assert int(record["Restarts"]) == 1, output[-3000:]
+    # The first allocation's ranks stopped at one step with a checkpoint: the signal came
+    # mid-run. (One line, not two, when srun's --kill-on-bad-exit ended a rank still exiting
+    # after the other left with 75: once in three runs rank 0 then exited 138.)
+    stops = re.findall(r"hvdtrain: error: (stopped by SIGUSR1 on rank [01].*?"
+                       r"checkpoint \S+ written; .*?--resume auto)", output)
+    assert stops and set(stops) == {stops[0]}, output[-3000:]
     assert "requeueing it to continue from the checkpoint" in output
-    assert_same_run(straight_runs["fit"], run_dir)
+    assert_same_run(reference("horovod", "fit"), run_dir)
 
 
 def release_a_requeued_job(slurm, job: str) -> None:
@@ -248,12 +258,15 @@ def release_a_requeued_job(slurm, job: str) -> None:
     the last allocation to finish; release it once that allocation's step daemons (its batch
     shell's and its ranks') have ended, as a cluster with free nodes would soon. (Released
     while the ranks' daemon still ran, the next allocation's srun found its PMIx socket taken
-    and no rank started.)"""
+    and no rank started.) Its limit is raised to ten minutes then, as an administrator may: the
+    rest of training takes seconds, but a loaded machine's start and final save can outlast
+    another minute, which would end the job at the limit instead of completing it."""
     shown = run(["scontrol", "show", "job", job], 30, env=slurm.env).stdout
     record = dict(re.findall(r"(\w+)=(\S+)", shown))
     if (record.get("JobState") == "PENDING" and record.get("Reason") == "BeginTime"
             and not step_daemons(job)):
-        run(["scontrol", "update", f"JobId={job}", "StartTime=now"], 30, env=slurm.env)
+        run(["scontrol", "update", f"JobId={job}", "StartTime=now", "TimeLimit=10"], 30,
+            env=slurm.env)
 
 
 def step_daemons(job: str) -> list[int]:
@@ -269,21 +282,16 @@ def step_daemons(job: str) -> list[int]:
     return found
 
 
-DROPOUT_ARGS = ["--epochs", "2", "--batch-size", "16", "--checkpoint-every-steps", "7",
-                "--no-tensorboard", "--seed", "9"]
-
-
 @pytest.mark.distributed
 @pytest.mark.parametrize("backend", ["horovod", "tensorflow"])
-def test_stop_and_resume_with_dropout_equals_an_uninterrupted_run(tmp_path, backend):
+def test_stop_and_resume_with_dropout_equals_an_uninterrupted_run(tmp_path, reference, backend):
     """SIGTERM through launch/mpirun.sh after a step checkpoint, then --resume auto: the same
     weights and rows as an uninterrupted run (dropout masks included), on either backend. The
     TensorFlow backend's interrupted run slows its steps with a callback of the user's kind
     (HOROVOD_CYCLE_TIME does not reach it). The built-in cnn's dropout takes the same path
     (the same seed generators in the checkpoint), so it is not run separately."""
-    args = [*DROPOUT_ARGS, "--model", "user_programs:dropout_mlp", "--backend", backend]
+    args = [*DROPOUT_ARGS, "--backend", backend]
     paths = {"PYTHONPATH": RANK_PYTHONPATH}
-    straight = train(tmp_path, "straight", *args, **paths)
     run_dir = tmp_path / "stopped"
     slow = ["--callbacks", "workloads:slow_steps"] if backend == "tensorflow" else []
     code, output = stop_after_a_step_checkpoint(run_dir, *args, *slow, "--resume", "auto",
@@ -291,12 +299,7 @@ def test_stop_and_resume_with_dropout_equals_an_uninterrupted_run(tmp_path, back
     assert code == 75, output[-3000:]
     resumed = train(tmp_path, "stopped", *args, "--resume", "auto", **paths)
     assert "resuming after epoch" in resumed.with_suffix(".log").read_text()
-    assert_same_run(straight, resumed)
-
-
-GAN_ARGS = ["--model", "user_programs:gan_model", "--dataset", "user_programs:digit_images",
-            "--epochs", "2", "--batch-size", "16", "--checkpoint-every-steps", "5",
-            "--deterministic", "--no-tensorboard"]
+    assert_same_run(reference(backend, "dropout"), resumed)
 
 
 def final_state(run_dir) -> tuple[list[np.ndarray], list[np.ndarray]]:
@@ -309,8 +312,8 @@ def final_state(run_dir) -> tuple[list[np.ndarray], list[np.ndarray]]:
 
 
 @pytest.mark.distributed
-def test_gan_through_the_cli_stops_and_resumes_to_the_uninterrupted_result(tmp_path):
-    straight = train(tmp_path, "straight", *GAN_ARGS, PYTHONPATH=RANK_PYTHONPATH)
+def test_gan_through_the_cli_stops_and_resumes_to_the_uninterrupted_result(tmp_path, reference):
+    straight = reference("horovod", "gan")
     log = straight.with_suffix(".log").read_text()
     assert "step: the model's own train_step (it defines train_step)" in log
     assert read_summary(straight)["weights_identical"]
