@@ -56,8 +56,8 @@ LAUNCHER = "mpirun"
 # files share (by its name); otherwise a module's fixtures (by its file).
 MACHINE_FIXTURES = ("slurm", "cluster")
 SHARED_SESSION_FIXTURES = {"training_runs": "training_runs", "resnet_run": "resnet_run",
-                           "reference": "programs", "run": "programs",
-                           "venv_without_horovod": "venv_without_horovod"}
+                           "uninterrupted": "uninterrupted", "reference": "programs",
+                           "run": "programs", "venv_without_horovod": "venv_without_horovod"}
 
 
 def test_group(item: pytest.Item) -> str:

@@ -79,14 +79,14 @@ def test_a_kill_during_a_checkpoint_write_keeps_the_previous_one(tmp_path, capsy
 
 
 @pytest.fixture
-def reference(session_tmp):
-    """``reference(backend, name)``: an uninterrupted run (tests/support/uninterrupted_runs.py),
+def uninterrupted(session_tmp):
+    """``uninterrupted(backend, name)``: an uninterrupted run (tests/support/uninterrupted_runs.py),
     shared with the stop tests and trained with them in one launch per backend."""
     return references(session_tmp)
 
 
 @pytest.mark.distributed
-def test_kill_and_resume_matches_an_uninterrupted_run(tmp_path, reference):
+def test_kill_and_resume_matches_an_uninterrupted_run(tmp_path, uninterrupted):
     """Rank 1 SIGKILLed at a random step after the first checkpoint, the end of epoch 1 (no
     step checkpoints here: the resume starts at an epoch boundary, the step checkpoints' resumes
     are the stop tests'); --resume then ends equal to the uninterrupted run, every epoch once.
@@ -106,7 +106,7 @@ def test_kill_and_resume_matches_an_uninterrupted_run(tmp_path, reference):
     done = read_metrics(run_dir) if (run_dir / "metrics.jsonl").exists() else []
     assert len(done) < EPOCHS, "the kill came too late to interrupt the run"
     train(tmp_path, "interrupted", *args, "--resume")
-    straight = reference("horovod", "fit")
+    straight = uninterrupted("horovod", "fit")
     assert [row["epoch"] for row in read_metrics(run_dir)] == list(range(1, EPOCHS + 1))
     assert_same_weights(final_weights(straight), final_weights(run_dir), atol=1e-6)
     ours, theirs = read_summary(run_dir)["metrics"], read_summary(straight)["metrics"]

@@ -72,8 +72,8 @@ def assert_same_run(straight: Path, resumed: Path) -> None:
 
 
 @pytest.fixture
-def reference(session_tmp):
-    """``reference(backend, name)``: an uninterrupted run (tests/support/uninterrupted_runs.py),
+def uninterrupted(session_tmp):
+    """``uninterrupted(backend, name)``: an uninterrupted run (tests/support/uninterrupted_runs.py),
     shared with the other fault tests and trained with them in one launch per backend."""
     return references(session_tmp)
 
@@ -81,7 +81,7 @@ def reference(session_tmp):
 @pytest.mark.distributed
 @pytest.mark.parametrize("wrapper", list(WRAPPERS))
 def test_sigterm_to_the_launcher_stops_at_a_step_and_resume_auto_matches(
-        tmp_path, capsys, reference, wrapper):
+        tmp_path, capsys, uninterrupted, wrapper):
     """SIGTERM to the wrapper mid-run: every rank stops at the same step with exit 75 and one
     line, a mid-epoch checkpoint exists, nothing of the job remains; the job held the run
     directory's lock. horovodrun.sh: a run on a directory another process holds is refused.
@@ -136,7 +136,7 @@ def test_sigterm_to_the_launcher_stops_at_a_step_and_resume_auto_matches(
     job = start_wrapper(wrapper, run_dir, *args, slow=False)
     code, output = finish(job, 240)
     assert code == 0, output[-3000:]
-    assert_same_run(reference("horovod", loop), run_dir)
+    assert_same_run(uninterrupted("horovod", loop), run_dir)
 
 
 @pytest.mark.distributed
@@ -200,7 +200,7 @@ def launcher_pid(run_dir: Path) -> int | None:
 
 @pytest.mark.distributed
 @pytest.mark.slow
-def test_slurm_stop_and_time_limit_requeue_finish_like_an_uninterrupted_run(slurm, reference):
+def test_slurm_stop_and_time_limit_requeue_finish_like_an_uninterrupted_run(slurm, uninterrupted):
     """SIGTERM to the job step mid-epoch: the job ends with exit 75 and a mid-epoch checkpoint,
     nothing remains. Resubmitted with a one-minute time limit (Slurm's shortest) shorter than
     its training (each step of the first allocation slowed by 1 s in a user's callback, which
@@ -250,7 +250,7 @@ def test_slurm_stop_and_time_limit_requeue_finish_like_an_uninterrupted_run(slur
                        r"checkpoint \S+ written; .*?--resume auto)", output)
     assert stops and set(stops) == {stops[0]}, output[-3000:]
     assert "requeueing it to continue from the checkpoint" in output
-    assert_same_run(reference("horovod", "fit"), run_dir)
+    assert_same_run(uninterrupted("horovod", "fit"), run_dir)
 
 
 def release_a_requeued_job(slurm, job: str) -> None:
@@ -284,7 +284,7 @@ def step_daemons(job: str) -> list[int]:
 
 @pytest.mark.distributed
 @pytest.mark.parametrize("backend", ["horovod", "tensorflow"])
-def test_stop_and_resume_with_dropout_equals_an_uninterrupted_run(tmp_path, reference, backend):
+def test_stop_and_resume_with_dropout_equals_an_uninterrupted_run(tmp_path, uninterrupted, backend):
     """SIGTERM through launch/mpirun.sh after a step checkpoint, then --resume auto: the same
     weights and rows as an uninterrupted run (dropout masks included), on either backend. The
     TensorFlow backend's interrupted run slows its steps with a callback of the user's kind
@@ -299,7 +299,7 @@ def test_stop_and_resume_with_dropout_equals_an_uninterrupted_run(tmp_path, refe
     assert code == 75, output[-3000:]
     resumed = train(tmp_path, "stopped", *args, "--resume", "auto", **paths)
     assert "resuming after epoch" in resumed.with_suffix(".log").read_text()
-    assert_same_run(reference(backend, "dropout"), resumed)
+    assert_same_run(uninterrupted(backend, "dropout"), resumed)
 
 
 def final_state(run_dir) -> tuple[list[np.ndarray], list[np.ndarray]]:
@@ -312,8 +312,8 @@ def final_state(run_dir) -> tuple[list[np.ndarray], list[np.ndarray]]:
 
 
 @pytest.mark.distributed
-def test_gan_through_the_cli_stops_and_resumes_to_the_uninterrupted_result(tmp_path, reference):
-    straight = reference("horovod", "gan")
+def test_gan_through_the_cli_stops_and_resumes_to_the_uninterrupted_result(tmp_path, uninterrupted):
+    straight = uninterrupted("horovod", "gan")
     log = straight.with_suffix(".log").read_text()
     assert "step: the model's own train_step (it defines train_step)" in log
     assert read_summary(straight)["weights_identical"]
