@@ -217,6 +217,17 @@ PEER_GONE_MARKERS = ("Horovod has been shut down", "Collective ops is aborted by
                      "failed to connect to all addresses")
 
 
+# What TensorFlow's collectives say when another rank stopped answering without ending (a
+# lost node or link): its coordination service's heartbeats.
+UNREACHABLE_MARKERS = ("stopped sending heartbeats",)
+
+
+def peer_unreachable(error: BaseException) -> bool:
+    """True for a collective's error that says another rank stopped answering rather than
+    ended (``Liveness.peer_unreachable`` then ends this rank as from a stall)."""
+    return any(marker in str(error) for marker in UNREACHABLE_MARKERS)
+
+
 def ended_by_another_rank(error: BaseException) -> bool:
     """True for the error a collective raises on this rank when another rank has left the job
     (it failed, reported why, and shut its collectives down as its process ended): this rank

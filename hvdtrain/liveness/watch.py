@@ -363,6 +363,21 @@ class Liveness:
                 self._leave(f"hvdtrain: stop requested ({self.stop_reason}) but {why}; exiting "
                             "now, without a checkpoint", self._stop_code)
 
+    def peer_unreachable(self, error: BaseException) -> None:
+        """A collective failed because another rank stopped answering (TensorFlow's
+        heartbeats: ``collectives.peer_unreachable``), which a lost node causes: leave as from
+        a stall (the line, Open MPI's daemon ended, exit 76). An ordinary error exit would
+        have the launcher end the job with messages to the lost node, which wait for TCP for
+        minutes. Nothing when this rank watches no stalls (one rank, ``--stall-timeout 0``)."""
+        if not self._stall_watch:
+            return
+        silent = unanswered(self.peers)
+        culprit = f"no answer from {', '.join(silent)}" if silent else "its node may be gone"
+        first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        self._leave(f"hvdtrain: error: {self.who} lost another rank ({first[:200]}); {culprit}; "
+                    f"ending this rank (exit {STALLED_EXIT_CODE})", STALLED_EXIT_CODE,
+                    end_daemon=True)
+
     def _stalled(self, silent_s: float) -> None:
         silent = unanswered(self.peers)
         culprit = (f"no answer from {', '.join(silent)}" if silent else

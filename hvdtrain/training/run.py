@@ -23,7 +23,7 @@ from hvdtrain import streams
 from hvdtrain.checkpoints.store import CheckpointStore
 from hvdtrain.checkpoints.state import CheckpointState
 from hvdtrain.collectives import (Collectives, ended_by_another_rank, init_collectives,
-                                  place_devices, raised_here)
+                                  peer_unreachable, place_devices, raised_here)
 from hvdtrain.config import Config, DataConfig
 from hvdtrain.data.contract import DataBundle
 from hvdtrain.data.datasets import python_draws
@@ -114,6 +114,8 @@ class Run:
                 return self._autotune(prepared)
             return self._tracked(prepared)
         except BaseException as error:
+            if peer_unreachable(error):
+                self.liveness.peer_unreachable(error)
             peer_failed = ended_by_another_rank(error)
             leave = peer_failed or (raised_here(error) and not self.process_ends_with_run)
             if leave and collectives.world.size > 1 and not self.config.train.elastic:

@@ -13,7 +13,7 @@ import time
 
 from conftest import rank_env
 
-from hvdtrain.collectives import World
+from hvdtrain.collectives import World, peer_unreachable
 from hvdtrain.errors import STALLED_EXIT_CODE
 from hvdtrain.liveness.peers import Heartbeat, Peer, unanswered
 from hvdtrain.liveness.watch import (FIRST_PHASE_S, FLOOR_S, PHASE_FACTOR, SAME_EVENT_S,
@@ -154,6 +154,27 @@ def test_the_line_names_the_ranks_whose_heartbeat_does_not_answer():
     assert "; no answer from rank 2 on 127.0.0.1; ending this rank" in stream.getvalue()
     assert unanswered(live.peers[:1]) == []
     alive.close()
+
+
+def test_a_peer_that_stopped_answering_ends_this_rank_as_a_stall_does():
+    """TensorFlow's collectives fail with "stopped sending heartbeats" when another rank's node
+    is lost (a cut within an epoch's end can pass their 30 s before the phase limit): the rank
+    leaves as from a stall, one line and exit 76 (so its launcher is ended, not left waiting
+    for the lost node); a rank that watches no stalls leaves it to the ordinary error path."""
+    error = RuntimeError("The following tasks are unhealthy (stopped sending heartbeats):\n"
+                         "/job:worker/replica:0/task:1")
+    assert peer_unreachable(error) and not peer_unreachable(
+        RuntimeError("Horovod has been shut down"))
+    live, _, exits, stream = monitor(timeout=10)
+    live.peer_unreachable(error)
+    assert exits == [STALLED_EXIT_CODE]
+    assert stream.getvalue() == (
+        "hvdtrain: error: rank 3 of 4 on node2 lost another rank (The following tasks are "
+        "unhealthy (stopped sending heartbeats):); its node may be gone; ending this rank "
+        "(exit 76)\n")
+    quiet, _, quiet_exits, _ = monitor(0, 2)
+    quiet.peer_unreachable(error)
+    assert quiet_exits == []
 
 
 def test_a_stop_request_tightens_the_limit_on_a_stuck_step():
