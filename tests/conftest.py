@@ -70,6 +70,17 @@ def test_group(item: pytest.Item) -> str:
     return shared[0] if shared else path.as_posix()
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    """pytest-xdist 3.8 groups by a suffix it writes into each test's id, which pytest 9
+    builds another way: there every test would be scheduled alone, a machine-wide resource
+    in both workers at once. So pyproject.toml pins pytest below 9, and a run that groups
+    under pytest 9 stops here."""
+    if config.getoption("dist", "no") == "loadgroup" and int(pytest.__version__.split(".")[0]) >= 9:
+        raise pytest.UsageError("--dist loadgroup needs pytest < 9 (pytest-xdist 3.8 cannot "
+                                "group tests under pytest 9); run bash launch/setup.sh again")
+
+
+@pytest.hookimpl(tryfirst=True)     # before xdist's own hook reads the groups
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
         item.add_marker(pytest.mark.xdist_group(test_group(item)))
