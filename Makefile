@@ -27,7 +27,7 @@ train: setup
 # (Slurm, the nodes, podman) beside the other's computing ones; TEST_WORKERS=0 runs in one.
 TEST_WORKERS ?= 2
 test: setup-tests
-	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadgroup $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) $(PYTEST_ARGS)
 
 # The venv, made by setup only where it is missing: test-fast needs the venv, not setup's
 # checks of what is installed (the installed Horovod's own check takes seconds on every call).

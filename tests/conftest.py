@@ -9,9 +9,11 @@ import re
 import shutil
 import socket
 import subprocess
+import tempfile
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -48,16 +50,20 @@ SLOW_CYCLE_MS = "100"
 LAUNCHER = "mpirun"
 
 
-# make test runs two pytest workers (pytest-xdist, --dist loadgroup): on 2 cores, the tests
-# that mostly wait (Slurm's time limit, a cut node's timeouts, podman, a launcher's keep-alive)
-# run beside those that compute. Each test runs in the group ``xdist_group`` names, all of a
-# group in one worker, so that what a group shares is made once: the machine's one Slurm
-# cluster, network-namespace cluster and podman store ("machine"); a session fixture several
-# files share (by its name); otherwise a module's fixtures (by its file).
+# make test runs two pytest workers (pytest-xdist): on 2 cores, the tests that mostly wait
+# (Slurm's time limit, a cut node's timeouts, podman, a launcher's keep-alive) run beside those
+# that compute. All tests of a group run in one worker, so that what a group shares is made
+# once: the machine's one Slurm cluster, network-namespace cluster and podman store
+# ("machine"); a session fixture several files share (by its name); else a module's fixtures
+# (by its file). The groups are found where the tests are collected, in the workers (which
+# see each test's fixtures), and written to a file the scheduler in the main process reads.
+# (pytest-xdist's own xdist_group marks do not work under pytest 9.2, whose subtests the
+# conformance tool needs: the group suffix xdist writes into a test's id is lost.)
 MACHINE_FIXTURES = ("slurm", "cluster")
 SHARED_SESSION_FIXTURES = {"training_runs": "training_runs", "resnet_run": "resnet_run",
                            "uninterrupted": "uninterrupted", "reference": "programs",
                            "run": "programs", "venv_without_horovod": "venv_without_horovod"}
+GROUPS_FILE = "HVDTRAIN_TEST_GROUPS"     # the environment variable naming the groups' file
 
 
 def test_group(item: pytest.Item) -> str:
@@ -71,19 +77,41 @@ def test_group(item: pytest.Item) -> str:
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    """pytest-xdist 3.8 groups by a suffix it writes into each test's id, which pytest 9
-    builds another way: there every test would be scheduled alone, a machine-wide resource
-    in both workers at once. So pyproject.toml pins pytest below 9, and a run that groups
-    under pytest 9 stops here."""
-    if config.getoption("dist", "no") == "loadgroup" and int(pytest.__version__.split(".")[0]) >= 9:
-        raise pytest.UsageError("--dist loadgroup needs pytest < 9 (pytest-xdist 3.8 cannot "
-                                "group tests under pytest 9); run bash launch/setup.sh again")
+    """The main process of a run with workers names the groups' file (the workers, started
+    after, inherit the variable)."""
+    if getattr(config.option, "numprocesses", None) and not hasattr(config, "workerinput"):
+        handle, name = tempfile.mkstemp(prefix="hvdtrain-test-groups-", suffix=".json")
+        os.close(handle)
+        os.environ[GROUPS_FILE] = name
 
 
-@pytest.hookimpl(tryfirst=True)     # before xdist's own hook reads the groups
+def pytest_unconfigure(config: pytest.Config) -> None:
+    if not hasattr(config, "workerinput") and os.environ.get(GROUPS_FILE):
+        Path(os.environ.pop(GROUPS_FILE)).unlink(missing_ok=True)
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    for item in items:
-        item.add_marker(pytest.mark.xdist_group(test_group(item)))
+    """A worker writes every test's group (each worker collects every test: the same file)."""
+    target = os.environ.get(GROUPS_FILE)
+    if target and hasattr(config, "workerinput"):
+        partial = Path(f"{target}.{config.workerinput['workerid']}")
+        partial.write_text(json.dumps({item.nodeid: test_group(item) for item in items}))
+        partial.replace(target)
+
+
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """Tests scheduled by group (``test_group``), a group at a time to a free worker."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class GroupScheduling(LoadScopeScheduling):
+        groups: dict[str, str] | None = None
+
+        def _split_scope(self, nodeid: str) -> str:
+            if self.groups is None:     # every worker has collected before the first call
+                self.groups = json.loads(Path(os.environ[GROUPS_FILE]).read_text())
+            return self.groups.get(nodeid, nodeid.split("::")[0])
+
+    return GroupScheduling(config, log)
 
 
 def rank_env(**extra: str) -> dict[str, str]:

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from hvdtrain.bench.benchmark import PROFILED_WORLD
-from hvdtrain.bench.step_records import TensorStep, by_occurrence, covered, first_submissions
+from hvdtrain.bench.step_records import TensorStep, by_occurrence, covered
 
 HOST_PLANE = "/host:CPU"
 LAUNCH = "CollectiveOpV2Kernel::Run"
@@ -137,13 +137,18 @@ def collective_steps(traces: list[RankTrace]) -> list[list[TensorStep]]:
 
 def compute_busy_ms(traces: list[RankTrace], steps: list[list[TensorStep]]) -> list[float]:
     """Per rank, the median over steps 2.. of the time some op ran on its compute threads,
-    from one step's first submission to the next's (the steps ``step_ms`` measures)."""
-    starts = first_submissions(steps)
-    windows = list(zip(starts, starts[1:]))
-    if not windows:
+    from its own first submission of one step to its own of the next: a rank that runs
+    behind the others (a loaded machine) is measured in its own steps, not in windows that
+    the first rank's submissions open and close before its work."""
+    if len(steps) < 2:
         return []
-    return [statistics.median(covered(trace.compute, begin, end) / 1e3 for begin, end in windows)
-            for trace in traces]
+    busy = []
+    for trace in traces:
+        starts = [min(sorted(trace.launches[tensor.name])[index] for tensor in tensors)
+                  for index, tensors in enumerate(steps)]
+        busy.append(statistics.median(covered(trace.compute, begin, end) / 1e3
+                                      for begin, end in zip(starts, starts[1:])))
+    return busy
 
 
 def backward_ends(traces: list[RankTrace], steps: list[list[TensorStep]]) -> list[float | None]:
