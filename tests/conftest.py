@@ -100,8 +100,13 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
-    """Tests scheduled by group (``test_group``), a group at a time to a free worker."""
+    """Tests scheduled by group (``test_group``), a group at a time to a free worker, in
+    collection order: the machine's long, waiting group (tests/cluster) first, the unit tests'
+    many short groups last, where they even out the workers' ends (pytest-xdist would order
+    the groups by their number of tests, which says little about their time)."""
     from xdist.scheduler import LoadScopeScheduling
+
+    config.option.loadscopereorder = False
 
     class GroupScheduling(LoadScopeScheduling):
         groups: dict[str, str] | None = None
