@@ -9,8 +9,8 @@ import re
 import shutil
 import socket
 import subprocess
-import tempfile
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any

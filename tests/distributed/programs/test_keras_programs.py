@@ -7,8 +7,7 @@ The program harness (``programs``) runs every program of a mode one after the ot
 ranks, the ``hvdtrain`` mode (with the user-program set's programs) and then, in the same
 processes, the drop-in's (``import hvdtrain.keras as hvd``); in one process, the reference
 (both sets). Both launches run once per session, at the same time, when a test first
-needs one. (hvdtrain on
-TensorFlow's collectives is held to one process by other files' tests:
+needs one. (hvdtrain on TensorFlow's collectives is held to one process by other files' tests:
 ``test_training_distributed``, ``test_compiled_models``, ``test_zero`` and the rank checks, on
 both backends.) The checks, per program and run:
 
