@@ -300,6 +300,17 @@ def training_runs(session_tmp):
 
 
 @pytest.fixture(scope="session")
+def uninterrupted(session_tmp):
+    """``uninterrupted(backend, name)``: the run directory of an uninterrupted run the fault
+    tests compare a resumed run with (tests/support/uninterrupted_runs.py), each backend's
+    trained in one launch when a test first asks for one of its runs."""
+    from case_jobs import trained_on_demand
+    from uninterrupted_runs import cases
+
+    return trained_on_demand(lambda backend: session_tmp / f"uninterrupted-{backend}", cases)
+
+
+@pytest.fixture(scope="session")
 def resnet_run(session_tmp):
     """A 3-epoch ResNet on 2 ranks, trained once for the model and the run-output tests."""
     return train(session_tmp, "resnet", "--model", "resnet", "--resnet-blocks", "1",

@@ -2,16 +2,12 @@
 killed or requeued and then resumed run with, and the options those runs share. They are
 trained once per session, when a test first asks for one, each backend's in one launch
 (``case_jobs.train_together``: one TensorFlow import and collectives start for all of them,
-each case training what a job of its own trains); a test then asserts its resumed run equals
-its reference."""
+each case training what a job of its own trains: conftest's ``uninterrupted``); a test then
+asserts its resumed run equals its reference."""
 
 from __future__ import annotations
 
-import functools
 from pathlib import Path
-from typing import Callable
-
-from case_jobs import trained_on_demand
 
 # Short deterministic epochs (45 steps of 2 x 16 digits): long enough to stop mid-run (a step
 # checkpoint every 5 steps) and for a resumed run to cross epoch boundaries.
@@ -35,10 +31,3 @@ def cases(backend: str, tmp: Path) -> dict[str, list[str]]:
         return dropout
     return {"fit": [*ARGS, "--loop", "fit"], "custom": [*ARGS, "--loop", "custom"], **dropout,
             "gan": GAN_ARGS}
-
-
-@functools.cache
-def references(directory: Path) -> Callable[[str, str], Path]:
-    """``run(backend, name)``: the run directory of a reference, trained under ``directory``
-    (the session's) when first asked for; the same for every test module of the session."""
-    return trained_on_demand(lambda backend: directory / f"uninterrupted-{backend}", cases)

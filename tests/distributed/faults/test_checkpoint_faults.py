@@ -24,7 +24,7 @@ from full_disk import fill, one_write_error, small_disk
 from hvdtrain.checkpoints.store import Checkpoint, CheckpointStore
 from hvdtrain.cli import main
 from jobs import ABORT_BOUND_S, assert_nothing_left, finish, start, start_wrapper
-from uninterrupted_runs import ARGS, references
+from uninterrupted_runs import ARGS
 
 EPOCHS = int(ARGS[ARGS.index("--epochs") + 1])
 
@@ -76,13 +76,6 @@ def test_a_kill_during_a_checkpoint_write_keeps_the_previous_one(tmp_path, capsy
     epochs = [row["epoch"] for row in read_metrics(run_dir)]
     assert epochs == list(range(1, state.epoch + 3))
     assert not list((run_dir / "checkpoints").glob(".partial-*"))
-
-
-@pytest.fixture
-def uninterrupted(session_tmp):
-    """``uninterrupted(backend, name)``: an uninterrupted run (tests/support/uninterrupted_runs.py),
-    shared with the stop tests and trained with them in one launch per backend."""
-    return references(session_tmp)
 
 
 @pytest.mark.distributed

@@ -31,7 +31,7 @@ from hvdtrain.checkpoints.store import Checkpoint
 from hvdtrain.cli import main
 from jobs import (assert_nothing_left, finish, flip_a_byte, start_wrapper, step_checkpoint_after,
                   stop_after_a_step_checkpoint)
-from uninterrupted_runs import ARGS, DROPOUT_ARGS, GAN_ARGS, references
+from uninterrupted_runs import ARGS, DROPOUT_ARGS, GAN_ARGS
 
 STOPPED = 75
 WRAPPERS = {"horovodrun.sh": "fit", "mpirun.sh": "custom"}
@@ -69,13 +69,6 @@ def assert_same_run(straight: Path, resumed: Path) -> None:
     for a, b in zip(theirs, ours):
         for name in ("loss", "accuracy", "val_loss", "val_accuracy", "lr"):
             assert b[name] == pytest.approx(a[name], rel=1e-6, abs=1e-9), (a["epoch"], name)
-
-
-@pytest.fixture
-def uninterrupted(session_tmp):
-    """``uninterrupted(backend, name)``: an uninterrupted run (tests/support/uninterrupted_runs.py),
-    shared with the other fault tests and trained with them in one launch per backend."""
-    return references(session_tmp)
 
 
 @pytest.mark.distributed
