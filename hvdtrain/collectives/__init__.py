@@ -26,8 +26,7 @@ __all__ = ["BACKENDS", "Collectives", "GradientReduction", "LocalCollectives", "
            "assign_across_ranks", "chief_decides", "chosen_backend", "cpu_threads_per_rank",
            "differentiable_sum", "ended_by_another_rank", "gathered_rows", "init_collectives",
            "peer_unreachable", "place_devices", "raised_here", "static_bytes",
-           "summed_across_ranks", "tf_variables",
-           "variable_bytes"]
+           "summed_across_ranks", "tf_variables", "variable_bytes"]
 
 BACKENDS = ("auto", "horovod", "tensorflow")
 

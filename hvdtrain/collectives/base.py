@@ -209,17 +209,15 @@ class LocalCollectives:
         return None
 
 
-# What a collective's error says on this rank when another rank has left the job: Horovod's
-# (the other rank shut it down), TensorFlow's (its collectives aborted by the other rank's
-# report, or its connection gone).
-PEER_GONE_MARKERS = ("Horovod has been shut down", "Collective ops is aborted by",
-                     "Socket closed", "Connection reset by peer", "stopped sending heartbeats",
-                     "failed to connect to all addresses")
-
-
 # What TensorFlow's collectives say when another rank stopped answering without ending (a
 # lost node or link): its coordination service's heartbeats.
 UNREACHABLE_MARKERS = ("stopped sending heartbeats",)
+# What a collective's error says on this rank when another rank has left the job: Horovod's
+# (the other rank shut it down), TensorFlow's (its collectives aborted by the other rank's
+# report, its connection gone, or it stopped answering).
+PEER_GONE_MARKERS = ("Horovod has been shut down", "Collective ops is aborted by",
+                     "Socket closed", "Connection reset by peer", *UNREACHABLE_MARKERS,
+                     "failed to connect to all addresses")
 
 
 def peer_unreachable(error: BaseException) -> bool:

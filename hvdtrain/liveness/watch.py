@@ -371,21 +371,24 @@ class Liveness:
         minutes. Nothing when this rank watches no stalls (one rank, ``--stall-timeout 0``)."""
         if not self._stall_watch:
             return
-        silent = unanswered(self.peers)
-        culprit = f"no answer from {', '.join(silent)}" if silent else "its node may be gone"
         first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-        self._leave(f"hvdtrain: error: {self.who} lost another rank ({first[:200]}); {culprit}; "
-                    f"ending this rank (exit {STALLED_EXIT_CODE})", STALLED_EXIT_CODE,
-                    end_daemon=True)
+        self._end_as_stalled(f"lost another rank ({first[:200]})", "its node may be gone",
+                             "its node may be gone")
 
     def _stalled(self, silent_s: float) -> None:
+        self._end_as_stalled(f"stalled: no training step finished for {silent_s:.0f} s (limit "
+                             f"{self._armed_limit:.0f} s, --stall-timeout) while waiting for "
+                             f"{self.waiting_for}", "every other rank still answers",
+                             "another rank, its node or the network stopped answering")
+
+    def _end_as_stalled(self, what: str, answering: str, no_peers: str) -> None:
+        """Leave as a stalled rank: one line (``what`` happened; the ranks whose heartbeat
+        does not answer, else ``answering``, or ``no_peers`` where none are known), Open
+        MPI's waiting daemon ended, exit 76."""
         silent = unanswered(self.peers)
         culprit = (f"no answer from {', '.join(silent)}" if silent else
-                   "every other rank still answers" if self.peers else
-                   "another rank, its node or the network stopped answering")
-        self._leave(f"hvdtrain: error: {self.who} stalled: no training step finished for "
-                    f"{silent_s:.0f} s (limit {self._armed_limit:.0f} s, --stall-timeout) while "
-                    f"waiting for {self.waiting_for}; {culprit}; ending this rank "
+                   answering if self.peers else no_peers)
+        self._leave(f"hvdtrain: error: {self.who} {what}; {culprit}; ending this rank "
                     f"(exit {STALLED_EXIT_CODE})", STALLED_EXIT_CODE, end_daemon=True)
 
     def _leave(self, line: str, code: int, end_daemon: bool = False) -> None:
