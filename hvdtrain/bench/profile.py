@@ -144,7 +144,8 @@ def compute_busy_ms(traces: list[RankTrace], steps: list[list[TensorStep]]) -> l
         return []
     busy = []
     for trace in traces:
-        starts = [min(sorted(trace.launches[tensor.name])[index] for tensor in tensors)
+        launches = {name: sorted(times) for name, times in trace.launches.items()}
+        starts = [min(launches[tensor.name][index] for tensor in tensors)
                   for index, tensors in enumerate(steps)]
         busy.append(statistics.median(covered(trace.compute, begin, end) / 1e3
                                       for begin, end in zip(starts, starts[1:])))
