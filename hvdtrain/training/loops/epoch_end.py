@@ -15,10 +15,10 @@ import keras
 
 from hvdtrain.collectives import Collectives, assign_across_ranks
 from hvdtrain.keras_internals import pythonified_logs, sublayers
-from hvdtrain.training.loops.run_callbacks import (DataRanOut, EpochMetrics, KerasConsole,
-                                                   LivenessCallback, MetricsFiles, Progress,
-                                                   CallbackContext, StopOnDivergence,
-                                                   TensorBoardEvents, rank_aware, validates_after)
+from hvdtrain.training.loops.run_callbacks import (CallbackContext, DataRanOut, EpochMetrics,
+                                                   KerasConsole, LivenessCallback, MetricsFiles,
+                                                   Progress, StopOnDivergence, TensorBoardEvents,
+                                                   rank_aware, validates_after)
 from hvdtrain.training.loops.checkpointing import Checkpointing
 from hvdtrain.training.loops.run_columns import NoteRunColumns, Throughput
 from hvdtrain.training.step.core import TrainingStep
@@ -133,7 +133,7 @@ def end_epoch(groups: CallbackGroups, epoch: int, logs: dict,
         callback.on_epoch_end(epoch, logs)
 
 
-def standard_callbacks(hooks: CallbackContext) -> CallbackGroups:
+def standard_callbacks(context: CallbackContext) -> CallbackGroups:
     """The callbacks of a run and its epoch end. The user's callbacks run on every rank (their
     logs hold the exact global metrics and validation, equal on every rank, and no key one plain
     ``model.fit`` would not have; writers on rank 0 only); rank 0's own writers and report add
@@ -141,39 +141,39 @@ def standard_callbacks(hooks: CallbackContext) -> CallbackGroups:
     ``KerasConsole`` where it came with the user's callbacks (unless they hold a
     ``ProgbarLogger`` of their own, which Keras then shows instead, as ``model.fit`` does),
     otherwise with hvdtrain's ``Progress``."""
-    model, world, report = hooks.step.model, hooks.collectives.world, hooks.reporting
-    console = next((c for c in hooks.user_callbacks if isinstance(c, KerasConsole)), None)
-    user = [c for c in hooks.user_callbacks if c is not console]
+    model, world, report = context.step.model, context.collectives.world, context.reporting
+    console = next((c for c in context.user_callbacks if isinstance(c, KerasConsole)), None)
+    user = [c for c in context.user_callbacks if c is not console]
     own_bar = any(isinstance(c, keras.callbacks.ProgbarLogger) for c in user)
     throughput = Throughput(report.global_batch)
-    liveness = (LivenessCallback(hooks.liveness, hooks.collectives) if hooks.liveness is not None
-                else None)
+    liveness = (LivenessCallback(context.liveness, context.collectives)
+                if context.liveness is not None else None)
     before: list[keras.callbacks.Callback] = [
         *([liveness] if liveness is not None else []),
-        *([DataRanOut(hooks.passes)] if hooks.passes is not None and world.is_chief else []),
-        StopOnDivergence(hooks.step, hooks.checkpoints.store),
+        *([DataRanOut(context.passes)] if context.passes is not None and world.is_chief else []),
+        StopOnDivergence(context.step, context.checkpoints.store),
         *([report.first_step] if report.first_step is not None else []),
         throughput,
-        hooks.rates,
-        EpochMetrics(hooks.step),
+        context.rates,
+        EpochMetrics(context.step),
     ]
     own: list[keras.callbacks.Callback] = [
-        NoteRunColumns(throughput, hooks.step.optimizers, hooks.run_columns,
-                       world.size if hooks.world_size_column else None),
-        *([hooks.plateau] if hooks.plateau is not None else []),
+        NoteRunColumns(throughput, context.step.optimizers, context.run_columns,
+                       world.size if context.world_size_column else None),
+        *([context.plateau] if context.plateau is not None else []),
     ]
-    plateau, rates = hooks.plateau, hooks.rates
+    plateau, rates = context.plateau, context.rates
 
     def live_state() -> dict[str, Any]:
         return {"rates": rates.state(), "rate_scale": rates.schedule.scale,
                 **({"plateau": plateau.state()} if plateau is not None else {})}
 
-    checkpointing = Checkpointing(hooks.step, hooks.collectives, hooks.checkpoints, live_state,
-                                  hooks.run_columns, hooks.liveness,
-                                  hooks.passes)
+    checkpointing = Checkpointing(context.step, context.collectives, context.checkpoints,
+                                  live_state, context.run_columns, context.liveness,
+                                  context.passes)
     after: list[keras.callbacks.Callback] = [checkpointing]
     if world.is_chief:
-        run_dir, columns = report.run_dir, hooks.run_columns
+        run_dir, columns = report.run_dir, context.run_columns
         after.append(RunFileWriter(lambda: MetricsFiles(run_dir, columns), run_dir,
                                    "the metrics files"))
         if report.tensorboard:
@@ -187,8 +187,8 @@ def standard_callbacks(hooks: CallbackContext) -> CallbackGroups:
                                   report.interactive))
         elif console.fit_verbose and not own_bar:
             after.append(console)
-    end = EpochEnd(hooks.step, hooks.collectives, checkpointing, liveness, hooks.evaluate,
-                   hooks.validation_freq, batch_norm_statistics(model))
+    end = EpochEnd(context.step, context.collectives, checkpointing, liveness, context.evaluate,
+                   context.validation_freq, batch_norm_statistics(model))
     return CallbackGroups(before, own, rank_aware(user, world), after, end,
                           verbose=0 if console is None else console.fit_verbose,
                           chief=world.is_chief)
