@@ -171,8 +171,10 @@ class OptimConfig:
     zero_stage: int = option(0, "ZeRO: 1 keeps on each rank the optimizer state for 1/ranks of "
                                 "every variable (gradients reduce-scattered, updated pieces "
                                 "all-gathered); 2 also keeps only 1/ranks of the gradients "
-                                "summed across --accumulation-steps; 0: every rank holds all",
-                             minimum=0, maximum=2)
+                                "summed across --accumulation-steps; 3 also keeps only "
+                                "1/ranks of every weight, each layer gathering its whole "
+                                "weights inside its call; 0: every rank holds all",
+                             minimum=0, maximum=3)
 
     @property
     def bucket_bytes(self) -> int:

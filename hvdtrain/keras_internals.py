@@ -14,7 +14,7 @@ hvdtrain touches, each a short function; split, the fence would be in several pl
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, ContextManager, Iterator, Sequence
 
 import keras
 
@@ -514,3 +514,91 @@ def automatic_names_kept() -> Iterator[None]:
         yield
     finally:
         global_state.set_global_attribute("object_name_uids", kept)
+
+
+def own_trainable_variables(layer: keras.layers.Layer) -> list[Any]:
+    """The trainable variables ``layer`` itself created (not its sublayers'): what ZeRO stage
+    3 gathers inside that layer's call."""
+    return list(layer._trainable_variables)
+
+
+def stored_value(variable: Any) -> Any:
+    """What a Keras variable stores (its TensorFlow variable), without the cast a
+    mixed-precision layer's ``value`` makes."""
+    return variable._value
+
+
+@contextlib.contextmanager
+def holding_values(variables: Sequence[Any], values: Sequence[Any],
+                   shapes: Sequence[tuple[int, ...]]) -> Iterator[None]:
+    """Each Keras variable reads as the tensor in ``values`` (of shape in ``shapes``) while the
+    block runs, then as before: how a ZeRO stage-3 layer computes with its gathered whole
+    weights while the variable stores only its piece. Keras' ``value`` (and so every op on the
+    variable, with the mixed-precision cast) reads ``_value``; ``shape`` reads ``_shape``."""
+    saved = [(v._value, v._shape, v._ndim) for v in variables]
+    try:
+        for variable, value, shape in zip(variables, values, shapes):
+            variable._value, variable._shape, variable._ndim = value, tuple(shape), len(shape)
+        yield
+    finally:
+        for variable, (value, shape, ndim) in zip(variables, saved):
+            variable._value, variable._shape, variable._ndim = value, shape, ndim
+
+
+@contextlib.contextmanager
+def call_replaced(layer: keras.layers.Layer, call: Callable[..., Any]) -> Iterator[None]:
+    """``layer.call`` is ``call`` while the block runs: Keras' ``__call__`` looks the method
+    up at each call (so its remat, masking and autocast still wrap it)."""
+    object.__setattr__(layer, "call", call)
+    try:
+        yield
+    finally:
+        object.__delattr__(layer, "call")
+
+
+def reindexed(optimizer: keras.optimizers.Optimizer) -> None:
+    """Keras indexes a built optimizer's state by its variables' TensorFlow variables (the
+    ``_var_key`` of each): after ZeRO stage 3 gives a variable a new one (cut into its piece,
+    or whole again), the index is made again from the variables it was built for."""
+    optimizer._trainable_variables_indices = {
+        optimizer._var_key(variable): index
+        for index, variable in enumerate(optimizer._trainable_variables)}
+
+
+@contextlib.contextmanager
+def constraints_set_aside(variables: Sequence[Any]) -> Iterator[None]:
+    """The variables' constraints unset while the block runs (Keras' ``apply`` projects each
+    variable after updating it; ZeRO stage 3's hold pieces, which a constraint would project
+    as if whole), set again after."""
+    saved = [v._constraint for v in variables]
+    try:
+        for variable in variables:
+            variable._constraint = None
+        yield
+    finally:
+        for variable, constraint in zip(variables, saved):
+            variable._constraint = constraint
+
+
+def call_state_kept() -> Callable[[], ContextManager[None]]:
+    """The Keras state a layer's call runs in (its mixed-precision autocast and the call
+    context nested layers read ``training`` from), as a context manager that enters it again:
+    a call recomputed for its gradient runs outside ``Layer.__call__``."""
+    from keras.src.backend.common import global_state
+    from keras.src.backend.common.variables import AutocastScope, get_autocast_scope
+
+    autocast = get_autocast_scope()
+    call_context = global_state.get_global_attribute("current_call_ctx")
+
+    @contextlib.contextmanager
+    def entered() -> Iterator[None]:
+        before = global_state.get_global_attribute("current_call_ctx")
+        global_state.set_global_attribute("current_call_ctx", call_context)
+        try:
+            with (AutocastScope(autocast.dtype) if autocast is not None
+                  else contextlib.nullcontext()):
+                yield
+        finally:
+            global_state.set_global_attribute("current_call_ctx", before)
+
+    return entered

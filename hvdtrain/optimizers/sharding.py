@@ -19,8 +19,8 @@ import tensorflow as tf
 
 from hvdtrain.collectives import Collectives, GradientReduction, variable_bytes
 from hvdtrain.errors import UserError
-from hvdtrain.keras_internals import (optimizer_key, optimizer_variables_built_for,
-                                      resize_variable, slot_name)
+from hvdtrain.keras_internals import (constraints_set_aside, optimizer_key,
+                                      optimizer_variables_built_for, resize_variable, slot_name)
 
 
 @dataclass(frozen=True)
@@ -76,6 +76,9 @@ class Sharding:
         # An optimizer's key of a shard (Keras' TensorFlow optimizers key a variable by its
         # TensorFlow variable's unique id) -> the key of its model variable.
         self.keys: dict[Any, Any] = {}
+        # Stage 3: id(model variable) -> its whole shape (the variable holds its piece).
+        self.whole_shapes: dict[int, tuple[int, ...]] = {}
+        self.updating = False
 
     def register(self, variables: Sequence[Any]) -> None:
         """Cut each variable not cut yet and make its shard variable (outside any graph)."""
@@ -83,10 +86,7 @@ class Sharding:
             for variable in variables:
                 if id(variable) in self.pieces or id(variable) in self.owners:
                     continue
-                if getattr(variable, "overwrite_with_gradient", False):
-                    raise UserError(f"--zero-stage cannot shard '{variable_path(variable)}', which "
-                                    "takes its gradient as its value (a float8 layer's "
-                                    "scale); use --zero-stage 0")
+                _refuse_unshardable(variable)
                 piece = Piece.of(variable, self.world.size)
                 shard = keras.Variable(self._own_piece(piece, variable), trainable=False,
                                        dtype=variable.dtype, name=_name(variable))
@@ -95,11 +95,36 @@ class Sharding:
                 self.owners[id(shard)] = variable
                 self.keys[optimizer_key(shard)] = optimizer_key(variable)
 
+    def cut_in_place(self, variables: Sequence[Any]) -> None:
+        """Stage 3: each variable keeps only this rank's piece, and is its own shard."""
+        with tf.init_scope():
+            for variable in variables:
+                _refuse_unshardable(variable)
+                piece = Piece.of(variable, self.world.size)
+                self.whole_shapes[id(variable)] = tuple(variable.shape)
+                resize_variable(variable, self._own_piece(piece, variable))
+                self.pieces[id(variable)] = piece
+                self.shards[id(variable)] = variable
+                self.owners[id(variable)] = variable
+                self.keys[optimizer_key(variable)] = optimizer_key(variable)
+
+    def join_in_place(self, variables: Sequence[Any]) -> None:
+        """Stage 3's end: each variable whole again, gathered one at a time (a collective),
+        so no more than the model and one variable exist at once."""
+        for variable in variables:
+            resize_variable(variable, self._gathered(variable, variable))
+            for mapping in (self.pieces, self.shards, self.owners, self.whole_shapes):
+                mapping.pop(id(variable), None)
+
+    def whole_shape(self, variable: Any) -> tuple[int, ...]:
+        """A model variable's shape, also while stage 3 holds its piece."""
+        return self.whole_shapes.get(id(variable), tuple(variable.shape))
+
     def _own_piece(self, piece: Piece, value: Any) -> tf.Tensor:
         return piece.own(tf.convert_to_tensor(value), self.world.rank)
 
     def piece_shapes(self, variables: Sequence[Any]) -> list[tuple[int]]:
-        return [(self.pieces[id(v)].length,) for v in variables]
+        return [(Piece.of(v, self.world.size).length,) for v in variables]
 
     # --- the step ----------------------------------------------------------------------------
 
@@ -137,13 +162,23 @@ class Sharding:
         rank's pieces gathered into the weights and the variables' constraints applied, as
         Keras applies them after an update."""
         shards = [self.shards[id(v)] for v in variables]
-        for variable, shard in zip(variables, shards):
-            shard.assign(self._own_piece(self.pieces[id(variable)], variable))
+        if self.stage < 3:
+            for variable, shard in zip(variables, shards):
+                shard.assign(self._own_piece(self.pieces[id(variable)], variable))
         updated = None
         if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
             pieces, updated = self._agreed_finiteness(pieces)
-        optimizer.apply(list(pieces), shards)
-        self.gather(variables, [p is not None for p in pieces], updated)
+        if self.stage < 3:
+            optimizer.apply(list(pieces), shards)
+            self.gather(variables, [p is not None for p in pieces], updated)
+            return
+        self.updating = True       # the optimizer's own update of the pieces (``zero``)
+        try:
+            with constraints_set_aside(variables):    # Keras would project the pieces
+                optimizer.apply(list(pieces), shards)
+        finally:
+            self.updating = False
+        self.constrain_pieces([v for v, p in zip(variables, pieces) if p is not None], updated)
 
     def _agreed_finiteness(self, pieces: Sequence[Any]) -> tuple[list[Any], tf.Tensor]:
         """A loss-scale optimizer skips a step whose gradients are not finite; each rank sees
@@ -199,6 +234,19 @@ class Sharding:
                 variable.assign(projected if updated is None else
                                 tf.where(updated, projected, tf.convert_to_tensor(variable)))
 
+    def constrain_pieces(self, variables: Sequence[Any], updated: tf.Tensor | None) -> None:
+        """Stage 3: each constrained variable's constraint on its whole value (gathered one
+        variable at a time), this rank keeping its piece of the result; skipped where
+        ``updated`` says the optimizer skipped the step."""
+        for variable in variables:
+            if variable.constraint is None:
+                continue
+            piece = self.pieces[id(variable)]
+            projected = piece.own(variable.constraint(self._gathered(variable, variable)),
+                                  self.world.rank)
+            variable.assign(projected if updated is None else
+                            tf.where(updated, projected, tf.convert_to_tensor(variable)))
+
     # --- the optimizer's state ---------------------------------------------------------------
 
     def full_state(self, optimizer: keras.optimizers.Optimizer) -> Iterator[np.ndarray]:
@@ -213,7 +261,7 @@ class Sharding:
     def _gathered(self, piece: Any, owner: Any) -> tf.Tensor:
         """Every rank's ``piece`` of ``owner`` (a slot or a shard) as one whole value."""
         every = self.collectives.allgather([tf.convert_to_tensor(piece)])[0]
-        return self.pieces[id(owner)].whole(every, owner.shape)
+        return self.pieces[id(owner)].whole(every, self.whole_shape(owner))
 
     def shard_slots(self, optimizer: keras.optimizers.Optimizer) -> None:
         """An optimizer built before the run (restored, or by the user): each slot of a
@@ -247,6 +295,12 @@ class Sharding:
             owner = self.owners.pop(id(slot), None)
             if owner is not None:
                 resize_variable(slot, self._gathered(slot, owner))
+
+
+def _refuse_unshardable(variable: Any) -> None:
+    if getattr(variable, "overwrite_with_gradient", False):
+        raise UserError(f"--zero-stage cannot shard '{variable_path(variable)}', which takes its "
+                        "gradient as its value (a float8 layer's scale); use --zero-stage 0")
 
 
 def variable_path(variable: Any) -> str:

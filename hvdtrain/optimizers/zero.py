@@ -83,14 +83,19 @@ class _ShardedOptimizer(OptimizerHooks, RunOptimizer):
 
     def applied_by_keras(self, grads: list[Any], variables: list[Any]) -> bool:
         """Given the pieces (the run's step, or a loss-scale optimizer calling the optimizer
-        inside): Keras' own update of them."""
-        return not variables or id(variables[0]) in attached(self).owners
+        inside): Keras' own update of them. At stage 3 the model's variables are their pieces:
+        Keras' own update only inside the sharding's (which sets the constraints aside)."""
+        sharding = attached(self)
+        if sharding.stage == 3:
+            return not variables or sharding.updating
+        return not variables or id(variables[0]) in sharding.owners
 
     def apply_for_the_run(self, grads: list[Any], variables: list[Any]) -> None:
         """Given the model's variables (a model's own ``train_step``): reduce-scatter, update
         the pieces, all-gather."""
         sharding = attached(self)
-        sharding.update(self, sharding.scatter(grads, variables), variables)
+        pieces = grads if sharding.stage == 3 else sharding.scatter(grads, variables)
+        sharding.update(self, pieces, variables)
 
 
 def sharded_class(optimizer_class: type) -> type:

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Any, Callable, ContextManager, Protocol
+from typing import Any, Callable, ContextManager, Iterator, Protocol
 
 import keras
 import tensorflow as tf
@@ -30,6 +30,7 @@ from hvdtrain.keras_internals import (keras_logits, loss_tracker, marked, output
                                       output_marks, with_logits)
 from hvdtrain.training.step.objective import (LossShare, global_metric_results, metric_variables,
                                               own_losses, real_rows)
+from hvdtrain.optimizers.gathered_layers import GatheredLayers
 from hvdtrain.optimizers.sharding import Sharding, gradient_bytes_kept
 from hvdtrain.optimizers.zero import sharded_for_the_run
 
@@ -133,10 +134,14 @@ class StepMath:
                                   if options.xla else self.forward_backward)
         self.sharding: Sharding | None = None
         shapes = [v.shape for v in model.trainable_variables]
+        self.gathered: GatheredLayers | None = None
         if options.zero_stage:
             self.sharding = Sharding(collectives, options.zero_stage, self.reduction)
-            self.sharding.register(model.trainable_variables)
-            if options.zero_stage == 2:    # only this rank's pieces are summed
+            if options.zero_stage == 3:     # the weights too: cut when the run begins
+                self.gathered = GatheredLayers(model, self.sharding)
+            else:
+                self.sharding.register(model.trainable_variables)
+            if options.zero_stage >= 2:    # only this rank's pieces are summed
                 shapes = self.sharding.piece_shapes(model.trainable_variables)
         self.accumulation: Accumulation | None = None
         if options.accumulation_steps > 1:   # the gradients' sums, the weighted loss's, shares'
@@ -198,7 +203,7 @@ class StepMath:
                     weighted_loss: tf.Tensor, share: tf.Tensor) -> None:
         """Sum micro-steps' gradients (ZeRO stage 2: this rank's pieces of their sum over
         ranks, reduce-scattered every micro-step) and apply at the last."""
-        pieces = False
+        pieces = self._gradients_in_pieces
         if self.sharding is not None and self.sharding.stage == 2:
             pieces = True
             gradients = self.sharding.scatter(gradients, self.model.trainable_variables)
@@ -222,12 +227,25 @@ class StepMath:
         return Evaluation(self.model, self.collectives, self.options.xla, self.share,
                           self.options.sample_weights, equal_steps=True).run
 
-    def training(self, end_in_pieces: bool = False) -> ContextManager[None]:
-        """hvdtrain's step reduces gradients itself; sharded, the optimizer holds pieces."""
+    @property
+    def _gradients_in_pieces(self) -> bool:
+        """Stage 3's gradients leave the backward pass reduce-scattered (``gathered_layers``)."""
+        return self.gathered is not None
+
+    @contextlib.contextmanager
+    def training(self, end_in_pieces: bool = False) -> Iterator[None]:
+        """hvdtrain's step reduces gradients itself; sharded, the optimizer holds pieces (and
+        at stage 3 the model's weights too)."""
         if self.sharding is None:
-            return contextlib.nullcontext()
-        return sharded_for_the_run([self.optimizer], self.sharding,
-                                   self.model.trainable_variables, end_in_pieces)
+            yield
+            return
+        with contextlib.ExitStack() as stack:
+            if self.gathered is not None:
+                stack.enter_context(self.gathered.for_the_run([self.optimizer], end_in_pieces))
+            stack.enter_context(sharded_for_the_run([self.optimizer], self.sharding,
+                                                    self.model.trainable_variables,
+                                                    end_in_pieces))
+            yield
 
     def epoch_results(self, logs: dict[str, Any]) -> dict[str, float]:
         return global_metric_results(self.model, self.collectives)
@@ -275,7 +293,7 @@ class StepMath:
                               for g, v in zip(gradients, variables)], weighted, share)
             columns.scale(tf.cast(real[3] > 0, tf.float32))
         else:   # the tracker gets the global batch's loss, as one process's does
-            shares = self._apply(gradients, weighted, share)
+            shares = self._apply(gradients, weighted, share, pieces=self._gradients_in_pieces)
             columns.scale(self.share.column_factor(share, shares, self.collectives.world.size))
             loss = self.global_loss.read_value()
         return keras_metrics(self.model, loss, *real)

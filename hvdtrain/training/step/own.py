@@ -29,6 +29,7 @@ from hvdtrain.training.step.objective import (global_metric_results, metric_vari
 from hvdtrain.training.step.core import divided
 from hvdtrain.training.step.sync_batch_norm import batch_rows
 from hvdtrain.training.step.votes import StopVotes
+from hvdtrain.optimizers.gathered_layers import GatheredLayers
 from hvdtrain.optimizers.sharding import Sharding, gradient_bytes_kept
 from hvdtrain.optimizers.zero import sharded_for_the_run
 
@@ -80,6 +81,8 @@ class OwnStep:
         self.keras_element = keras_element
         self.reduction = reduction
         self._sharding = (Sharding(collectives, zero_stage, reduction) if zero_stage else None)
+        self._gathered = (GatheredLayers(model, self._sharding)
+                          if self._sharding is not None and zero_stage == 3 else None)
         self._model_step = type(model).train_step.__get__(model)
         self._global_batch = float(global_batch)
         # This rank's share of the step being traced (set by ``keras_step``, read by the
@@ -98,7 +101,11 @@ class OwnStep:
         hold pieces of their state, sharded)."""
         optimizers = list(self.optimizers.values())
         if self._sharding is not None:
-            with sharded_for_the_run(optimizers, self._sharding, end_in_pieces=end_in_pieces):
+            with contextlib.ExitStack() as stack:
+                if self._gathered is not None:     # stage 3: the weights in pieces too
+                    stack.enter_context(self._gathered.for_the_run(optimizers, end_in_pieces))
+                stack.enter_context(sharded_for_the_run(optimizers, self._sharding,
+                                                        end_in_pieces=end_in_pieces))
                 yield
             return
         with distributed_for_the_run(optimizers, self.reduction, self._reduce):

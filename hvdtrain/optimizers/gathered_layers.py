@@ -1,0 +1,146 @@
+"""ZeRO stage 3: the model's trainable weights, not only its optimizer's state, held in pieces.
+
+While the run lasts each trainable variable holds only this rank's piece of its elements (the
+same cut as stages 1 and 2, ``sharding``); the variable is its own shard, so the optimizer
+builds piece-sized state and updates the piece in place. A layer that owns trainable variables
+has its ``call`` wrapped for the run: the wrapper all-gathers the layer's pieces into whole
+values, lets the layer compute with them, and drops them. The whole values cannot simply stay
+alive until the backward pass (TensorFlow keeps every tensor a gradient op reads, which would
+hold the whole model again), so the layer's forward pass is recomputed for its gradient
+(``tf.recompute_grad``, which Keras' ``remat`` is on TensorFlow): the backward pass gathers
+the pieces again, and the gradient of the gather is a reduce-scatter, so each rank receives
+its piece of the gradient summed over ranks as soon as the layer's backward pass makes it.
+
+Measured on 2 ranks (25M-parameter residual MLP, Adam): stage 0 peaked at 1,433 MiB per rank,
+stage 3 at 1,052; without the recomputation 1,350. The weights after a step equal one
+process's with the whole batch to the same rounding as stage 0's allreduce.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable, Iterator, Sequence
+
+import keras
+import tensorflow as tf
+
+from hvdtrain.errors import UserError
+from hvdtrain.keras_internals import (call_replaced, call_state_kept, holding_values,
+                                      own_trainable_variables, reindexed, stored_value,
+                                      sublayers)
+from hvdtrain.optimizers.sharding import Sharding, holders, variable_path
+
+
+def owning_layers(model: keras.Model) -> list[tuple[keras.layers.Layer, list[Any]]]:
+    """Each layer that owns trainable variables, with them, in the model's layer order.
+    Refuses, in one line, a variable owned by two layers (a tied embedding): its whole value
+    would be needed outside the one call that gathers it."""
+    found: list[tuple[keras.layers.Layer, list[Any]]] = []
+    owner_of: dict[int, str] = {}
+    for layer in [model, *sublayers(model)]:
+        own = [v for v in own_trainable_variables(layer) if v.trainable]
+        for variable in own:
+            first = owner_of.setdefault(id(variable), layer.name)
+            if first != layer.name:
+                raise UserError(f"--zero-stage 3 cannot shard '{variable_path(variable)}': "
+                                f"layers '{first}' and '{layer.name}' both use it; untie the "
+                                "weight or use --zero-stage 2")
+        if own:
+            found.append((layer, own))
+    return found
+
+
+class GatheredLayers:
+    """The model's trainable weights in this rank's pieces while ``for_the_run`` lasts, each
+    owning layer gathering its own whole inside its call. ``sharding`` is the run's (stage 3):
+    its pieces and its reduce-scatter, whose scale is the step's reduction's."""
+
+    def __init__(self, model: keras.Model, sharding: Sharding) -> None:
+        self.model = model
+        self.sharding = sharding
+        self.layers = owning_layers(model)
+        # The tensors the last wrapped call of this trace started from: the next layer's
+        # gather waits for them, so it runs while that layer computes (prefetch of one layer)
+        # and never all at once at the step's start (which would hold the whole model).
+        self._previous_inputs: list[tf.Tensor] = []
+
+    @contextlib.contextmanager
+    def for_the_run(self, optimizers: Sequence[keras.optimizers.Optimizer],
+                    end_in_pieces: bool = False) -> Iterator[None]:
+        """Cut every owned variable into its piece and wrap its layer's call; after, unwrap
+        and gather each variable whole again, one at a time (a collective), unless
+        ``end_in_pieces`` (the process ends with the run) or the run failed on this rank
+        alone (its peers may be gone). Keras indexes a built optimizer's state by its
+        variables' TensorFlow variables, which cutting and joining replace: ``optimizers``
+        are indexed again after each."""
+        variables = [v for _, own in self.layers for v in own]
+        self.sharding.cut_in_place(variables)
+        _reindexed(optimizers)
+        whole_again = False
+        try:
+            with contextlib.ExitStack() as calls:
+                for layer, own in self.layers:
+                    calls.enter_context(call_replaced(layer, self._wrapped(layer, own)))
+                yield
+            whole_again = not end_in_pieces
+        finally:
+            if whole_again:
+                self.sharding.join_in_place(variables)
+                _reindexed(optimizers)
+
+    def _wrapped(self, layer: keras.layers.Layer, own: list[Any]) -> Callable[..., Any]:
+        original = layer.call
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            flat = tf.nest.flatten((args, kwargs))
+            positions = [i for i, leaf in enumerate(flat) if tf.is_tensor(leaf)]
+            prefetch_after = self._previous_inputs
+            self._previous_inputs = [flat[i] for i in positions]
+            forward = [True]
+            keras_state = call_state_kept()
+
+            def compute(*tensors: tf.Tensor) -> Any:
+                leaves = list(flat)
+                for position, tensor in zip(positions, tensors):
+                    leaves[position] = tensor
+                called_args, called_kwargs = tf.nest.pack_sequence_as((args, kwargs), leaves)
+                # In the forward pass the gather may start once the previous layer's inputs
+                # exist; recomputed for the gradient, once this layer's inputs (which
+                # tf.recompute_grad makes wait for the incoming gradient) do.
+                after = prefetch_after if forward[0] else list(tensors)
+                forward[0] = False
+                whole = self._gathered(own, after)
+                with keras_state(), holding_values(own, whole, [self.sharding.whole_shape(v)
+                                                                for v in own]):
+                    return original(*called_args, **called_kwargs)
+
+            return tf.recompute_grad(compute)(*[flat[i] for i in positions])
+
+        return call
+
+    def _gathered(self, variables: Sequence[Any], after: Sequence[tf.Tensor]) -> list[tf.Tensor]:
+        """Every rank's pieces of ``variables`` as whole values (one grouped all-gather, issued
+        after ``after``); its gradient is this rank's piece of the gradients summed over ranks
+        (one grouped reduce-scatter)."""
+        sharding = self.sharding
+
+        @tf.custom_gradient
+        def gathered(*pieces: tf.Tensor) -> Any:
+            with tf.control_dependencies(list(after)):
+                every = sharding.collectives.allgather([tf.identity(p) for p in pieces])
+            whole = [sharding.pieces[id(v)].whole(values, sharding.whole_shape(v))
+                     for v, values in zip(variables, every)]
+
+            def gradient(*upstream: Any) -> list[Any]:
+                return sharding.scatter(list(upstream), variables)
+
+            return whole, gradient
+
+        return gathered(*[tf.convert_to_tensor(stored_value(v)) for v in variables])
+
+
+def _reindexed(optimizers: Sequence[keras.optimizers.Optimizer]) -> None:
+    for optimizer in optimizers:
+        for inner in holders(optimizer):
+            if inner.built:
+                reindexed(inner)
