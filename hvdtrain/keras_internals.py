@@ -602,3 +602,19 @@ def call_state_kept() -> Callable[[], ContextManager[None]]:
             global_state.set_global_attribute("current_call_ctx", before)
 
     return entered
+
+
+@contextlib.contextmanager
+def losses_taken(layer: keras.layers.Layer) -> Iterator[list[Any]]:
+    """The losses ``layer`` and its sublayers add (``add_loss``) while the block runs, taken
+    out of Keras' lists into the yielded list as the block ends: ZeRO stage 3 returns them
+    from a recomputed call, so their gradients reach the weights, and adds them again."""
+    layers = [layer, *layer._flatten_layers(include_self=False)]
+    before = [len(each._losses) for each in layers]
+    taken: list[Any] = []
+    try:
+        yield taken
+    finally:
+        for each, count in zip(layers, before):
+            taken.extend(each._losses[count:])
+            del each._losses[count:]

@@ -26,8 +26,8 @@ import tensorflow as tf
 
 from hvdtrain.errors import UserError
 from hvdtrain.keras_internals import (call_replaced, call_state_kept, holding_values,
-                                      own_trainable_variables, reindexed, stored_value,
-                                      sublayers)
+                                      losses_taken, own_trainable_variables, reindexed,
+                                      stored_value, sublayers)
 from hvdtrain.optimizers.sharding import Sharding, holders, variable_path
 
 
@@ -63,6 +63,7 @@ class GatheredLayers:
         # gather waits for them, so it runs while that layer computes (prefetch of one layer)
         # and never all at once at the step's start (which would hold the whole model).
         self._previous_inputs: list[tf.Tensor] = []
+        self._regularizers: dict[int, Callable[[Any], Any]] = {}   # id(variable) -> its own
 
     @contextlib.contextmanager
     def for_the_run(self, optimizers: Sequence[keras.optimizers.Optimizer],
@@ -79,6 +80,7 @@ class GatheredLayers:
         whole_again = False
         try:
             with contextlib.ExitStack() as calls:
+                calls.enter_context(self._regularizers_in_the_calls(variables))
                 for layer, own in self.layers:
                     calls.enter_context(call_replaced(layer, self._wrapped(layer, own)))
                 yield
@@ -87,6 +89,21 @@ class GatheredLayers:
             if whole_again:
                 self.sharding.join_in_place(variables)
                 _reindexed(optimizers)
+
+    @contextlib.contextmanager
+    def _regularizers_in_the_calls(self, variables: Sequence[Any]) -> Iterator[None]:
+        """Keras applies a weight's regularizer to the variable when the model's losses are
+        read, after the forward pass: it would see the piece. For the run each regularizer
+        moves into its layer's call, applied to the gathered whole (``_wrapped``)."""
+        self._regularizers = {id(v): v.regularizer for v in variables if v.regularizer}
+        try:
+            for variable in variables:
+                variable.regularizer = None
+            yield
+        finally:
+            for variable in variables:
+                variable.regularizer = self._regularizers.get(id(variable))
+            self._regularizers = {}
 
     def _wrapped(self, layer: keras.layers.Layer, own: list[Any]) -> Callable[..., Any]:
         original = layer.call
@@ -110,11 +127,20 @@ class GatheredLayers:
                 after = prefetch_after if forward[0] else list(tensors)
                 forward[0] = False
                 whole = self._gathered(own, after)
-                with keras_state(), holding_values(own, whole, [self.sharding.whole_shape(v)
-                                                                for v in own]):
-                    return original(*called_args, **called_kwargs)
+                regularized = [(self._regularizers[id(v)], value) for v, value in zip(own, whole)
+                               if id(v) in self._regularizers]
+                # The losses the call adds, and the weights' regularizers on the wholes, leave
+                # as outputs: recomputed, their gradients reach the weights.
+                with losses_taken(layer) as added, keras_state(), holding_values(
+                        own, whole, [self.sharding.whole_shape(v) for v in own]):
+                    outputs = original(*called_args, **called_kwargs)
+                    regularization = [regularizer(value) for regularizer, value in regularized]
+                return outputs, [*added, *regularization]
 
-            return tf.recompute_grad(compute)(*[flat[i] for i in positions])
+            outputs, losses = tf.recompute_grad(compute)(*[flat[i] for i in positions])
+            for loss in losses:
+                layer.add_loss(loss)
+            return outputs
 
         return call
 
