@@ -618,3 +618,10 @@ def losses_taken(layer: keras.layers.Layer) -> Iterator[list[Any]]:
         for each, count in zip(layers, before):
             taken.extend(each._losses[count:])
             del each._losses[count:]
+
+
+def seed_states(layer: keras.layers.Layer) -> list[Any]:
+    """The state variables of the seed generators ``layer`` and its sublayers draw from (a
+    ``Dropout``'s): a call recomputed for its gradient must draw what the first call drew."""
+    return [generator.state for each in [layer, *layer._flatten_layers(include_self=False)]
+            for generator in each._seed_generators]

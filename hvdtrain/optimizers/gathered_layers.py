@@ -27,7 +27,7 @@ import tensorflow as tf
 from hvdtrain.errors import UserError
 from hvdtrain.keras_internals import (call_replaced, call_state_kept, holding_values,
                                       losses_taken, own_trainable_variables, reindexed,
-                                      stored_value, sublayers)
+                                      seed_states, stored_value, sublayers)
 from hvdtrain.optimizers.sharding import Sharding, holders, variable_path
 
 
@@ -115,6 +115,7 @@ class GatheredLayers:
             self._previous_inputs = [flat[i] for i in positions]
             forward = [True]
             keras_state = call_state_kept()
+            drawn_from: list[tf.Tensor] = []     # the seed states the first call started at
 
             def compute(*tensors: tf.Tensor) -> Any:
                 leaves = list(flat)
@@ -125,17 +126,10 @@ class GatheredLayers:
                 # exist; recomputed for the gradient, once this layer's inputs (which
                 # tf.recompute_grad makes wait for the incoming gradient) do.
                 after = prefetch_after if forward[0] else list(tensors)
-                forward[0] = False
-                whole = self._gathered(own, after)
-                regularized = [(self._regularizers[id(v)], value) for v, value in zip(own, whole)
-                               if id(v) in self._regularizers]
-                # The losses the call adds, and the weights' regularizers on the wholes, leave
-                # as outputs: recomputed, their gradients reach the weights.
-                with losses_taken(layer) as added, keras_state(), holding_values(
-                        own, whole, [self.sharding.whole_shape(v) for v in own]):
-                    outputs = original(*called_args, **called_kwargs)
-                    regularization = [regularizer(value) for regularizer, value in regularized]
-                return outputs, [*added, *regularization]
+                with self._same_draws(layer, drawn_from, first=forward[0]):
+                    forward[0] = False
+                    return self._computed(layer, own, original, called_args, called_kwargs,
+                                          after, keras_state)
 
             outputs, losses = tf.recompute_grad(compute)(*[flat[i] for i in positions])
             for loss in losses:
@@ -143,6 +137,41 @@ class GatheredLayers:
             return outputs
 
         return call
+
+    @staticmethod
+    @contextlib.contextmanager
+    def _same_draws(layer: keras.layers.Layer, drawn_from: list[tf.Tensor],
+                    first: bool) -> Iterator[None]:
+        """The first call notes where the seed generators of ``layer`` stand; the call
+        recomputed for the gradient starts them there again (so a dropout inside draws the
+        same mask) and puts them back after."""
+        states = seed_states(layer)
+        if first:
+            drawn_from[:] = [tf.identity(state.value) for state in states]
+            yield
+            return
+        now = [tf.identity(state.value) for state in states]
+        for state, value in zip(states, drawn_from):
+            state.assign(value)
+        yield
+        for state, value in zip(states, now):
+            state.assign(value)
+
+    def _computed(self, layer: keras.layers.Layer, own: list[Any], original: Callable[..., Any],
+                  called_args: Any, called_kwargs: Any, after: list[tf.Tensor],
+                  keras_state: Callable[[], Any]) -> tuple[Any, list[Any]]:
+        """The layer's call on its gathered whole weights: (its outputs, the losses it adds
+        and its weights' regularizers), all of them outputs of the recomputed function."""
+        whole = self._gathered(own, after)
+        regularized = [(self._regularizers[id(v)], value) for v, value in zip(own, whole)
+                       if id(v) in self._regularizers]
+        # The losses the call adds, and the weights' regularizers on the wholes, leave
+        # as outputs: recomputed, their gradients reach the weights.
+        with losses_taken(layer) as added, keras_state(), holding_values(
+                own, whole, [self.sharding.whole_shape(v) for v in own]):
+            outputs = original(*called_args, **called_kwargs)
+            regularization = [regularizer(value) for regularizer, value in regularized]
+        return outputs, [*added, *regularization]
 
     def _gathered(self, variables: Sequence[Any], after: Sequence[tf.Tensor]) -> list[tf.Tensor]:
         """Every rank's pieces of ``variables`` as whole values (one grouped all-gather, issued
