@@ -256,6 +256,11 @@ def describe(stage: int, world_size: int, optimizer: keras.optimizers.Optimizer,
     """The run log's line on sharding: what the optimizer's state costs each rank."""
     full, mine = variable_bytes(variables), piece_bytes(variables, world_size)
     kinds = _slot_kinds(optimizer)
+    if stage == 3:
+        return (f"ZeRO stage 3: each rank keeps 1/{world_size} of every weight, of its gradient "
+                f"and of the optimizer state: {(kinds + 2) * mine / 2**20:.2f} MiB instead of "
+                f"{(kinds + 2) * full / 2**20:.2f} MiB; each layer gathers its whole weights "
+                "inside its call and again, recomputing the call, for its gradient")
     return (f"ZeRO stage {stage}: each rank keeps the optimizer state for 1/{world_size} of "
             f"every variable: {kinds} x {mine / 2**20:.2f} MiB instead of {kinds} x "
             f"{full / 2**20:.2f} MiB ({type(holders(optimizer)[-1]).__name__} keeps {kinds} "

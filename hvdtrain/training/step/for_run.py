@@ -11,6 +11,7 @@ import dataclasses
 from hvdtrain.collectives import Collectives, GradientReduction
 from hvdtrain.config import Config, OptimConfig
 from hvdtrain.data.contract import DataBundle
+from hvdtrain.errors import UserError
 from hvdtrain.log import logger
 from hvdtrain.optimizers.zero import check_shardable
 from hvdtrain.optimizers.zero import describe as describe_sharding
@@ -72,6 +73,10 @@ def step_for_run(config: Config, trainable: Trainable, data: DataBundle,
     elif world.size > 1 and optim.bucket_order == "issued":
         logger.warning("--bucket-order issued does not apply to --reduction adasum: Adasum "
                        "sends each gradient in an allreduce of its own, in no bucket")
+    if optim.zero_stage == 3 and asks_xla:
+        raise UserError(f"--zero-stage 3 gathers each layer's weights inside its call, which "
+                        f"XLA cannot compile (the collectives have no XLA kernels); compile "
+                        f"{trainable.model.name} with jit_compile=False or use --zero-stage 2")
     if optim.zero_stage:
         for optimizer in step.optimizers.values():
             check_shardable(optimizer)
