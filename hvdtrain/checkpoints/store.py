@@ -186,15 +186,18 @@ def _write_npz(path: Path, arrays: Iterable[tuple[str, np.ndarray]]) -> None:
 def _write_files(directory: Path, model: keras.Model,
                  optimizers: dict[str, keras.optimizers.Optimizer], state: CheckpointState,
                  rank_states: list[list[np.ndarray]],
-                 whole: dict[str, Iterable[np.ndarray]] | None) -> None:
+                 whole: dict[str, Iterable[np.ndarray]] | None,
+                 weights: Iterable[np.ndarray] | None = None) -> None:
     """A checkpoint's files in ``directory``, flushed to disk: the weights and random-generator
     states, every built optimizer's variables (``whole``: a sharded optimizer's, gathered one
     at a time as they are written), and ``state`` with what each optimizer was built for and
     the files' checksums."""
     rng = ((f"rng{rank:04d}_{i:04d}", value) for rank, values in enumerate(rank_states)
            for i, value in enumerate(values))
+    if weights is None:
+        weights = (weight.numpy() for weight in model.weights)
     _write_npz(directory / WEIGHTS_FILE, itertools.chain(
-        ((f"w{i:04d}", weight.numpy()) for i, weight in enumerate(model.weights)), rng))
+        ((f"w{i:04d}", value) for i, value in enumerate(weights)), rng))
     built = {name: optimizer for name, optimizer in optimizers.items() if optimizer.built}
     whole = whole or {}
     _write_npz(directory / OPTIMIZER_FILE, (
@@ -338,13 +341,15 @@ class CheckpointStore:
 
     def save(self, model: keras.Model, optimizers: Optimizers, state: CheckpointState,
              rank_states: list[list[np.ndarray]] | None = None,
-             whole: dict[str, Iterable[np.ndarray]] | None = None) -> Checkpoint:
+             whole: dict[str, Iterable[np.ndarray]] | None = None,
+             weights: Iterable[np.ndarray] | None = None) -> Checkpoint:
         """Write checkpoint ``checkpoint_name(state.epoch, state.step)`` atomically and prune
         old ones; a failed write raises CheckpointWriteFailed and leaves the checkpoints on
         disk as they were. ``rank_states``: every rank's ``rank_local_variables`` values, in
         rank order (default: this process's); ``whole``: the state of sharded optimizers (ZeRO),
         by attribute, each gathered as it is written (every rank takes part: a failed write
-        still completes the gathers)."""
+        still completes the gathers); ``weights``: the model's weights, likewise (ZeRO stage
+        3; default: the model's own values)."""
         final = self.directory / checkpoint_name(state.epoch, state.step)
         partial = self.directory / f".partial-{final.name}-{os.getpid()}"
         try:
@@ -353,7 +358,8 @@ class CheckpointStore:
             partial.mkdir()
             if rank_states is None:
                 rank_states = [[v.numpy() for v in rank_local_variables(model)]]
-            _write_files(partial, model, _by_name(optimizers), state, rank_states, whole)
+            _write_files(partial, model, _by_name(optimizers), state, rank_states, whole,
+                         weights)
         except OSError as error:
             shutil.rmtree(partial, ignore_errors=True)
             previous = self.latest()
@@ -365,7 +371,7 @@ class CheckpointStore:
                 "--resume auto") from error
         finally:
             in_flight = sys.exc_info()[1]
-            for values in (whole or {}).values():
+            for values in [weights or iter(()), *(whole or {}).values()]:
                 drain(values, quietly=in_flight is not None)
         return self._move_into_place(partial, final)
 

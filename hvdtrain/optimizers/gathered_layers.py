@@ -29,6 +29,7 @@ from hvdtrain.keras_internals import (call_replaced, call_state_kept, holding_va
                                       losses_taken, own_trainable_variables, reindexed,
                                       seed_states, stored_value, sublayers)
 from hvdtrain.optimizers.sharding import Sharding, holders, variable_path
+from hvdtrain.optimizers.zero import STOPPED_TOGETHER
 
 
 def owning_layers(model: keras.Model) -> list[tuple[keras.layers.Layer, list[Any]]]:
@@ -66,14 +67,12 @@ class GatheredLayers:
         self._regularizers: dict[int, Callable[[Any], Any]] = {}   # id(variable) -> its own
 
     @contextlib.contextmanager
-    def for_the_run(self, optimizers: Sequence[keras.optimizers.Optimizer],
-                    end_in_pieces: bool = False) -> Iterator[None]:
+    def for_the_run(self, optimizers: Sequence[keras.optimizers.Optimizer]) -> Iterator[None]:
         """Cut every owned variable into its piece and wrap its layer's call; after, unwrap
-        and gather each variable whole again, one at a time (a collective), unless
-        ``end_in_pieces`` (the process ends with the run) or the run failed on this rank
-        alone (its peers may be gone). Keras indexes a built optimizer's state by its
-        variables' TensorFlow variables, which cutting and joining replace: ``optimizers``
-        are indexed again after each."""
+        and gather each variable whole again, one at a time (a collective), unless the run
+        failed on this rank alone (its peers may be gone). Keras indexes a built
+        optimizer's state by its variables' TensorFlow variables, which cutting and joining
+        replace: ``optimizers`` are indexed again after each."""
         variables = [v for _, own in self.layers for v in own]
         self.sharding.cut_in_place(variables)
         _reindexed(optimizers)
@@ -84,7 +83,10 @@ class GatheredLayers:
                 for layer, own in self.layers:
                     calls.enter_context(call_replaced(layer, self._wrapped(layer, own)))
                 yield
-            whole_again = not end_in_pieces
+            whole_again = True
+        except STOPPED_TOGETHER:
+            whole_again = True
+            raise
         finally:
             if whole_again:
                 self.sharding.join_in_place(variables)

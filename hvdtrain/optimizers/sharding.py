@@ -258,6 +258,13 @@ class Sharding:
             owner = self.owners.get(id(slot))
             yield slot.numpy() if owner is None else self._gathered(slot, owner).numpy()
 
+    def full_weights(self, variables: Sequence[Any]) -> Iterator[np.ndarray]:
+        """Each of ``variables`` whole (stage 3's pieces gathered one variable at a time as
+        they are asked for: a collective, as ``full_state``)."""
+        for variable in variables:
+            yield (self._gathered(variable, variable).numpy() if id(variable) in self.whole_shapes
+                   else variable.numpy())
+
     def _gathered(self, piece: Any, owner: Any) -> tf.Tensor:
         """Every rank's ``piece`` of ``owner`` (a slot or a shard) as one whole value."""
         every = self.collectives.allgather([tf.convert_to_tensor(piece)])[0]
@@ -278,7 +285,7 @@ class Sharding:
                 if id(slot) in self.owners:
                     continue
                 owner = next((v for prefix, v in by_prefix if slot.name.startswith(prefix)
-                              and tuple(slot.shape) == tuple(v.shape)), None)
+                              and tuple(slot.shape) == self.whole_shape(v)), None)
                 if owner is None:
                     if len(slot.shape) > 0:
                         raise UserError(f"optimizer '{inner.name}' holds state "

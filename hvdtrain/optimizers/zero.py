@@ -35,6 +35,11 @@ from hvdtrain.optimizers.run_class import (RunOptimizer, attached, class_for_the
 from hvdtrain.optimizers.sharding import Sharding, holders, piece_bytes, variable_path
 
 
+# The errors every rank raises together (a stop, a divergence, a failed checkpoint write, an
+# agreed error): after one, every rank can still take part in gathering the pieces whole.
+STOPPED_TOGETHER = (StoppedBySignal, TrainingDiverged, CheckpointWriteFailed, AgreedError)
+
+
 class _ShardedOptimizer(OptimizerHooks, RunOptimizer):
     """Mixed in before the user's optimizer class while a sharded run lasts; the run's
     ``Sharding`` is attached to the optimizer (``attached``)."""
@@ -125,7 +130,7 @@ def sharded_for_the_run(optimizers: Sequence[keras.optimizers.Optimizer], shardi
             yield
             in_pieces = end_in_pieces and len(found) == 1
             whole_again = not in_pieces
-        except (StoppedBySignal, TrainingDiverged, CheckpointWriteFailed, AgreedError):
+        except STOPPED_TOGETHER:
             whole_again = True    # every rank stopped together: all can gather
             raise
         finally:
@@ -178,17 +183,21 @@ def saved_state_bytes(optimizer: keras.optimizers.Optimizer) -> int:
 @dataclass(frozen=True)
 class WholeState:
     """Sharded optimizers' state for a checkpoint: by attribute, each optimizer's values
-    gathered whole one at a time as rank 0 writes them; and how it was held
+    gathered whole one at a time as rank 0 writes them; at stage 3 the model's weights
+    likewise (None: the weights are whole); and how it was held
     (``CheckpointState.sharded``)."""
 
     arrays: dict[str, Iterator[np.ndarray]]
     record: dict[str, int]
+    weights: Iterator[np.ndarray] | None = None
 
 
-def consolidated_state(optimizers: dict[str, keras.optimizers.Optimizer]) -> WholeState | None:
-    """Every sharded optimizer's whole state, or None when no optimizer is sharded. A
-    collective: rank 0 reads it while writing the checkpoint; the other ranks take part in
-    each gather here, keeping nothing, and get None back."""
+def consolidated_state(optimizers: dict[str, keras.optimizers.Optimizer],
+                       model: keras.Model) -> WholeState | None:
+    """Every sharded optimizer's whole state (and at stage 3 ``model``'s weights), or None
+    when no optimizer is sharded. A collective: rank 0 reads it while writing the
+    checkpoint; the other ranks take part in each gather here, keeping nothing, and get None
+    back."""
     sharded = {name: optimizer for name, optimizer in optimizers.items()
                if isinstance(optimizer, _ShardedOptimizer) and optimizer.built}
     if not sharded:
@@ -196,10 +205,11 @@ def consolidated_state(optimizers: dict[str, keras.optimizers.Optimizer]) -> Who
     sharding = attached(next(iter(sharded.values())))
     whole = WholeState({name: attached(optimizer).full_state(optimizer)
                         for name, optimizer in sharded.items()},
-                       {"zero_stage": sharding.stage, "ranks": sharding.world.size})
+                       {"zero_stage": sharding.stage, "ranks": sharding.world.size},
+                       sharding.full_weights(model.weights) if sharding.stage == 3 else None)
     if sharding.world.is_chief:
         return whole
-    for values in whole.arrays.values():
+    for values in [whole.weights or iter(()), *whole.arrays.values()]:
         drain(values)
     return None
 

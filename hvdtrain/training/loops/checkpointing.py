@@ -142,13 +142,14 @@ class Checkpointing(keras.callbacks.Callback):
         model = self.step.model
         local = [v.numpy() for v in rank_local_variables(model)]
         rank_states = self.collectives.allgather_object(local) if local else None
-        whole = consolidated_state(self.step.optimizers)
+        whole = consolidated_state(self.step.optimizers, model)
         outcome = ""
         if self.collectives.world.is_chief:
             try:
                 outcome = self.plan.store.save(model, self.step.optimizers, replace(
                     self.plan.state, **self.live_state(), **position,
-                    sharded=whole and whole.record), rank_states, whole and whole.arrays).name
+                    sharded=whole and whole.record), rank_states, whole and whole.arrays,
+                    whole and whole.weights).name
             except CheckpointWriteFailed as error:
                 outcome = f"error: {error}"
         wants_stop = bool(model.stop_training or self.step.votes.callback_stop_requested())

@@ -241,7 +241,7 @@ class StepMath:
             return
         with contextlib.ExitStack() as stack:
             if self.gathered is not None:
-                stack.enter_context(self.gathered.for_the_run([self.optimizer], end_in_pieces))
+                stack.enter_context(self.gathered.for_the_run([self.optimizer]))
             stack.enter_context(sharded_for_the_run([self.optimizer], self.sharding,
                                                     self.model.trainable_variables,
                                                     end_in_pieces))

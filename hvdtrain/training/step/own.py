@@ -103,7 +103,7 @@ class OwnStep:
         if self._sharding is not None:
             with contextlib.ExitStack() as stack:
                 if self._gathered is not None:     # stage 3: the weights in pieces too
-                    stack.enter_context(self._gathered.for_the_run(optimizers, end_in_pieces))
+                    stack.enter_context(self._gathered.for_the_run(optimizers))
                 stack.enter_context(sharded_for_the_run(optimizers, self._sharding,
                                                         end_in_pieces=end_in_pieces))
                 yield
