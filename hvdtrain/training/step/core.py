@@ -30,7 +30,7 @@ from hvdtrain.keras_internals import (keras_logits, loss_tracker, marked, output
                                       output_marks, with_logits)
 from hvdtrain.training.step.objective import (LossShare, global_metric_results, metric_variables,
                                               own_losses, real_rows)
-from hvdtrain.optimizers.gathered_layers import GatheredLayers
+from hvdtrain.model_memory.gathered import GatheredLayers
 from hvdtrain.optimizers.sharding import Sharding, gradient_bytes_kept
 from hvdtrain.optimizers.zero import sharded_for_the_run
 

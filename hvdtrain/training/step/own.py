@@ -29,7 +29,7 @@ from hvdtrain.training.step.objective import (global_metric_results, metric_vari
 from hvdtrain.training.step.core import divided
 from hvdtrain.training.step.sync_batch_norm import batch_rows
 from hvdtrain.training.step.votes import StopVotes
-from hvdtrain.optimizers.gathered_layers import GatheredLayers
+from hvdtrain.model_memory.gathered import GatheredLayers
 from hvdtrain.optimizers.sharding import Sharding, gradient_bytes_kept
 from hvdtrain.optimizers.zero import sharded_for_the_run
 

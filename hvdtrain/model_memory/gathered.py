@@ -25,9 +25,9 @@ import keras
 import tensorflow as tf
 
 from hvdtrain.errors import UserError
-from hvdtrain.keras_internals import (call_replaced, call_state_kept, holding_values,
-                                      losses_taken, own_trainable_variables, reindexed,
-                                      seed_states, stored_value, sublayers)
+from hvdtrain.keras_internals import (call_replaced, holding_values, own_trainable_variables,
+                                      reindexed, stored_value, sublayers)
+from hvdtrain.model_memory.recomputed import recomputed
 from hvdtrain.optimizers.sharding import Sharding, holders, variable_path
 from hvdtrain.optimizers.zero import STOPPED_TOGETHER
 
@@ -111,69 +111,27 @@ class GatheredLayers:
         original = layer.call
 
         def call(*args: Any, **kwargs: Any) -> Any:
-            flat = tf.nest.flatten((args, kwargs))
-            positions = [i for i, leaf in enumerate(flat) if tf.is_tensor(leaf)]
             prefetch_after = self._previous_inputs
-            self._previous_inputs = [flat[i] for i in positions]
-            forward = [True]
-            keras_state = call_state_kept()
-            drawn_from: list[tf.Tensor] = []     # the seed states the first call started at
+            self._previous_inputs = [leaf for leaf in tf.nest.flatten((args, kwargs))
+                                     if tf.is_tensor(leaf)]
 
-            def compute(*tensors: tf.Tensor) -> Any:
-                leaves = list(flat)
-                for position, tensor in zip(positions, tensors):
-                    leaves[position] = tensor
-                called_args, called_kwargs = tf.nest.pack_sequence_as((args, kwargs), leaves)
+            @contextlib.contextmanager
+            def gathered(first: bool, tensors: list[tf.Tensor]) -> Iterator[list[Any]]:
                 # In the forward pass the gather may start once the previous layer's inputs
                 # exist; recomputed for the gradient, once this layer's inputs (which
-                # tf.recompute_grad makes wait for the incoming gradient) do.
-                after = prefetch_after if forward[0] else list(tensors)
-                with self._same_draws(layer, drawn_from, first=forward[0]):
-                    forward[0] = False
-                    return self._computed(layer, own, original, called_args, called_kwargs,
-                                          after, keras_state)
+                # tf.recompute_grad makes wait for the incoming gradient) do. The weights'
+                # regularizers apply to the wholes and leave as outputs of the call.
+                whole = self._gathered(own, prefetch_after if first else tensors)
+                regularization: list[Any] = []
+                with holding_values(own, whole, [self.sharding.whole_shape(v) for v in own]):
+                    yield regularization
+                    regularization.extend(self._regularizers[id(v)](value)
+                                          for v, value in zip(own, whole)
+                                          if id(v) in self._regularizers)
 
-            outputs, losses = tf.recompute_grad(compute)(*[flat[i] for i in positions])
-            for loss in losses:
-                layer.add_loss(loss)
-            return outputs
+            return recomputed(layer, original, args, kwargs, around=gathered)
 
         return call
-
-    @staticmethod
-    @contextlib.contextmanager
-    def _same_draws(layer: keras.layers.Layer, drawn_from: list[tf.Tensor],
-                    first: bool) -> Iterator[None]:
-        """The first call notes where the seed generators of ``layer`` stand; the call
-        recomputed for the gradient starts them there again (so a dropout inside draws the
-        same mask) and puts them back after."""
-        states = seed_states(layer)
-        if first:
-            drawn_from[:] = [tf.identity(state.value) for state in states]
-            yield
-            return
-        now = [tf.identity(state.value) for state in states]
-        for state, value in zip(states, drawn_from):
-            state.assign(value)
-        yield
-        for state, value in zip(states, now):
-            state.assign(value)
-
-    def _computed(self, layer: keras.layers.Layer, own: list[Any], original: Callable[..., Any],
-                  called_args: Any, called_kwargs: Any, after: list[tf.Tensor],
-                  keras_state: Callable[[], Any]) -> tuple[Any, list[Any]]:
-        """The layer's call on its gathered whole weights: (its outputs, the losses it adds
-        and its weights' regularizers), all of them outputs of the recomputed function."""
-        whole = self._gathered(own, after)
-        regularized = [(self._regularizers[id(v)], value) for v, value in zip(own, whole)
-                       if id(v) in self._regularizers]
-        # The losses the call adds, and the weights' regularizers on the wholes, leave
-        # as outputs: recomputed, their gradients reach the weights.
-        with losses_taken(layer) as added, keras_state(), holding_values(
-                own, whole, [self.sharding.whole_shape(v) for v in own]):
-            outputs = original(*called_args, **called_kwargs)
-            regularization = [regularizer(value) for regularizer, value in regularized]
-        return outputs, [*added, *regularization]
 
     def _gathered(self, variables: Sequence[Any], after: Sequence[tf.Tensor]) -> list[tf.Tensor]:
         """Every rank's pieces of ``variables`` as whole values (one grouped all-gather, issued
