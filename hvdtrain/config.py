@@ -114,6 +114,10 @@ class DataConfig:
     synthetic_classes: int = option(10, "classes in the synthetic dataset", minimum=2)
 
 
+# Keras' rematerialisation modes (keras.RematScope), and none.
+REMAT_MODES = ("none", "full", "activations", "larger_than", "list_of_layers")
+
+
 @dataclass
 class ModelConfig:
     model: str = option("mlp", "built-in model or a user's package.module:build_fn "
@@ -124,6 +128,16 @@ class ModelConfig:
     weight_decay: float = option(0.0, "L2 penalty on kernel weights", minimum=0.0)
     resnet_blocks: int = option(3, "residual blocks per stage of the resnet (3: ResNet-20)",
                                 minimum=1)
+    remat: str = option("none", "Keras' rematerialisation for the run: recompute in the "
+                                "backward pass, instead of keeping, what 'full': every layer, "
+                                "'activations': each activation function, 'larger_than': each "
+                                "layer whose output has over --remat-threshold elements, "
+                                "'list_of_layers': each layer --remat-layers names, computes",
+                        choices=REMAT_MODES)
+    remat_threshold: int = option(1024, "--remat larger_than: the output size (elements per "
+                                        "example batch, as Keras counts) above which a layer "
+                                        "recomputes", minimum=1)
+    remat_layers: list[str] = option([], "--remat list_of_layers: the layers' names")
 
 
 @dataclass

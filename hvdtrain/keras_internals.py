@@ -625,3 +625,24 @@ def seed_states(layer: keras.layers.Layer) -> list[Any]:
     ``Dropout``'s): a call recomputed for its gradient must draw what the first call drew."""
     return [generator.state for each in [layer, *layer._flatten_layers(include_self=False)]
             for generator in each._seed_generators]
+
+
+def remat_mode_of(scope: keras.RematScope) -> Any:
+    """The mode a ``keras.RematScope`` gives the layers made inside it (Keras' ``RematMode``,
+    which each layer keeps from its construction)."""
+    from keras.src.backend.common.remat import get_current_remat_mode
+
+    with scope:
+        return get_current_remat_mode()
+
+
+@contextlib.contextmanager
+def remat_mode_held(layer: keras.layers.Layer, mode: Any) -> Iterator[None]:
+    """``layer`` holds the rematerialisation ``mode`` while the block runs (what it would hold
+    had it been made inside the ``RematScope``), so its ``rematerialized_call`` chooses."""
+    saved = layer._remat_mode
+    layer._remat_mode = mode
+    try:
+        yield
+    finally:
+        layer._remat_mode = saved

@@ -30,7 +30,8 @@ from hvdtrain.keras_internals import (keras_logits, loss_tracker, marked, output
                                       output_marks, with_logits)
 from hvdtrain.training.step.objective import (LossShare, global_metric_results, metric_variables,
                                               own_losses, real_rows)
-from hvdtrain.model_memory.gathered import GatheredLayers
+from hvdtrain.model_memory.for_run import LayerMemory
+from hvdtrain.model_memory.remat import Remat
 from hvdtrain.optimizers.sharding import Sharding, gradient_bytes_kept
 from hvdtrain.optimizers.zero import sharded_for_the_run
 
@@ -49,6 +50,8 @@ class TrainingStep(Protocol):
     skips_non_finite_updates: bool
     # How the step's gradients travel (buckets, their order, compression).
     reduction: GradientReduction
+    # What the layers hold for the run (stage 3's gathered weights, --remat).
+    layer_memory: LayerMemory
 
     def keras_step(self, data: Any) -> dict[str, Any]:
         """One step on one dataset element (graph-safe): Keras ``fit`` runs it as the model's
@@ -99,6 +102,7 @@ class StepOptions:
     xla: bool = False
     zero_stage: int = 0
     in_issue_order: bool = False
+    remat: Remat | None = None
 
     def reduction(self, world_size: int) -> GradientReduction:
         """Gradients weighted by the global batch are summed; Adasum combines each rank's own
@@ -134,15 +138,13 @@ class StepMath:
                                   if options.xla else self.forward_backward)
         self.sharding: Sharding | None = None
         shapes = [v.shape for v in model.trainable_variables]
-        self.gathered: GatheredLayers | None = None
         if options.zero_stage:
             self.sharding = Sharding(collectives, options.zero_stage, self.reduction)
-            if options.zero_stage == 3:     # the weights too: cut when the run begins
-                self.gathered = GatheredLayers(model, self.sharding)
-            else:
+            if options.zero_stage < 3:     # stage 3 cuts the weights when the run begins
                 self.sharding.register(model.trainable_variables)
             if options.zero_stage >= 2:    # only this rank's pieces are summed
                 shapes = self.sharding.piece_shapes(model.trainable_variables)
+        self.layer_memory = LayerMemory(model, self.sharding, options.remat)
         self.accumulation: Accumulation | None = None
         if options.accumulation_steps > 1:   # the gradients' sums, the weighted loss's, shares'
             self.accumulation = Accumulation(shapes + [(), ()],
@@ -229,22 +231,19 @@ class StepMath:
 
     @property
     def _gradients_in_pieces(self) -> bool:
-        """Stage 3's gradients leave the backward pass reduce-scattered (``gathered_layers``)."""
-        return self.gathered is not None
+        """Stage 3's gradients leave the backward pass reduce-scattered (``model_memory``)."""
+        return self.layer_memory.gathers
 
     @contextlib.contextmanager
     def training(self, end_in_pieces: bool = False) -> Iterator[None]:
         """hvdtrain's step reduces gradients itself; sharded, the optimizer holds pieces (and
-        at stage 3 the model's weights too)."""
-        if self.sharding is None:
-            yield
-            return
+        at stage 3 the model's weights too); the layers recompute what ``--remat`` says."""
         with contextlib.ExitStack() as stack:
-            if self.gathered is not None:
-                stack.enter_context(self.gathered.for_the_run([self.optimizer]))
-            stack.enter_context(sharded_for_the_run([self.optimizer], self.sharding,
-                                                    self.model.trainable_variables,
-                                                    end_in_pieces))
+            stack.enter_context(self.layer_memory.for_the_run([self.optimizer]))
+            if self.sharding is not None:
+                stack.enter_context(sharded_for_the_run([self.optimizer], self.sharding,
+                                                        self.model.trainable_variables,
+                                                        end_in_pieces))
             yield
 
     def epoch_results(self, logs: dict[str, Any]) -> dict[str, float]:

@@ -9,10 +9,11 @@ from __future__ import annotations
 import dataclasses
 
 from hvdtrain.collectives import Collectives, GradientReduction
-from hvdtrain.config import Config, OptimConfig
+from hvdtrain.config import Config, ModelConfig, OptimConfig
 from hvdtrain.data.contract import DataBundle
 from hvdtrain.errors import UserError
 from hvdtrain.log import logger
+from hvdtrain.model_memory.remat import Remat
 from hvdtrain.optimizers.zero import check_shardable
 from hvdtrain.optimizers.zero import describe as describe_sharding
 from hvdtrain.training.step.core import StepMath, StepOptions, TrainingStep
@@ -23,16 +24,17 @@ from hvdtrain.training.step.trainable import Trainable
 
 
 def made_step(trainable: Trainable, data: DataBundle, collectives: Collectives,
-              global_batch: int, optim: OptimConfig) -> TrainingStep:
-    """The step that trains ``trainable`` as ``optim`` says; the ranks' shares are counted
-    against ``global_batch``."""
+              global_batch: int, optim: OptimConfig, remat: Remat | None = None
+              ) -> TrainingStep:
+    """The step that trains ``trainable`` as ``optim`` says, its layers recomputing what
+    ``remat`` says; the ranks' shares are counted against ``global_batch``."""
     if trainable.own_step is not None:
         op = "adasum" if optim.reduction == "adasum" else "average"
         return OwnStep(trainable.model, collectives, data.keras_element,
                        GradientReduction(op, optim.compression == "fp16",
                                          bucket_bytes=optim.bucket_bytes,
                                          in_issue_order=optim.bucket_order == "issued"),
-                       optim.zero_stage, global_batch)
+                       optim.zero_stage, global_batch, remat)
     assert trainable.share is not None, "probe_trainable measures the share before any step"
     return StepMath(trainable.model, trainable.optimizer, collectives, trainable.share,
                     StepOptions(accumulation_steps=optim.accumulation_steps,
@@ -43,7 +45,15 @@ def made_step(trainable: Trainable, data: DataBundle, collectives: Collectives,
                                 bucket_bytes=optim.bucket_bytes,
                                 xla=bool(trainable.model.jit_compile),
                                 zero_stage=optim.zero_stage,
-                                in_issue_order=optim.bucket_order == "issued"))
+                                in_issue_order=optim.bucket_order == "issued",
+                                remat=remat))
+
+
+def remat_of(model: ModelConfig) -> Remat | None:
+    """``--remat`` and its settings, None for none."""
+    if model.remat == "none":
+        return None
+    return Remat(model.remat, model.remat_threshold, tuple(model.remat_layers))
 
 
 def step_for_run(config: Config, trainable: Trainable, data: DataBundle,
@@ -62,7 +72,8 @@ def step_for_run(config: Config, trainable: Trainable, data: DataBundle,
     if trainable.share is not None:
         trainable.share = agreed_share(trainable.share, collectives, optim, asks_xla,
                                        config.train.elastic)
-    step = made_step(trainable, data, collectives, global_batch, optim)
+    step = made_step(trainable, data, collectives, global_batch, optim,
+                     remat_of(config.model))
     if world.size > 1 and optim.reduction != "adasum":
         all_at_once = ("accumulated over micro-steps" if optim.accumulation_steps > 1 else
                        "computed by one XLA cluster" if asks_xla and not own_step else "")
@@ -77,6 +88,9 @@ def step_for_run(config: Config, trainable: Trainable, data: DataBundle,
         raise UserError(f"--zero-stage 3 gathers each layer's weights inside its call, which "
                         f"XLA cannot compile (the collectives have no XLA kernels); compile "
                         f"{trainable.model.name} with jit_compile=False or use --zero-stage 2")
+    remat = step.layer_memory.remat
+    if remat is not None:
+        logger.info(remat.describe())
     if optim.zero_stage:
         for optimizer in step.optimizers.values():
             check_shardable(optimizer)

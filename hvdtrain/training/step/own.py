@@ -29,7 +29,8 @@ from hvdtrain.training.step.objective import (global_metric_results, metric_vari
 from hvdtrain.training.step.core import divided
 from hvdtrain.training.step.sync_batch_norm import batch_rows
 from hvdtrain.training.step.votes import StopVotes
-from hvdtrain.model_memory.gathered import GatheredLayers
+from hvdtrain.model_memory.for_run import LayerMemory
+from hvdtrain.model_memory.remat import Remat
 from hvdtrain.optimizers.sharding import Sharding, gradient_bytes_kept
 from hvdtrain.optimizers.zero import sharded_for_the_run
 
@@ -68,12 +69,14 @@ class OwnStep:
 
     def __init__(self, model: keras.Model, collectives: Collectives, keras_element: Any,
                  reduction: GradientReduction = GradientReduction("average"),
-                 zero_stage: int = 0, global_batch: int = 1) -> None:
+                 zero_stage: int = 0, global_batch: int = 1, remat: Remat | None = None
+                 ) -> None:
         """``keras_element(x, y, sample_weight)``: the batch as Keras ``fit`` would hand it to
         ``train_step`` for this data (``x``, ``(x, y)`` or ``(x, y, sample_weight)``);
         ``reduction``: how the optimizers combine gradients (average, or Adasum of the ranks'
         mean gradients; fp16 on the wire); ``zero_stage`` > 0: the optimizers' state sharded
-        (``optimizers.zero``); ``global_batch``: what the ranks' shares are counted against."""
+        (``optimizers.zero``); ``global_batch``: what the ranks' shares are counted against;
+        ``remat``: Keras' rematerialisation for the run (``model_memory``)."""
         self.model = model
         self.collectives = collectives
         self.optimizers = owned_optimizers(model)
@@ -81,8 +84,7 @@ class OwnStep:
         self.keras_element = keras_element
         self.reduction = reduction
         self._sharding = (Sharding(collectives, zero_stage, reduction) if zero_stage else None)
-        self._gathered = (GatheredLayers(model, self._sharding)
-                          if self._sharding is not None and zero_stage == 3 else None)
+        self.layer_memory = LayerMemory(model, self._sharding, remat)
         self._model_step = type(model).train_step.__get__(model)
         self._global_batch = float(global_batch)
         # This rank's share of the step being traced (set by ``keras_step``, read by the
@@ -100,15 +102,14 @@ class OwnStep:
         """While the block runs, the model's optimizers average gradients across ranks (and
         hold pieces of their state, sharded)."""
         optimizers = list(self.optimizers.values())
-        if self._sharding is not None:
-            with contextlib.ExitStack() as stack:
-                if self._gathered is not None:     # stage 3: the weights in pieces too
-                    stack.enter_context(self._gathered.for_the_run(optimizers))
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(self.layer_memory.for_the_run(optimizers))
+            if self._sharding is not None:
                 stack.enter_context(sharded_for_the_run(optimizers, self._sharding,
                                                         end_in_pieces=end_in_pieces))
-                yield
-            return
-        with distributed_for_the_run(optimizers, self.reduction, self._reduce):
+            else:
+                stack.enter_context(distributed_for_the_run(optimizers, self.reduction,
+                                                            self._reduce))
             yield
 
     def _reduce(self, gradients: Any, reduction: GradientReduction) -> list[Any]:
