@@ -110,10 +110,11 @@ class Sharding:
 
     def join_in_place(self, variables: Sequence[Any]) -> None:
         """Stage 3's end: each variable whole again, gathered one at a time (a collective),
-        so no more than the model and one variable exist at once."""
+        so no more than the model and one variable exist at once. Its cut stays known: the
+        optimizer's state may still be in pieces, gathered later by its owner's cut."""
         for variable in variables:
             resize_variable(variable, self._gathered(variable, variable))
-            for mapping in (self.pieces, self.shards, self.owners, self.whole_shapes):
+            for mapping in (self.shards, self.owners, self.whole_shapes):
                 mapping.pop(id(variable), None)
 
     def whole_shape(self, variable: Any) -> tuple[int, ...]:
