@@ -546,6 +546,17 @@ def holding_values(variables: Sequence[Any], values: Sequence[Any],
 
 
 @contextlib.contextmanager
+def class_swapped(instance: Any, cls: type) -> Iterator[None]:
+    """``instance`` is of ``cls`` (a subclass of its class) while the block runs."""
+    original = type(instance)
+    instance.__class__ = cls
+    try:
+        yield
+    finally:
+        instance.__class__ = original
+
+
+@contextlib.contextmanager
 def call_replaced(layer: keras.layers.Layer, call: Callable[..., Any]) -> Iterator[None]:
     """``layer.call`` is ``call`` while the block runs: Keras' ``__call__`` looks the method
     up at each call (so its remat, masking and autocast still wrap it)."""

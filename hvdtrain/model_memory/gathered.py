@@ -25,8 +25,9 @@ import keras
 import tensorflow as tf
 
 from hvdtrain.errors import UserError
-from hvdtrain.keras_internals import (call_replaced, holding_values, own_trainable_variables,
-                                      reindexed, stored_value, sublayers)
+from hvdtrain.keras_internals import (call_replaced, class_swapped, holding_values,
+                                      own_trainable_variables, reindexed, stored_value,
+                                      sublayers)
 from hvdtrain.model_memory.recomputed import recomputed
 from hvdtrain.optimizers.sharding import Sharding, holders, variable_path
 from hvdtrain.optimizers.zero import STOPPED_TOGETHER
@@ -65,6 +66,24 @@ class GatheredLayers:
         # and never all at once at the step's start (which would hold the whole model).
         self._previous_inputs: list[tf.Tensor] = []
         self._regularizers: dict[int, Callable[[Any], Any]] = {}   # id(variable) -> its own
+        self._in_step = self._in_call = 0   # depths: the step's trace, a gathering call
+
+    def read_refused(self) -> bool:
+        """Whether a weight read now would read this rank's piece as if it were the weight:
+        in the step, outside every gathering call and the optimizer's update of the pieces."""
+        return (bool(self._in_step) and not self._in_call
+                and not self.sharding.optimizer_at_work)
+
+    @contextlib.contextmanager
+    def reads_guarded(self) -> Iterator[None]:
+        """While the step is traced, a weight read outside its layer's call (a penalty on a
+        kernel in a model's own ``train_step``, a weight tied into another layer's
+        computation) is refused in one line instead of computing with the piece."""
+        self._in_step += 1
+        try:
+            yield
+        finally:
+            self._in_step -= 1
 
     @contextlib.contextmanager
     def for_the_run(self, optimizers: Sequence[keras.optimizers.Optimizer]) -> Iterator[None]:
@@ -80,6 +99,8 @@ class GatheredLayers:
         try:
             with contextlib.ExitStack() as calls:
                 calls.enter_context(self._regularizers_in_the_calls(variables))
+                for variable in variables:
+                    calls.enter_context(class_swapped(variable, _guarded(type(variable), self)))
                 for layer, own in self.layers:
                     calls.enter_context(call_replaced(layer, self._wrapped(layer, own)))
                 yield
@@ -123,8 +144,13 @@ class GatheredLayers:
                 # regularizers apply to the wholes and leave as outputs of the call.
                 whole = self._gathered(own, prefetch_after if first else tensors)
                 regularization: list[Any] = []
-                with holding_values(own, whole, [self.sharding.whole_shape(v) for v in own]):
-                    yield regularization
+                self._in_call += 1
+                try:
+                    with holding_values(own, whole,
+                                        [self.sharding.whole_shape(v) for v in own]):
+                        yield regularization
+                finally:
+                    self._in_call -= 1
                     regularization.extend(self._regularizers[id(v)](value)
                                           for v, value in zip(own, whole)
                                           if id(v) in self._regularizers)
@@ -152,6 +178,29 @@ class GatheredLayers:
             return whole, gradient
 
         return gathered(*[tf.convert_to_tensor(stored_value(v)) for v in variables])
+
+
+def _guarded(variable_class: type, layers: GatheredLayers) -> type:
+    """``variable_class`` for the run: its ``value`` (every op on the variable, its
+    ``numpy``) refused where ``layers.read_refused``; its ``handle`` (how a gradient tape
+    names it, not a read) left as it was."""
+
+    class Guarded(variable_class):   # type: ignore[misc, valid-type]
+        @property
+        def value(self) -> Any:
+            if layers.read_refused():
+                raise UserError(f"--zero-stage 3 holds '{self.path}' in pieces outside its "
+                                "layer's call, and the step reads it there (a penalty on it, "
+                                "or a weight tied into another layer); read it inside that "
+                                "layer's call (add_loss, a regularizer), or use --zero-stage 2")
+            return super().value
+
+        @property
+        def handle(self) -> Any:
+            return stored_value(self).handle
+
+    Guarded.__name__ = Guarded.__qualname__ = variable_class.__name__
+    return Guarded
 
 
 def _reindexed(optimizers: Sequence[keras.optimizers.Optimizer]) -> None:

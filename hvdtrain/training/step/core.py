@@ -262,7 +262,8 @@ class StepMath:
                 + variable_bytes(totals))
 
     def keras_step(self, data: Any) -> dict[str, tf.Tensor]:
-        return self.train_step(*data)
+        with self.layer_memory.reads_guarded():
+            return self.train_step(*data)
 
     def forward_backward(self, x, y, sample_weight: Any, weights: tf.Tensor) -> tuple:
         """This rank's part of the step that no collective touches: the forward pass on the

@@ -135,7 +135,8 @@ class OwnStep:
     def keras_step(self, data: Any) -> dict[str, Any]:
         x, y, sample_weight, weights = data
         self._share = tf.cast(real_rows(weights), tf.float32) / self._global_batch
-        with batch_rows(weights > 0):   # a filler counts in no synchronized BN statistics
+        with batch_rows(weights > 0), self.layer_memory.reads_guarded():
+            # (a filler counts in no synchronized BN statistics)
             logs = self._model_step(self.keras_element(x, y, sample_weight))
         if not isinstance(logs, dict):
             logs = {"loss": logs}
