@@ -1,6 +1,7 @@
 """``--remat``: Keras' rematerialisation modes on a user's model for the run, single process.
 Each mode trains the weights no remat trains (a Dropout in the recomputed calls draws its mask
-again with the same seed), the log names what recomputes, and the layers leave the run as they
+again with the same seed, a BatchNormalization's moving statistics are updated once), the log
+names what recomputes, and the layers leave the run as they
 came (no remat mode, their own ``call``)."""
 
 from __future__ import annotations
@@ -23,7 +24,8 @@ def _model(policy: str = "float32") -> keras.Model:
         keras.utils.set_random_seed(1)
         model = keras.Sequential([
             keras.Input((8,)), keras.layers.Dense(16, activation="relu", name="d1"),
-            keras.layers.Dropout(0.2, name="drop"), keras.layers.Dense(1, name="d2")])
+            keras.layers.BatchNormalization(name="bn"), keras.layers.Dropout(0.2, name="drop"),
+            keras.layers.Dense(1, name="d2")])
     finally:
         keras.mixed_precision.set_global_policy("float32")
     model.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
@@ -50,7 +52,7 @@ def test_each_mode_trains_what_no_remat_trains(tmp_path, caplog, policy):
         for ours, theirs in zip(_trained(tmp_path, mode, mode, policy), plain):
             np.testing.assert_array_equal(ours, theirs, err_msg=mode)
     said = caplog.text
-    assert "remat full: 3 layer(s) recompute their call in the backward pass" in said
+    assert "remat full: 4 layer(s) recompute their call in the backward pass" in said
     if policy == "float32":
         assert "remat list_of_layers: 1 layer(s) recompute their call" in said and "d1" in said
         assert "remat activations: 2 layer(s) recompute their activation" in said  # linear too
