@@ -68,6 +68,9 @@ class Rematerialized:
             return (f"remat larger_than: each of the {len(self.layers)} layers whose output has "
                     f"over {self.remat.output_size_threshold} elements recomputes its call in "
                     "the backward pass (Keras measures each as the step is traced)")
+        if not chosen:
+            return (f"remat {mode}: no layer left to recompute (ZeRO stage 3 recomputes the "
+                    "call of every layer that owns weights already)")
         what = "their activation" if mode == "activations" else "their call"
         names = ", ".join(layer.name for layer in chosen[:12])
         more = f" and {len(chosen) - 12} more" if len(chosen) > 12 else ""

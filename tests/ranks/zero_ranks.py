@@ -10,7 +10,8 @@ none CASES`` for one process):
   the four-times batch), in the custom loop, under mixed precision (a loss-scale optimizer,
   stages 2 and 3), a model's own ``train_step`` with two optimizers (a GAN's shape; stages 2
   and 3), and at stage 3 regularizers, a constraint, ``add_loss`` and a Dropout inside a
-  layer's call (against stage 0 on the same ranks: one process draws other masks);
+  layer's call, with ``--remat full`` (against stage 0 with it on the same ranks: one
+  process draws other masks);
 - ``diverged``: a sharded run whose loss diverges stops every rank, its optimizer whole again;
 - ``resume-from FROM STAGE EPOCHS`` / ``checkpoint-to TO STAGE``: continue at STAGE to EPOCHS
   the run in FROM (written by another world size), and write a one-epoch run into TO.
@@ -261,14 +262,16 @@ class Penalized(keras.layers.Layer):
 
 def layers_in_their_calls() -> keras.Model:
     """Weight and activity regularizers, a constraint, a string regularizer, and
-    ``Penalized``: what stage 3 moves into each layer's gathering call."""
+    ``Penalized``: what stage 3 moves into each layer's gathering call; and layers without
+    weights (a Dropout, an activation), which ``--remat full`` recomputes."""
     keras.utils.set_random_seed(3)
     built = keras.Sequential([
         keras.Input((8,)),
         keras.layers.Dense(12, activation="tanh", kernel_regularizer=keras.regularizers.L2(0.01),
                            activity_regularizer=keras.regularizers.L1(0.001),
                            kernel_constraint=keras.constraints.MaxNorm(0.9)),
-        Penalized(), keras.layers.Dense(1, kernel_regularizer="l1")])
+        Penalized(), keras.layers.Dropout(0.2), keras.layers.Activation("relu"),
+        keras.layers.Dense(1, kernel_regularizer="l1")])
     built.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
     return built
 
@@ -292,7 +295,7 @@ def variant_cases(out: Path, x, y) -> dict:
         "mixed-precision-stage-3": ("mixed3", mixed_precision_model, BATCH * SIZE,
                                     dict(against_stage_0=True, zero_stage=3)),
         "layers-stage-3": ("layers3", layers_in_their_calls, None,
-                           dict(against_stage_0=True, zero_stage=3)),
+                           dict(against_stage_0=True, zero_stage=3, remat="full")),
     }
     first = len(OPTIMIZERS)    # numbered on from the optimizer cases: the ranks share evenly
     return on_this_rank({

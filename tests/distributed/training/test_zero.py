@@ -134,8 +134,9 @@ def test_mixed_precision_sharded_equals_unsharded_on_the_same_ranks(horovod_job,
 def test_stage_3_layers_compute_in_their_calls_as_unsharded(horovod_job, tensorflow_job,
                                                             backend):
     """Stage 3 moves weight regularizers into each layer's gathering call, keeps a call's
-    ``add_loss`` and redraws a Dropout's mask when the call is recomputed for the gradient:
-    the same ranks unsharded train the same weights."""
+    ``add_loss`` and redraws a Dropout's mask when the call is recomputed for the gradient,
+    with Keras' remat of the activations on top: the same ranks unsharded (with the same
+    remat) train the same weights."""
     seen = (horovod_job if backend == "horovod" else tensorflow_job)["variants"][
         "layers-stage-3"]
     assert seen["weights_vs_stage_0"] <= WITHIN and seen["state_vs_stage_0"] <= WITHIN, seen
