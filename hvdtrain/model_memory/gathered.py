@@ -26,8 +26,8 @@ import tensorflow as tf
 
 from hvdtrain.errors import UserError
 from hvdtrain.keras_internals import (call_replaced, class_swapped, holding_values,
-                                      own_trainable_variables, reindexed, stored_value,
-                                      sublayers)
+                                      loop_bodies, own_trainable_variables, reindexed,
+                                      stored_value, sublayers)
 from hvdtrain.model_memory.recomputed import recomputed
 from hvdtrain.optimizers.sharding import Sharding, holders, variable_path
 from hvdtrain.optimizers.zero import STOPPED_TOGETHER
@@ -39,8 +39,14 @@ def owning_layers(model: keras.Model) -> list[tuple[keras.layers.Layer, list[Any
     would be needed outside the one call that gathers it."""
     found: list[tuple[keras.layers.Layer, list[Any]]] = []
     owner_of: dict[int, str] = {}
+    inside_loops = loop_bodies(model)
     for layer in [model, *sublayers(model)]:
-        own = [v for v in own_trainable_variables(layer) if v.trainable]
+        if id(layer) in inside_loops:
+            continue
+        # A recurrent layer gathers its cells' weights once per call, outside its loop.
+        held = (layer.trainable_variables if isinstance(layer, keras.layers.RNN)
+                else own_trainable_variables(layer))
+        own = [v for v in held if v.trainable]
         for variable in own:
             first = owner_of.setdefault(id(variable), layer.name)
             if first != layer.name:
@@ -66,13 +72,14 @@ class GatheredLayers:
         # and never all at once at the step's start (which would hold the whole model).
         self._previous_inputs: list[tf.Tensor] = []
         self._regularizers: dict[int, Callable[[Any], Any]] = {}   # id(variable) -> its own
-        self._in_step = self._in_call = 0   # depths: the step's trace, a gathering call
+        self._in_step = 0   # depth of the step's trace
 
-    def read_refused(self) -> bool:
-        """Whether a weight read now would read this rank's piece as if it were the weight:
-        in the step, outside every gathering call and the optimizer's update of the pieces."""
-        return (bool(self._in_step) and not self._in_call
-                and not self.sharding.optimizer_at_work)
+    def read_refused(self, variable: Any) -> bool:
+        """Whether reading ``variable`` now would read this rank's piece as if it were the
+        weight: in the step, where it is not held whole (its own layer's gathering call holds
+        it whole) and the optimizer is not updating the pieces."""
+        return (bool(self._in_step) and not self.sharding.optimizer_at_work
+                and isinstance(stored_value(variable), tf.Variable))
 
     @contextlib.contextmanager
     def reads_guarded(self) -> Iterator[None]:
@@ -144,13 +151,8 @@ class GatheredLayers:
                 # regularizers apply to the wholes and leave as outputs of the call.
                 whole = self._gathered(own, prefetch_after if first else tensors)
                 regularization: list[Any] = []
-                self._in_call += 1
-                try:
-                    with holding_values(own, whole,
-                                        [self.sharding.whole_shape(v) for v in own]):
-                        yield regularization
-                finally:
-                    self._in_call -= 1
+                with holding_values(own, whole, [self.sharding.whole_shape(v) for v in own]):
+                    yield regularization
                     regularization.extend(self._regularizers[id(v)](value)
                                           for v, value in zip(own, whole)
                                           if id(v) in self._regularizers)
@@ -188,7 +190,7 @@ def _guarded(variable_class: type, layers: GatheredLayers) -> type:
     class Guarded(variable_class):   # type: ignore[misc, valid-type]
         @property
         def value(self) -> Any:
-            if layers.read_refused():
+            if layers.read_refused(self):
                 raise UserError(f"--zero-stage 3 holds '{self.path}' in pieces outside its "
                                 "layer's call, and the step reads it there (a penalty on it, "
                                 "or a weight tied into another layer); read it inside that "

@@ -69,9 +69,6 @@ def test_what_stage_3_cannot_shard_is_refused_in_one_line_on_every_rank(run, nam
             assert words in message, (words, message)
 
 
-@pytest.mark.xfail(strict=True, reason="stage 3 leaves the model in its pieces when the first "
-                   "step's trace raises (the model_memory.gathered run is whole again only after "
-                   "a stop every rank made together)")
 @pytest.mark.parametrize("name", list(REFUSED))
 def test_a_refused_model_keeps_its_initial_weights_whole(run, name):
     for rank in (0, 1):
