@@ -6,10 +6,9 @@ exchange gives every rank the others' addresses; TensorFlow's eager context then
 cluster of ``size`` tasks (this must happen before any tensor exists in the process). Every
 collective carries a group key and an instance key drawn when it *runs*, so a retrace shifts no
 key; ranks must issue collectives in the same order, as with Horovod. No empty tensor reaches
-the all-gather (it crashes the process): ``concatenated`` pads. A tensor larger than
-``tf_messages.MESSAGE_BYTES`` travels in pieces (each message is copied whole several times on
-its way: ``tf_messages``). Elastic resizing and Adasum are refused with one line naming the
-Horovod backend.
+the all-gather (it crashes the process): ``concatenated`` pads. On CPUs no message is over 8
+MiB (gRPC copies each one whole: ``tf_messages``). Elastic resizing and Adasum are refused
+with one line naming the Horovod backend.
 """
 
 from __future__ import annotations
@@ -178,13 +177,14 @@ class TensorFlowCollectives:
     def _collective(self, run: Callable[..., Any], value: Any, shape: Any,
                     gathered: bool = False) -> Any:
         """``run(value, group_key, instance_key, ordering_token, communication_hint)`` on
-        ``value``, whole or, when its size is known and over ``MESSAGE_BYTES``, on each of its
-        flattened pieces in turn (the same pieces on every rank, as their shapes agree), joined
+        ``value``, whole or, on the CPU ring when its size is known and over ``MESSAGE_BYTES``,
+        on each of its flattened pieces in turn (the same on every rank: shapes agree), joined
         again. ``shape``: the result's; ``gathered``: the result is every rank's ``value``
         stacked (so each piece comes back as every rank's piece, in rank order)."""
         tf = self._tf
         elements = value.shape.num_elements()
-        lengths = [] if elements is None else piece_lengths(elements, value.dtype.size)
+        lengths = ([] if elements is None or self._group_of(value)[0] == GPU_GROUP else
+                   piece_lengths(elements, value.dtype.size))
         if len(lengths) <= 1:
             return self._message(run, value, shape)
         size = self.world.size if gathered else 1
@@ -261,7 +261,7 @@ class TensorFlowCollectives:
         tf = self._tf
         tensors = [tf.convert_to_tensor(t) for t in tensors]
         reduced: list[Any] = [None] * len(tensors)
-        for indices in message_batches(tensors):
+        for indices in message_batches(tensors, self._gpu is None):
             flats = [tf.reshape(tensors[i], [-1]) for i in indices]
             total = self.all_reduce(flats[0] if len(flats) == 1 else tf.concat(flats, 0))
             parts = (tf.split(total, [tf.size(tensors[i]) for i in indices])
@@ -283,7 +283,7 @@ class TensorFlowCollectives:
         tf = self._tf
         tensors = [tf.convert_to_tensor(t) for t in tensors]
         gathered: list[Any] = [None] * len(tensors)
-        for indices in message_batches(tensors):
+        for indices in message_batches(tensors, self._gpu is None):
             if len(indices) == 1:    # as it is: no copy into a concatenation
                 gathered[indices[0]] = self.all_gather(tensors[indices[0]])
                 continue
@@ -350,7 +350,7 @@ class TensorFlowCollectives:
         tf = self._tf
         variables = tf_variables(variables)
         assignments = []
-        for batch in message_batches(variables):
+        for batch in message_batches(variables, self._gpu is None):
             group = [variables[i] for i in batch]
             sizes = [int(variable.shape.num_elements()) for variable in group]
             flats = [tf.reshape(variable, [-1]) for variable in group]

@@ -38,12 +38,14 @@ def piece_lengths(elements: int, itemsize: int) -> list[int]:
     return [base + 1] * extra + [base] * (count - extra)
 
 
-def message_batches(tensors: Sequence[Any]) -> list[list[int]]:
+def message_batches(tensors: Sequence[Any], on_the_ring: bool = True) -> list[list[int]]:
     """The positions of ``tensors`` in batches that each travel as one concatenation (in
     pieces where it is over ``MESSAGE_BYTES``): one dtype, closed once it holds
     ``MESSAGE_BYTES`` (the gradient buckets' rule). Not one concatenation of everything: that
-    copy, its pieces' results and their joining would each be as large as all of it."""
-    bounded = GradientReduction(bucket_bytes=MESSAGE_BYTES)
+    copy, its pieces' results and their joining would each be as large as all of it. Not
+    ``on_the_ring`` (a GPU's NCCL, which copies no message into a protocol buffer and is faster
+    with large ones; not measured here): one batch per dtype."""
+    bounded = GradientReduction(bucket_bytes=MESSAGE_BYTES if on_the_ring else 0)
     return [[indices[i] for i in batch] for indices in positions_by_dtype(tensors)
             for batch in bounded.buckets([tensors[i] for i in indices])]
 

@@ -25,3 +25,4 @@ def test_batches_hold_one_dtype_and_close_once_they_hold_the_size(monkeypatch):
     tensors = [tf.zeros([10]), tf.zeros([5], tf.int32), tf.zeros([10]), tf.zeros([100]),
                tf.zeros([3]), tf.zeros([5], tf.int32)]        # float32: 40, 40, 400, 12 bytes
     assert message_batches(tensors) == [[3, 4], [0, 2], [1, 5]]
+    assert message_batches(tensors, on_the_ring=False) == [[0, 2, 3, 4], [1, 5]]   # NCCL's
