@@ -9,10 +9,11 @@ its largest message (one 640 MiB broadcast: by 2.6-2.9 GB on both ranks), and pa
 with the allocator afterwards. This backend used to send the whole model's weights and
 optimizer state as one broadcast and a layer's gradient as one message: on
 ``python -m hvdtrain.bench.zero --backend tensorflow --ranks 2 --stages 0`` (55.2M parameters,
-Adam) its ranks peaked at 4,400 MiB where Horovod's peak at 2,221-2,322, and at 2,447-2,455
-once messages were cut to ``MESSAGE_BYTES`` (the bench README has the run). So a tensor larger
-than that travels as consecutive pieces of about equal size, one collective each, in order, and
-several tensors as batches of about that size, never as one concatenation of everything.
+Adam) its ranks peaked at 4,121-4,522 MiB where Horovod's peaked at 2,232-2,325, and at
+2,432-2,469 once messages were cut to ``MESSAGE_BYTES`` (the bench README has the run). So a
+tensor larger than that travels as consecutive pieces of about equal size, one collective each,
+in order, and several tensors as batches of about that size, never as one concatenation of
+everything.
 """
 
 from __future__ import annotations
