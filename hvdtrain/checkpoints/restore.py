@@ -22,6 +22,7 @@ from hvdtrain.config import Config
 from hvdtrain.errors import UserError
 from hvdtrain.keras_internals import initial_epoch_of, set_initial_epoch
 from hvdtrain.log import logger
+from hvdtrain.optimizers.state_into_pieces import SavedState
 from hvdtrain.training.adapted_state import agree_on_adapted_state
 from hvdtrain.training.loops.run_callbacks import resume_metrics_files
 from hvdtrain.training.loops.checkpointing import ResumePoint
@@ -103,10 +104,12 @@ class Restored:
 
 
 def _restore(run: CheckpointState, accept_changes: bool, store: CheckpointStore,
-             model: keras.Model,
-             optimizers: dict[str, keras.optimizers.Optimizer]) -> Restored:
+             model: keras.Model, optimizers: dict[str, keras.optimizers.Optimizer],
+             sharded: bool) -> Restored:
     """Rank 0: check that the newest intact checkpoint was trained with what this ``run``
-    trains (``resume_check``), load it into the model and its optimizers."""
+    trains (``resume_check``), load it into the model and its optimizers (``sharded``: the
+    weights only; the optimizers' state goes into pieces when the run starts,
+    ``state_into_pieces``)."""
     latest = store.newest_intact(logger.warning)
     state = latest.read_state()
     changed = check_resumable(state, run, latest.path, accept_changes)
@@ -115,7 +118,7 @@ def _restore(run: CheckpointState, accept_changes: bool, store: CheckpointStore,
                     f"({'; '.join(changed)}), as --accept-changes asks")
     if optimizers_changed(state, run):   # only the weights carry over
         optimizers, state = {}, dataclasses.replace(state, optimizers={}, rates={})
-    latest.restore(model, optimizers)
+    latest.restore(model, {} if sharded else optimizers)
     step, scale = resumed_step(state, run), kept_rate_scale(state, run)
     if step != state.step:
         logger.info(f"{state.step} steps of global batch {update_batch(state).global_batch} "
@@ -129,13 +132,17 @@ def _restore(run: CheckpointState, accept_changes: bool, store: CheckpointStore,
 
 
 def _resumed(restored: Restored, world: World, run_dir: Path, store: CheckpointStore,
-             step: TrainingStep, trainable: Trainable,
-             plateau: PlateauDecay | None) -> ResumePoint:
-    """Every rank, after rank 0 restored a checkpoint: the same optimizers built, this rank's
+             step: TrainingStep, trainable: Trainable, plateau: PlateauDecay | None,
+             sharded: bool) -> ResumePoint:
+    """Every rank, after rank 0 restored a checkpoint: the same optimizers built (``sharded``:
+    their state left for the step to load into pieces when training starts), this rank's
     own random-generator state back, the rate factors and plateau state loaded; rank 0 makes
     the metrics files end at the checkpoint's epoch."""
     saved = restored.state
-    build_optimizers(trainable.model, step.optimizers, saved.optimizers)
+    if sharded:
+        step.saved_state = SavedState(store.directory / restored.name, saved.optimizers)
+    else:
+        build_optimizers(trainable.model, step.optimizers, saved.optimizers)
     if restored.rate_scale is not None:
         trainable.schedule.set_world_scale(restored.rate_scale)
     if restored.rank_states[world.rank:world.rank + 1]:
@@ -165,13 +172,12 @@ def starting_point(config: Config, run: CheckpointState, collectives: Collective
     state. ``run``: what this run trains (saved in its checkpoints, compared with theirs).
     Returns where to start and each rank's weight fingerprint before the broadcast."""
     world, model, optimizers = collectives.world, trainable.model, step.optimizers
-    if resuming and trainable.own_step is None and not trainable.optimizer.built:
-        # Sharded (ZeRO), hvdtrain's optimizer is built in pieces when training starts; a
-        # checkpoint's whole state is loaded whole first, then cut.
+    sharded = config.optim.zero_stage > 0
+    if resuming and not sharded and trainable.own_step is None and not trainable.optimizer.built:
         trainable.optimizer.build(model.trainable_variables)
 
     def restore() -> Restored:
-        return _restore(run, config.train.accept_changes, store, model, optimizers)
+        return _restore(run, config.train.accept_changes, store, model, optimizers, sharded)
 
     start = ResumePoint()
     if resuming and config.train.elastic:
@@ -183,7 +189,7 @@ def starting_point(config: Config, run: CheckpointState, collectives: Collective
                 resume_metrics_files(run_dir, start.epoch, restored.state.metrics)
     elif resuming:
         start = _resumed(chief_decides(collectives, restore), world, run_dir, store, step,
-                         trainable, plateau)
+                         trainable, plateau, sharded)
     elif backup is not None:
         start = ResumePoint(chief_decides(collectives, lambda: _from_backup(backup, model)))
         if start.epoch:

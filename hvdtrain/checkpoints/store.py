@@ -22,7 +22,7 @@ import sys
 import zipfile
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Callable, Iterable, Union
+from typing import Any, Callable, Iterable, Iterator, Sequence, Union
 
 import keras
 import numpy as np
@@ -111,12 +111,45 @@ def atomic_write_text(path: Path, text: str) -> None:
     os.replace(partial, path)
 
 
+def _member_names(archive: Any, prefix: str) -> list[str]:
+    """The names of a NumPy archive's arrays that are ``prefix`` and a number, in the order
+    they were saved."""
+    pattern = re.compile(re.escape(prefix) + r"\d{4,}")
+    return [key for key in sorted(archive.files) if pattern.fullmatch(key)]
+
+
 def _arrays(path: Path, prefix: str) -> list[np.ndarray]:
     """The arrays of a NumPy archive whose names are ``prefix`` and a number, in the order they
     were saved (no pickles)."""
-    pattern = re.compile(re.escape(prefix) + r"\d{4,}")
     with np.load(path, allow_pickle=False) as archive:
-        return [archive[key] for key in sorted(archive.files) if pattern.fullmatch(key)]
+        return [archive[key] for key in _member_names(archive, prefix)]
+
+
+def _assigned_one_at_a_time(path: Path, prefix: str, variables: Sequence[Any],
+                            shapes: Sequence[tuple[int, ...]] | None = None) -> None:
+    """Each of ``variables`` given its array of the archive (``prefix`` and a number), read
+    one at a time, so a restore never holds a second copy of the model or of the optimizer's
+    state. ``shapes``: what the arrays must be (default: the variables' shapes); a count or
+    shape that does not fit raises ValueError before anything is assigned."""
+    shapes = [tuple(v.shape) for v in variables] if shapes is None else shapes
+    with np.load(path, allow_pickle=False) as archive:
+        names = _member_names(archive, prefix)
+        saved = [_member_shape(archive, name) for name in names]
+        if len(names) != len(variables) or any(
+                tuple(s) != tuple(w) for s, w in zip(saved, shapes)):
+            raise ValueError(f"{path.name} holds {len(names)} arrays under '{prefix}', "
+                             f"{len(variables)} of other shapes expected")
+        for variable, name in zip(variables, names):
+            variable.assign(archive[name])
+
+
+def _member_shape(archive: Any, name: str) -> tuple[int, ...]:
+    """An archived array's shape, from its header alone."""
+    with archive.zip.open(f"{name}.npy") as member:
+        major, _ = np.lib.format.read_magic(member)
+        read = (np.lib.format.read_array_header_1_0 if major == 1 else
+                np.lib.format.read_array_header_2_0)
+        return tuple(read(member)[0])
 
 
 # One optimizer (the model's ``optimizer``) or every optimizer the model owns, by attribute.
@@ -279,7 +312,7 @@ class Checkpoint:
         path = self.path
         try:
             if (path / WEIGHTS_FILE).exists():
-                model.set_weights(_arrays(path / WEIGHTS_FILE, "w"))
+                _assigned_one_at_a_time(path / WEIGHTS_FILE, "w", model.weights)
             else:
                 model.load_weights(path / LEGACY_WEIGHTS_FILE)
             saved_for = self.read_state().optimizers
@@ -306,16 +339,35 @@ class Checkpoint:
                            built_for: list[str] | None) -> None:
         if built_for is not None:
             build_optimizers(model, {name: optimizer}, {name: built_for})
-        arrays = _arrays(self.path / OPTIMIZER_FILE, _optimizer_prefix(name))
-        variables = optimizer.variables
-        shapes_fit = len(arrays) == len(variables) and all(
-            tuple(a.shape) == tuple(v.shape) for a, v in zip(arrays, variables))
-        if not shapes_fit:
-            raise CheckpointError(f"checkpoint {self.path} holds state of another shape for "
-                                  f"optimizer '{name}'; resume with the same --optimizer and "
-                                  "--model")
-        for variable, array in zip(variables, arrays):
-            variable.assign(array)
+        try:
+            _assigned_one_at_a_time(self.path / OPTIMIZER_FILE, _optimizer_prefix(name),
+                                    optimizer.variables)
+        except ValueError as error:
+            raise self._other_state(name) from error
+
+    def _other_state(self, name: str) -> CheckpointError:
+        return CheckpointError(f"checkpoint {self.path} holds state of another shape for "
+                               f"optimizer '{name}'; resume with the same --optimizer and "
+                               "--model")
+
+    def check_optimizer_shapes(self, name: str, shapes: Sequence[tuple[int, ...]]) -> None:
+        """That the checkpoint holds ``name``'s state in these (whole) shapes, from the
+        arrays' headers alone."""
+        try:
+            with np.load(self.path / OPTIMIZER_FILE, allow_pickle=False) as archive:
+                saved = [_member_shape(archive, n)
+                         for n in _member_names(archive, _optimizer_prefix(name))]
+        except (OSError, ValueError, zipfile.BadZipFile) as error:
+            raise CheckpointError(f"checkpoint {self.path} is unreadable ({error}); delete it "
+                                  "to resume from the one before") from error
+        if saved != [tuple(s) for s in shapes]:
+            raise self._other_state(name)
+
+    def optimizer_values(self, name: str) -> Iterator[np.ndarray]:
+        """``name``'s state variables in order, read one at a time as they are asked for."""
+        with np.load(self.path / OPTIMIZER_FILE, allow_pickle=False) as archive:
+            for member in _member_names(archive, _optimizer_prefix(name)):
+                yield archive[member]
 
 
 class CheckpointStore:

@@ -33,6 +33,7 @@ from hvdtrain.training.step.objective import (LossShare, global_metric_results, 
 from hvdtrain.model_memory.for_run import LayerMemory
 from hvdtrain.model_memory.remat import Remat
 from hvdtrain.optimizers.sharding import Sharding, gradient_bytes_kept
+from hvdtrain.optimizers.state_into_pieces import SavedState, load_into_pieces
 from hvdtrain.optimizers.zero import sharded_for_the_run
 
 
@@ -52,6 +53,8 @@ class TrainingStep(Protocol):
     reduction: GradientReduction
     # What the layers hold for the run (stage 3's gathered weights, --remat).
     layer_memory: LayerMemory
+    # A resumed sharded run's optimizer state, loaded into pieces as training starts.
+    saved_state: SavedState | None
 
     def keras_step(self, data: Any) -> dict[str, Any]:
         """One step on one dataset element (graph-safe): Keras ``fit`` runs it as the model's
@@ -145,6 +148,7 @@ class StepMath:
             if options.zero_stage >= 2:    # only this rank's pieces are summed
                 shapes = self.sharding.piece_shapes(model.trainable_variables)
         self.layer_memory = LayerMemory(model, self.sharding, options.remat)
+        self.saved_state: SavedState | None = None
         self.accumulation: Accumulation | None = None
         if options.accumulation_steps > 1:   # the gradients' sums, the weighted loss's, shares'
             self.accumulation = Accumulation(shapes + [(), ()],
@@ -244,6 +248,9 @@ class StepMath:
                 stack.enter_context(sharded_for_the_run([self.optimizer], self.sharding,
                                                         self.model.trainable_variables,
                                                         end_in_pieces))
+                if self.saved_state is not None:   # resumed: loaded once, into the pieces
+                    load_into_pieces(self.saved_state, self.optimizers, self.model, self.sharding)
+                    self.saved_state = None
             yield
 
     def epoch_results(self, logs: dict[str, Any]) -> dict[str, float]:

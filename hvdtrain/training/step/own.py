@@ -32,6 +32,7 @@ from hvdtrain.training.step.votes import StopVotes
 from hvdtrain.model_memory.for_run import LayerMemory
 from hvdtrain.model_memory.remat import Remat
 from hvdtrain.optimizers.sharding import Sharding, gradient_bytes_kept
+from hvdtrain.optimizers.state_into_pieces import SavedState, load_into_pieces
 from hvdtrain.optimizers.zero import sharded_for_the_run
 
 # The Trainer methods whose override makes a step the model's own.
@@ -85,6 +86,7 @@ class OwnStep:
         self.reduction = reduction
         self._sharding = (Sharding(collectives, zero_stage, reduction) if zero_stage else None)
         self.layer_memory = LayerMemory(model, self._sharding, remat)
+        self.saved_state: SavedState | None = None
         self._model_step = type(model).train_step.__get__(model)
         self._global_batch = float(global_batch)
         # This rank's share of the step being traced (set by ``keras_step``, read by the
@@ -107,6 +109,9 @@ class OwnStep:
             if self._sharding is not None:
                 stack.enter_context(sharded_for_the_run(optimizers, self._sharding,
                                                         end_in_pieces=end_in_pieces))
+                if self.saved_state is not None:   # resumed: loaded once, into the pieces
+                    load_into_pieces(self.saved_state, self.optimizers, self.model, self._sharding)
+                    self.saved_state = None
             else:
                 stack.enter_context(distributed_for_the_run(optimizers, self.reduction,
                                                             self._reduce))
