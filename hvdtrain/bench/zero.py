@@ -39,6 +39,10 @@ RESIDUAL = "hvdtrain.bench.plugin_models:residual_mlp"
 CLASSES = 10                       # the synthetic dataset's default
 PEAK_FILE = "whole-run-peak-rank{rank}.json"
 TRACE_SECONDS = 0.5
+TIMELINE = "timeline.json"
+# The operations of a Horovod timeline that move data (each one's row also holds its
+# negotiation and the MPI call inside it).
+COLLECTIVES = ("ALLREDUCE", "ALLGATHER", "REDUCESCATTER", "BROADCAST")
 
 
 @dataclass(frozen=True)
@@ -116,7 +120,11 @@ def launch(args: argparse.Namespace, run_dir: Path, stage_: Stage, ranks: int, w
     hosts = argparse.Namespace(hosts=args.hosts or f"localhost:{ranks}", iface=args.iface,
                                ssh="ssh")
     command = ([*mpirun(hosts), "--command", " ".join(program)] if ranks > 1 else program)
-    result = subprocess.run(command, env=variant_env(threads_per_rank(ranks)),
+    env = variant_env(threads_per_rank(ranks))
+    if args.timeline and limit_mib is None:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        env["HOROVOD_TIMELINE"] = str(run_dir.resolve() / TIMELINE)
+    result = subprocess.run(command, env=env,
                             text=True, capture_output=True, timeout=args.timeout,
                             stdin=subprocess.DEVNULL)
     return result.returncode, (result.stdout + result.stderr)[-2000:]
@@ -146,6 +154,25 @@ def whole_run_peaks(run_dir: Path) -> list[float]:
     return [json.loads(path.read_text())["peak_resident_mib"] for path in files]
 
 
+def collectives(run_dir: Path) -> dict[str, dict[str, float]]:
+    """From a run's Horovod timeline (``--timeline``): per collective operation its calls, the
+    milliseconds they took in all and the median call's (a whole run: the start's broadcast,
+    every step, checkpoints and the end); empty without a timeline."""
+    import statistics
+
+    from hvdtrain.bench.comm import timeline_events, timeline_spans
+
+    path = run_dir / TIMELINE
+    if not path.exists():
+        return {}
+    spans: dict[str, list[float]] = {}
+    for span in timeline_spans(timeline_events(path)):
+        if span.name in COLLECTIVES:
+            spans.setdefault(span.name, []).append((span.end - span.begin) / 1e3)
+    return {name: {"calls": len(took), "total_ms": sum(took),
+                   "median_ms": statistics.median(took)} for name, took in spans.items()}
+
+
 def measured(run_dir: Path, ranks: int, batch_size: int) -> dict:
     """Per rank memory (MiB) and the last epoch's step time (s) of a finished run."""
     summary = json.loads((run_dir / "summary.json").read_text())
@@ -157,6 +184,7 @@ def measured(run_dir: Path, ranks: int, batch_size: int) -> dict:
         "gradient_mib": [m["gradient_bytes"] / mib for m in memory],
         "peak_mib": [m["peak_resident_bytes"] / mib for m in memory],
         "whole_run_peak_mib": whole_run_peaks(run_dir),
+        "collectives": collectives(run_dir),
         "step_s": batch_size * ranks / rows[-1]["examples_per_second"],
     }
 
@@ -176,6 +204,12 @@ def table(results: dict[tuple[int, str], dict], rounds: int) -> str:
                      f"{seen['step_s']:.3f} ({each}) | {ratio} |")
     lines.append(f"\nstep: median over {rounds} interleaved round(s) of the second epoch's "
                  "time per step")
+    for (ranks, label), seen in sorted(results.items()):
+        if seen["collectives"]:
+            lines.append(f"{ranks} ranks, stage {label}, the first round's whole run: "
+                         + "; ".join(f"{name} {c['calls']:,} calls, {c['total_ms']:,.0f} ms "
+                                     f"(median {c['median_ms']:.2f})"
+                                     for name, c in sorted(seen["collectives"].items())))
     return "\n".join(lines)
 
 
@@ -320,6 +354,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--memory-limit-mib", type=int, default=None)
     parser.add_argument("--widths", type=int, nargs="+",
                         default=[2000, 3000, 4000, 5000, 6000, 7000, 8000])
+    parser.add_argument("--timeline", action="store_true",
+                        help="the sweep: record each run's Horovod timeline and count its "
+                             "collectives")
     parser.add_argument("--timeout", type=int, default=1800)
     return parser
 

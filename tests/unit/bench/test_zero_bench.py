@@ -5,6 +5,7 @@ of a child's resident memory. Its real runs are the bench README's commands."""
 from __future__ import annotations
 
 import argparse
+import json
 import os
 from pathlib import Path
 
@@ -66,3 +67,18 @@ def test_a_childs_resident_memory_is_traced_until_it_ends():
         os._exit(3)
     trace, status, usage = zero.resident_trace(child)
     assert os.waitstatus_to_exitcode(status) == 3 and usage.ru_maxrss > 0
+
+
+def test_a_timelines_collectives_are_counted(tmp_path):
+    rows = [{"name": "process_name", "ph": "M", "pid": pid, "args": {"name": f"t{pid}"}}
+            for pid in (1, 2)]
+    spans = [(1, "NEGOTIATE_ALLGATHER", 0, 500), (1, "ALLGATHER", 500, 1500),
+             (2, "ALLGATHER", 1000, 4000), (2, "REDUCESCATTER", 5000, 5250)]
+    events = rows + [event for pid, name, begin, end in spans for event in
+                     ({"ph": "B", "name": name, "ts": begin, "pid": pid},
+                      {"ph": "E", "ts": end, "pid": pid})]
+    (tmp_path / zero.TIMELINE).write_text(json.dumps(events)[:-1])   # a job's unclosed file
+    assert zero.collectives(tmp_path) == {
+        "ALLGATHER": {"calls": 2, "total_ms": 4.0, "median_ms": 2.0},
+        "REDUCESCATTER": {"calls": 1, "total_ms": 0.25, "median_ms": 0.25}}
+    assert zero.collectives(tmp_path / "none") == {}
