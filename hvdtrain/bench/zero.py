@@ -154,10 +154,20 @@ def whole_run_peaks(run_dir: Path) -> list[float]:
     return [json.loads(path.read_text())["peak_resident_mib"] for path in files]
 
 
+def covered_ms(spans: list[tuple[float, float]]) -> float:
+    """Milliseconds during which at least one of ``spans`` (microsecond begin, end) ran."""
+    total, reach = 0.0, float("-inf")
+    for begin, end in sorted(spans):
+        total += max(0.0, end - max(begin, reach))
+        reach = max(reach, end)
+    return total / 1e3
+
+
 def collectives(run_dir: Path) -> dict[str, dict[str, float]]:
     """From a run's Horovod timeline (``--timeline``): per collective operation its calls, the
-    milliseconds they took in all and the median call's (a whole run: the start's broadcast,
-    every step, checkpoints and the end); empty without a timeline."""
+    milliseconds during which one ran (calls at once counted once) and the median call's (a
+    whole run: the start's broadcast, every step, checkpoints and the end); empty without a
+    timeline."""
     import statistics
 
     from hvdtrain.bench.comm import timeline_events, timeline_spans
@@ -165,12 +175,13 @@ def collectives(run_dir: Path) -> dict[str, dict[str, float]]:
     path = run_dir / TIMELINE
     if not path.exists():
         return {}
-    spans: dict[str, list[float]] = {}
+    spans: dict[str, list[tuple[float, float]]] = {}
     for span in timeline_spans(timeline_events(path)):
         if span.name in COLLECTIVES:
-            spans.setdefault(span.name, []).append((span.end - span.begin) / 1e3)
-    return {name: {"calls": len(took), "total_ms": sum(took),
-                   "median_ms": statistics.median(took)} for name, took in spans.items()}
+            spans.setdefault(span.name, []).append((span.begin, span.end))
+    return {name: {"calls": len(ran), "running_ms": covered_ms(ran), "median_ms":
+                   statistics.median(end - begin for begin, end in ran) / 1e3}
+            for name, ran in spans.items()}
 
 
 def measured(run_dir: Path, ranks: int, batch_size: int) -> dict:
@@ -207,10 +218,14 @@ def table(results: dict[tuple[int, str], dict], rounds: int) -> str:
     for (ranks, label), seen in sorted(results.items()):
         if seen["collectives"]:
             lines.append(f"{ranks} ranks, stage {label}, the first round's whole run: "
-                         + "; ".join(f"{name} {c['calls']:,} calls, {c['total_ms']:,.0f} ms "
-                                     f"(median {c['median_ms']:.2f})"
+                         + "; ".join(collective_text(name, c)
                                      for name, c in sorted(seen["collectives"].items())))
     return "\n".join(lines)
+
+
+def collective_text(name: str, seen: dict[str, float]) -> str:
+    return (f"{name} {seen['calls']:,} calls, running {seen['running_ms']:,.0f} ms (median "
+            f"{seen['median_ms']:.2f})")
 
 
 def sweep(args: argparse.Namespace) -> dict[tuple[int, str], dict]:
@@ -300,8 +315,10 @@ def join_cgroup(limit_mib: int, run_dir: Path, command: list[str]) -> None:
     """In a rank: run ``python -m hvdtrain COMMAND`` in a new memory cgroup of ``limit_mib``
     (swap included where the kernel accounts it), killed if this process dies; when it ends,
     write its peak resident memory over its whole life (the kernel's account of the child,
-    final save included, which the run's own summary, written before, cannot see) to
-    ``run_dir`` and exit as it did. This process stays outside the cgroup."""
+    final save included, which the run's own summary, written before, cannot see; it counts
+    shared libraries the cgroup may not), the cgroup's own peak charge (which counts the page
+    cache of files the rank wrote) and a trace of its resident memory to ``run_dir``, and exit
+    as it did. This process stays outside the cgroup."""
     import ctypes
     import signal
 
@@ -320,8 +337,10 @@ def join_cgroup(limit_mib: int, run_dir: Path, command: list[str]) -> None:
     trace, status, usage = resident_trace(child)
     code = os.waitstatus_to_exitcode(status)
     run_dir.mkdir(parents=True, exist_ok=True)
+    charged = int((group / "memory.max_usage_in_bytes").read_text()) / 2 ** 20
     (run_dir / PEAK_FILE.format(rank=rank)).write_text(json.dumps(
-        {"peak_resident_mib": usage.ru_maxrss / 1024, "exit": code, "trace": trace}))
+        {"peak_resident_mib": usage.ru_maxrss / 1024, "charged_peak_mib": charged,
+         "exit": code, "trace": trace}))
     sys.exit(code if code >= 0 else 128 - code)
 
 

@@ -79,6 +79,6 @@ def test_a_timelines_collectives_are_counted(tmp_path):
                       {"ph": "E", "ts": end, "pid": pid})]
     (tmp_path / zero.TIMELINE).write_text(json.dumps(events)[:-1])   # a job's unclosed file
     assert zero.collectives(tmp_path) == {
-        "ALLGATHER": {"calls": 2, "total_ms": 4.0, "median_ms": 2.0},
-        "REDUCESCATTER": {"calls": 1, "total_ms": 0.25, "median_ms": 0.25}}
+        "ALLGATHER": {"calls": 2, "running_ms": 3.5, "median_ms": 2.0},
+        "REDUCESCATTER": {"calls": 1, "running_ms": 0.25, "median_ms": 0.25}}
     assert zero.collectives(tmp_path / "none") == {}
