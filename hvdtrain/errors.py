@@ -6,9 +6,11 @@ signal with a checkpoint written (continue with ``--resume auto``), 76 a rank ma
 for ``--stall-timeout`` (its liveness monitor ended it).
 """
 
+import contextlib
 import errno
 import os
 import re
+from typing import Iterator
 
 
 # Keras wraps an error raised inside a layer's call: a preamble, the reason in ANSI bold, and
@@ -18,15 +20,19 @@ _KERAS_CALL = re.compile(r"^Exception encountered when calling [^\n]*\n+(.*?)"
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 
 
+def unwrapped(text: str) -> str:
+    """A message without the preamble and arguments Keras wraps around an error raised
+    inside a layer's call, nor its ANSI colours."""
+    text = _ANSI.sub("", text).strip()
+    wrapped = _KERAS_CALL.match(text)
+    return wrapped.group(1).strip() if wrapped else text
+
+
 def first_sentence(text: str) -> str:
     """Another library's message as one whole sentence for a one-line report: its lines joined,
     up to the end of its first sentence (never cut inside one); of an error Keras wrapped
     around a layer's call, the reason inside."""
-    text = _ANSI.sub("", text).strip()
-    wrapped = _KERAS_CALL.match(text)
-    if wrapped:
-        text = wrapped.group(1)
-    flat = " ".join(text.split())
+    flat = " ".join(unwrapped(text).split())
     match = re.search(r"[.!?](\s|$)", flat)
     return flat[:match.end()].strip() if match else flat
 
@@ -41,6 +47,19 @@ class AgreedError(UserError):
     """A mistake every rank found together, after a collective (rank 0's decision broadcast, a
     check of every rank's data): each raises the same line at the same point, so no peer waits
     for another and the job's collectives stay usable for a next run in the same processes."""
+
+
+@contextlib.contextmanager
+def found_by_every_rank() -> Iterator[None]:
+    """Around what every rank runs alike (the step's trace: the same program on every rank): a
+    mistake found there is found by every rank at the same point, so it leaves as an
+    ``AgreedError``, and what the ranks hold in pieces for the run is gathered whole again."""
+    try:
+        yield
+    except AgreedError:
+        raise
+    except UserError as error:   # (raised in a layer's call: without Keras' wrapping)
+        raise AgreedError(unwrapped(str(error))) from error
 
 
 class TrainingDiverged(UserError):

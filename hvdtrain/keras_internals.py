@@ -32,6 +32,15 @@ def sublayers(model: keras.Model) -> list[keras.layers.Layer]:
     return list(model._flatten_layers(include_self=False))
 
 
+def loop_bodies(model: keras.Model) -> set[int]:
+    """The layers (by id) a recurrent layer calls inside its loop over time steps (its cells
+    and what they hold): a call wrapped there would be wrapped once per step, inside the
+    loop, where a recomputation cannot reach the loop's captured values. Their owner, the
+    recurrent layer, is what gathers or recomputes instead."""
+    return {id(inner) for layer in sublayers(model) if isinstance(layer, keras.layers.RNN)
+            for inner in layer._flatten_layers(include_self=False)}
+
+
 def optimizer_variables_built_for(optimizer: keras.optimizers.Optimizer) -> list[Any]:
     """The model variables a built optimizer updates, in its own order (its slot variables
     follow that order): what a checkpoint builds it for again before restoring its state, and
@@ -543,6 +552,17 @@ def holding_values(variables: Sequence[Any], values: Sequence[Any],
     finally:
         for variable, (value, shape, ndim) in zip(variables, saved):
             variable._value, variable._shape, variable._ndim = value, shape, ndim
+
+
+@contextlib.contextmanager
+def class_swapped(instance: Any, cls: type) -> Iterator[None]:
+    """``instance`` is of ``cls`` (a subclass of its class) while the block runs."""
+    original = type(instance)
+    instance.__class__ = cls
+    try:
+        yield
+    finally:
+        instance.__class__ = original
 
 
 @contextlib.contextmanager

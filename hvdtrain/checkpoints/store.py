@@ -27,6 +27,8 @@ from typing import Any, Callable, Iterable, Iterator, Sequence, Union
 import keras
 import numpy as np
 
+from hvdtrain.checkpoints.archives import (arrays, assigned_one_at_a_time, member_names,
+                                           member_shape, write_npz)
 from hvdtrain.checkpoints.state import CheckpointState
 from hvdtrain.errors import CheckpointWriteFailed, UserError
 from hvdtrain.errors import os_error_reason as _why
@@ -111,47 +113,6 @@ def atomic_write_text(path: Path, text: str) -> None:
     os.replace(partial, path)
 
 
-def _member_names(archive: Any, prefix: str) -> list[str]:
-    """The names of a NumPy archive's arrays that are ``prefix`` and a number, in the order
-    they were saved."""
-    pattern = re.compile(re.escape(prefix) + r"\d{4,}")
-    return [key for key in sorted(archive.files) if pattern.fullmatch(key)]
-
-
-def _arrays(path: Path, prefix: str) -> list[np.ndarray]:
-    """The arrays of a NumPy archive whose names are ``prefix`` and a number, in the order they
-    were saved (no pickles)."""
-    with np.load(path, allow_pickle=False) as archive:
-        return [archive[key] for key in _member_names(archive, prefix)]
-
-
-def _assigned_one_at_a_time(path: Path, prefix: str, variables: Sequence[Any],
-                            shapes: Sequence[tuple[int, ...]] | None = None) -> None:
-    """Each of ``variables`` given its array of the archive (``prefix`` and a number), read
-    one at a time, so a restore never holds a second copy of the model or of the optimizer's
-    state. ``shapes``: what the arrays must be (default: the variables' shapes); a count or
-    shape that does not fit raises ValueError before anything is assigned."""
-    shapes = [tuple(v.shape) for v in variables] if shapes is None else shapes
-    with np.load(path, allow_pickle=False) as archive:
-        names = _member_names(archive, prefix)
-        saved = [_member_shape(archive, name) for name in names]
-        if len(names) != len(variables) or any(
-                tuple(s) != tuple(w) for s, w in zip(saved, shapes)):
-            raise ValueError(f"{path.name} holds {len(names)} arrays under '{prefix}', "
-                             f"{len(variables)} of other shapes expected")
-        for variable, name in zip(variables, names):
-            variable.assign(archive[name])
-
-
-def _member_shape(archive: Any, name: str) -> tuple[int, ...]:
-    """An archived array's shape, from its header alone."""
-    with archive.zip.open(f"{name}.npy") as member:
-        major, _ = np.lib.format.read_magic(member)
-        read = (np.lib.format.read_array_header_1_0 if major == 1 else
-                np.lib.format.read_array_header_2_0)
-        return tuple(read(member)[0])
-
-
 # One optimizer (the model's ``optimizer``) or every optimizer the model owns, by attribute.
 Optimizers = Union[keras.optimizers.Optimizer, dict[str, keras.optimizers.Optimizer]]
 
@@ -207,15 +168,6 @@ def _built_for(optimizer: keras.optimizers.Optimizer) -> list[str]:
     return [v.path for v in optimizer_variables_built_for(optimizer)]
 
 
-def _write_npz(path: Path, arrays: Iterable[tuple[str, np.ndarray]]) -> None:
-    """A NumPy archive as ``np.savez`` writes it, one array at a time as ``arrays`` yields
-    them, so a checkpoint never holds a second copy of the model or the optimizer's state."""
-    with zipfile.ZipFile(path, "w", allowZip64=True) as archive:
-        for name, value in arrays:
-            with archive.open(f"{name}.npy", "w", force_zip64=True) as member:
-                np.lib.format.write_array(member, np.asanyarray(value), allow_pickle=False)
-
-
 def _write_files(directory: Path, model: keras.Model,
                  optimizers: dict[str, keras.optimizers.Optimizer], state: CheckpointState,
                  rank_states: list[list[np.ndarray]],
@@ -229,11 +181,11 @@ def _write_files(directory: Path, model: keras.Model,
            for i, value in enumerate(values))
     if weights is None:
         weights = (weight.numpy() for weight in model.weights)
-    _write_npz(directory / WEIGHTS_FILE, itertools.chain(
+    write_npz(directory / WEIGHTS_FILE, itertools.chain(
         ((f"w{i:04d}", value) for i, value in enumerate(weights)), rng))
     built = {name: optimizer for name, optimizer in optimizers.items() if optimizer.built}
     whole = whole or {}
-    _write_npz(directory / OPTIMIZER_FILE, (
+    write_npz(directory / OPTIMIZER_FILE, (
         (f"{_optimizer_prefix(name)}{i:04d}", value)
         for name, optimizer in built.items()
         for i, value in enumerate(whole[name] if name in whole else
@@ -312,7 +264,7 @@ class Checkpoint:
         path = self.path
         try:
             if (path / WEIGHTS_FILE).exists():
-                _assigned_one_at_a_time(path / WEIGHTS_FILE, "w", model.weights)
+                assigned_one_at_a_time(path / WEIGHTS_FILE, "w", model.weights)
             else:
                 model.load_weights(path / LEGACY_WEIGHTS_FILE)
             saved_for = self.read_state().optimizers
@@ -330,7 +282,7 @@ class Checkpoint:
         if not weights.exists():
             return []
         states = []
-        while values := _arrays(weights, f"rng{len(states):04d}_"):
+        while values := arrays(weights, f"rng{len(states):04d}_"):
             states.append(values)
         return states
 
@@ -340,8 +292,8 @@ class Checkpoint:
         if built_for is not None:
             build_optimizers(model, {name: optimizer}, {name: built_for})
         try:
-            _assigned_one_at_a_time(self.path / OPTIMIZER_FILE, _optimizer_prefix(name),
-                                    optimizer.variables)
+            assigned_one_at_a_time(self.path / OPTIMIZER_FILE, _optimizer_prefix(name),
+                                   optimizer.variables)
         except ValueError as error:
             raise self._other_state(name) from error
 
@@ -355,8 +307,8 @@ class Checkpoint:
         arrays' headers alone."""
         try:
             with np.load(self.path / OPTIMIZER_FILE, allow_pickle=False) as archive:
-                saved = [_member_shape(archive, n)
-                         for n in _member_names(archive, _optimizer_prefix(name))]
+                saved = [member_shape(archive, n)
+                         for n in member_names(archive, _optimizer_prefix(name))]
         except (OSError, ValueError, zipfile.BadZipFile) as error:
             raise CheckpointError(f"checkpoint {self.path} is unreadable ({error}); delete it "
                                   "to resume from the one before") from error
@@ -366,7 +318,7 @@ class Checkpoint:
     def optimizer_values(self, name: str) -> Iterator[np.ndarray]:
         """``name``'s state variables in order, read one at a time as they are asked for."""
         with np.load(self.path / OPTIMIZER_FILE, allow_pickle=False) as archive:
-            for member in _member_names(archive, _optimizer_prefix(name)):
+            for member in member_names(archive, _optimizer_prefix(name)):
                 yield archive[member]
 
 

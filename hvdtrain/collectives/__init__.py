@@ -4,7 +4,8 @@ ops, a world of one). Nothing outside this package talks to a backend directly, 
 hvdtrain and its tests run in one process without MPI. ``world`` holds the rank facts and
 device placement; ``base`` the protocol, the bucketed ``GradientReduction`` and the world of
 one; ``horovod_backend`` (the one module that imports Horovod) and ``tensorflow_backend`` (over
-``tf_graph_mode``) the two backends; this module picks one (``init_collectives``).
+``tf_graph_mode`` and ``tf_messages``) the two backends; this module picks one
+(``init_collectives``).
 """
 
 from __future__ import annotations

@@ -6,8 +6,9 @@ exchange gives every rank the others' addresses; TensorFlow's eager context then
 cluster of ``size`` tasks (this must happen before any tensor exists in the process). Every
 collective carries a group key and an instance key drawn when it *runs*, so a retrace shifts no
 key; ranks must issue collectives in the same order, as with Horovod. No empty tensor reaches
-the all-gather (it crashes the process): ``concatenated`` pads. Elastic resizing and Adasum
-are refused with one line naming the Horovod backend.
+the all-gather (it crashes the process): ``concatenated`` pads. On CPUs no message is over 8
+MiB (gRPC copies each one whole: ``tf_messages``). Elastic resizing and Adasum are refused
+with one line naming the Horovod backend.
 """
 
 from __future__ import annotations
@@ -18,8 +19,9 @@ import socket
 import threading
 from typing import Any, Callable, Sequence
 
-from hvdtrain.collectives.base import GradientReduction, positions_by_dtype, tf_variables
+from hvdtrain.collectives.base import GradientReduction, tf_variables
 from hvdtrain.collectives.tf_graph_mode import SessionNodes, eagerly, in_session_graph
+from hvdtrain.collectives.tf_messages import message_batches, on_the_wire, piece_lengths
 from hvdtrain.collectives.world import World
 from hvdtrain.errors import UserError
 
@@ -172,11 +174,29 @@ class TensorFlowCollectives:
             return GPU_GROUP, self._gpu, "nccl"
         return CPU_GROUP, self._cpu, "ring"
 
-    def _collective(self, run: Callable[..., Any], value: Any, shape: Any) -> Any:
-        """``run(value, group_key, instance_key, ordering_token, communication_hint)``: one
-        collective op with the group's next key, on this rank's device, eagerly or in a
-        tf.function; in a TensorFlow 1 graph, a node that runs it eagerly whenever the session
-        runs the node (``tf_graph_mode``: on the CPU ring, no token). ``shape``: the result's."""
+    def _collective(self, run: Callable[..., Any], value: Any, shape: Any,
+                    gathered: bool = False) -> Any:
+        """``run(value, group_key, instance_key, ordering_token, communication_hint)`` on
+        ``value``, whole or, on the CPU ring when its size is known and over ``MESSAGE_BYTES``,
+        on each of its flattened pieces in turn (the same on every rank: shapes agree), joined
+        again. ``shape``: the result's; ``gathered``: the result is every rank's ``value``
+        stacked (so each piece comes back as every rank's piece, in rank order)."""
+        tf = self._tf
+        elements = value.shape.num_elements()
+        lengths = ([] if elements is None or self._group_of(value)[0] == GPU_GROUP else
+                   piece_lengths(elements, value.dtype.size))
+        if len(lengths) <= 1:
+            return self._message(run, value, shape)
+        size = self.world.size if gathered else 1
+        results = [tf.reshape(self._message(run, piece, [size * length]), [size, length])
+                   for piece, length in zip(tf.split(tf.reshape(value, [-1]), lengths), lengths)]
+        return tf.reshape(tf.concat(results, 1), shape)
+
+    def _message(self, run: Callable[..., Any], value: Any, shape: Any) -> Any:
+        """One collective op (``_collective``'s ``run``) with the group's next key, on this
+        rank's device, eagerly or in a tf.function; in a TensorFlow 1 graph, a node that runs it
+        eagerly whenever the session runs the node (``tf_graph_mode``: on the CPU ring, no
+        token)."""
         tf = self._tf
         if in_session_graph():
             def on_the_cpu(eager_value: Any, group: int, key: int) -> Any:
@@ -214,7 +234,7 @@ class TensorFlowCollectives:
         first = tensor.shape[0] if tensor.shape.rank else None
         shape = self._tf.TensorShape([None if first is None else first * self.world.size]
                                      ).concatenate(tensor.shape[1:])
-        return self._collective(gather, tensor, shape)
+        return self._collective(gather, tensor, shape, gathered=True)
 
     def broadcast_tensor(self, tensor: Any, root_rank: int) -> Any:
         """The root rank's ``tensor`` on every rank (each rank passes a tensor of the root's
@@ -236,12 +256,12 @@ class TensorFlowCollectives:
     # --- the Collectives protocol ----------------------------------------------------------
 
     def allreduce_sum(self, tensors: Sequence[Any]) -> list[Any]:
-        """Sum each tensor across ranks: one all-reduce per dtype of the flattened tensors
-        (graph-safe)."""
+        """Sum each tensor across ranks: one all-reduce per batch of the flattened tensors
+        (``message_batches``; graph-safe)."""
         tf = self._tf
         tensors = [tf.convert_to_tensor(t) for t in tensors]
         reduced: list[Any] = [None] * len(tensors)
-        for indices in positions_by_dtype(tensors):
+        for indices in message_batches(tensors, self._gpu is None):
             flats = [tf.reshape(tensors[i], [-1]) for i in indices]
             total = self.all_reduce(flats[0] if len(flats) == 1 else tf.concat(flats, 0))
             parts = (tf.split(total, [tf.size(tensors[i]) for i in indices])
@@ -252,18 +272,18 @@ class TensorFlowCollectives:
 
     def reduce_scatter_sum(self, tensors: Sequence[Any]) -> list[Any]:
         """TensorFlow's reduce-scatter has an implementation for NCCL alone, so this is the
-        all-reduce of the tensors (one per dtype) with each rank keeping its piece: twice a
+        all-reduce of the tensors (``allreduce_sum``) with each rank keeping its piece: twice a
         reduce-scatter's bytes on the wire."""
         tf, size, rank = self._tf, self.world.size, self.world.rank
         totals = self.allreduce_sum(tensors)
         return [tf.reshape(total, [size, -1])[rank] for total in totals]
 
     def allgather(self, tensors: Sequence[Any]) -> list[Any]:
-        """One all-gather of the tensors concatenated (one per dtype, as all-reduce)."""
+        """One all-gather per batch of the tensors concatenated (``message_batches``)."""
         tf = self._tf
         tensors = [tf.convert_to_tensor(t) for t in tensors]
         gathered: list[Any] = [None] * len(tensors)
-        for indices in positions_by_dtype(tensors):
+        for indices in message_batches(tensors, self._gpu is None):
             if len(indices) == 1:    # as it is: no copy into a concatenation
                 gathered[indices[0]] = self.all_gather(tensors[indices[0]])
                 continue
@@ -324,18 +344,18 @@ class TensorFlowCollectives:
                                 tf.cast(indices, slices.indices.dtype), slices.dense_shape)
 
     def broadcast_variables(self, variables: Sequence[Any], root_rank: int = 0) -> Any:
-        """Overwrite every rank's variables with the root rank's: one broadcast per dtype of the
-        flattened values (eagerly, in a tf.function, or in a TensorFlow 1 graph, where the
-        assignments are returned as one op to run)."""
+        """Overwrite every rank's variables with the root rank's: one broadcast per batch of
+        the flattened values (``message_batches``; eagerly, in a tf.function, or in a
+        TensorFlow 1 graph, where the assignments are returned as one op to run)."""
         tf = self._tf
-        by_dtype: dict[Any, list[Any]] = {}
-        for variable in tf_variables(variables):
-            by_dtype.setdefault(variable.dtype.base_dtype, []).append(variable)
+        variables = tf_variables(variables)
         assignments = []
-        for dtype, group in by_dtype.items():
+        for batch in message_batches(variables, self._gpu is None):
+            group = [variables[i] for i in batch]
             sizes = [int(variable.shape.num_elements()) for variable in group]
-            flat = tf.concat([tf.reshape(variable, [-1]) for variable in group], 0)
-            received = self.broadcast_tensor(flat, root_rank)
+            flats = [tf.reshape(variable, [-1]) for variable in group]
+            received = self.broadcast_tensor(flats[0] if len(flats) == 1 else
+                                             tf.concat(flats, 0), root_rank)
             # The root assigns too: in a tf.function an unused broadcast send is pruned, and
             # the receivers would wait for ever.
             for variable, part in zip(group, tf.split(received, sizes)):
@@ -411,22 +431,6 @@ class TensorFlowCollectives:
         every = tf.cast(tf.boolean_mask(rows, tf.sequence_mask(firsts, slots)), dtype)
         every.set_shape(tf.TensorShape([None]).concatenate(tensor.shape[1:]))
         return every
-
-
-def on_the_wire(tensor: Any) -> tuple[Any, Any]:
-    """(the tensor as it travels, its own dtype): 8- and 16-bit integers and bool travel
-    as int32, uint32 as int64, bfloat16 as float32 (each exact, and sums, products, minima
-    and maxima of 8- and 16-bit integers wrap back as Horovod's do)."""
-    import tensorflow as tf
-
-    dtype = tensor.dtype
-    if dtype in (tf.int32, tf.int64, tf.float16, tf.float32, tf.float64):
-        return tensor, dtype
-    wire = {tf.uint8: tf.int32, tf.int8: tf.int32, tf.uint16: tf.int32, tf.int16: tf.int32,
-            tf.bool: tf.int32, tf.uint32: tf.int64, tf.bfloat16: tf.float32}.get(dtype)
-    if wire is None:
-        raise TypeError(f"TensorFlow's collectives cannot carry {dtype.name} tensors")
-    return tf.cast(tensor, wire), dtype
 
 
 _SESSION: TensorFlowCollectives | None = None

@@ -5,7 +5,7 @@ the run by the step."""
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator, Sequence
+from typing import ContextManager, Iterator, Sequence
 
 import keras
 
@@ -31,6 +31,10 @@ class LayerMemory:
         """Whether the weights are in pieces (the gradients leave the backward pass
         reduce-scattered)."""
         return self.gathered is not None
+
+    def reads_guarded(self) -> ContextManager[None]:
+        """Around the step's trace: stage 3 refuses a weight read outside its layer's call."""
+        return self.gathered.reads_guarded() if self.gathered else contextlib.nullcontext()
 
     @contextlib.contextmanager
     def for_the_run(self, optimizers: Sequence[keras.optimizers.Optimizer]) -> Iterator[None]:

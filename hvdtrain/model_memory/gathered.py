@@ -25,8 +25,9 @@ import keras
 import tensorflow as tf
 
 from hvdtrain.errors import UserError
-from hvdtrain.keras_internals import (call_replaced, holding_values, own_trainable_variables,
-                                      reindexed, stored_value, sublayers)
+from hvdtrain.keras_internals import (call_replaced, class_swapped, holding_values,
+                                      loop_bodies, own_trainable_variables, reindexed,
+                                      stored_value, sublayers)
 from hvdtrain.model_memory.recomputed import recomputed
 from hvdtrain.optimizers.sharding import Sharding, holders, variable_path
 from hvdtrain.optimizers.zero import STOPPED_TOGETHER
@@ -38,8 +39,14 @@ def owning_layers(model: keras.Model) -> list[tuple[keras.layers.Layer, list[Any
     would be needed outside the one call that gathers it."""
     found: list[tuple[keras.layers.Layer, list[Any]]] = []
     owner_of: dict[int, str] = {}
+    inside_loops = loop_bodies(model)
     for layer in [model, *sublayers(model)]:
-        own = [v for v in own_trainable_variables(layer) if v.trainable]
+        if id(layer) in inside_loops:
+            continue
+        # A recurrent layer gathers its cells' weights once per call, outside its loop.
+        held = (layer.trainable_variables if isinstance(layer, keras.layers.RNN)
+                else own_trainable_variables(layer))
+        own = [v for v in held if v.trainable]
         for variable in own:
             first = owner_of.setdefault(id(variable), layer.name)
             if first != layer.name:
@@ -65,6 +72,25 @@ class GatheredLayers:
         # and never all at once at the step's start (which would hold the whole model).
         self._previous_inputs: list[tf.Tensor] = []
         self._regularizers: dict[int, Callable[[Any], Any]] = {}   # id(variable) -> its own
+        self._in_step = 0   # depth of the step's trace
+
+    def read_refused(self, variable: Any) -> bool:
+        """Whether reading ``variable`` now would read this rank's piece as if it were the
+        weight: in the step, where it is not held whole (its own layer's gathering call holds
+        it whole) and the optimizer is not updating the pieces."""
+        return (bool(self._in_step) and not self.sharding.optimizer_at_work
+                and isinstance(stored_value(variable), tf.Variable))
+
+    @contextlib.contextmanager
+    def reads_guarded(self) -> Iterator[None]:
+        """While the step is traced, a weight read outside its layer's call (a penalty on a
+        kernel in a model's own ``train_step``, a weight tied into another layer's
+        computation) is refused in one line instead of computing with the piece."""
+        self._in_step += 1
+        try:
+            yield
+        finally:
+            self._in_step -= 1
 
     @contextlib.contextmanager
     def for_the_run(self, optimizers: Sequence[keras.optimizers.Optimizer]) -> Iterator[None]:
@@ -80,6 +106,8 @@ class GatheredLayers:
         try:
             with contextlib.ExitStack() as calls:
                 calls.enter_context(self._regularizers_in_the_calls(variables))
+                for variable in variables:
+                    calls.enter_context(class_swapped(variable, _guarded(type(variable), self)))
                 for layer, own in self.layers:
                     calls.enter_context(call_replaced(layer, self._wrapped(layer, own)))
                 yield
@@ -152,6 +180,29 @@ class GatheredLayers:
             return whole, gradient
 
         return gathered(*[tf.convert_to_tensor(stored_value(v)) for v in variables])
+
+
+def _guarded(variable_class: type, layers: GatheredLayers) -> type:
+    """``variable_class`` for the run: its ``value`` (every op on the variable, its
+    ``numpy``) refused where ``layers.read_refused``; its ``handle`` (how a gradient tape
+    names it, not a read) left as it was."""
+
+    class Guarded(variable_class):   # type: ignore[misc, valid-type]
+        @property
+        def value(self) -> Any:
+            if layers.read_refused(self):
+                raise UserError(f"--zero-stage 3 holds '{self.path}' in pieces outside its "
+                                "layer's call, and the step reads it there (a penalty on it, "
+                                "or a weight tied into another layer); read it inside that "
+                                "layer's call (add_loss, a regularizer), or use --zero-stage 2")
+            return super().value
+
+        @property
+        def handle(self) -> Any:
+            return stored_value(self).handle
+
+    Guarded.__name__ = Guarded.__qualname__ = variable_class.__name__
+    return Guarded
 
 
 def _reindexed(optimizers: Sequence[keras.optimizers.Optimizer]) -> None:

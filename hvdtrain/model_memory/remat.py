@@ -21,7 +21,8 @@ from typing import Any, Callable, Iterator, Sequence
 import keras
 
 from hvdtrain.errors import UserError
-from hvdtrain.keras_internals import call_replaced, remat_mode_held, remat_mode_of, sublayers
+from hvdtrain.keras_internals import (call_replaced, loop_bodies, remat_mode_held, remat_mode_of,
+                                      sublayers)
 from hvdtrain.model_memory.recomputed import recomputed
 
 
@@ -46,10 +47,12 @@ class Rematerialized:
     def __init__(self, model: keras.Model, remat: Remat, left: Sequence[int] = ()) -> None:
         self.remat = remat
         self.mode = remat_mode_of(remat.scope())
-        self.layers = [layer for layer in sublayers(model)
-                       if not isinstance(layer, (keras.Model, keras.layers.InputLayer))
-                       and id(layer) not in set(left)]
-        unknown = set(remat.layer_names) - {layer.name for layer in self.layers}
+        inside_loops = loop_bodies(model)   # a recurrent layer recomputes its cells
+        every = [layer for layer in sublayers(model)
+                 if not isinstance(layer, (keras.Model, keras.layers.InputLayer))]
+        self.layers = [layer for layer in every
+                       if id(layer) not in set(left) and id(layer) not in inside_loops]
+        unknown = set(remat.layer_names) - {layer.name for layer in every}
         if remat.mode == "list_of_layers" and unknown:
             raise UserError(f"--remat-layers names no layer of {model.name}: "
                             f"{', '.join(sorted(unknown))}; give names from model.summary()")
@@ -68,6 +71,9 @@ class Rematerialized:
             return (f"remat larger_than: each of the {len(self.layers)} layers whose output has "
                     f"over {self.remat.output_size_threshold} elements recomputes its call in "
                     "the backward pass (Keras measures each as the step is traced)")
+        if not chosen:
+            return (f"remat {mode}: no layer left to recompute (ZeRO stage 3 recomputes the "
+                    "call of every layer that owns weights already)")
         what = "their activation" if mode == "activations" else "their call"
         names = ", ".join(layer.name for layer in chosen[:12])
         more = f" and {len(chosen) - 12} more" if len(chosen) > 12 else ""

@@ -10,6 +10,7 @@ pieces; rank r owns piece r of each (balanced, as torch-xla's and DeepSpeed's ar
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Any, Iterator, Sequence
 
@@ -79,6 +80,9 @@ class Sharding:
         # Stage 3: id(model variable) -> its whole shape (the variable holds its piece).
         self.whole_shapes: dict[int, tuple[int, ...]] = {}
         self.updating = False
+        # Depth of the optimizer's own work on the pieces (its update, its build), where
+        # stage 3's weights are read as the pieces they are (``model_memory.gathered``).
+        self.optimizer_at_work = 0
 
     def register(self, variables: Sequence[Any]) -> None:
         """Cut each variable not cut yet and make its shard variable (outside any graph)."""
@@ -175,11 +179,22 @@ class Sharding:
             return
         self.updating = True       # the optimizer's own update of the pieces (``zero``)
         try:
-            with constraints_set_aside(variables):    # Keras would project the pieces
-                optimizer.apply(list(pieces), shards)
+            with self.optimizer_working():
+                with constraints_set_aside(variables):   # Keras would project the pieces
+                    optimizer.apply(list(pieces), shards)
+                self.constrain_pieces([v for v, p in zip(variables, pieces) if p is not None],
+                                      updated)
         finally:
             self.updating = False
-        self.constrain_pieces([v for v, p in zip(variables, pieces) if p is not None], updated)
+
+    @contextlib.contextmanager
+    def optimizer_working(self) -> Iterator[None]:
+        """Around the optimizer's own work on the pieces (``optimizer_at_work``)."""
+        self.optimizer_at_work += 1
+        try:
+            yield
+        finally:
+            self.optimizer_at_work -= 1
 
     def _agreed_finiteness(self, pieces: Sequence[Any]) -> tuple[list[Any], tf.Tensor]:
         """A loss-scale optimizer skips a step whose gradients are not finite; each rank sees

@@ -63,8 +63,10 @@ class _ShardedOptimizer(OptimizerHooks, RunOptimizer):
         return slot
 
     def build(self, variables: Sequence[Any]) -> None:
-        attached(self).register(variables)
-        super().build(variables)
+        sharding = attached(self)
+        sharding.register(variables)
+        with sharding.optimizer_working():
+            super().build(variables)
 
     def save_own_variables(self, store: Any) -> None:
         """Keras saving the state: only the final save may, each variable gathered whole as

@@ -630,6 +630,46 @@ def test_ranks_that_disagree_on_a_shape_get_horovods_error_and_carry_on(mode):
     assert run_in(mode, lambda: hvd_tf.allreduce(on_rank([2]), op=hvd.Sum)).tolist() == [1, 1]
 
 
+@pytest.mark.parametrize("mode", MODES)
+def test_tensors_over_a_message_travel_in_pieces_and_arrive_whole(mode, monkeypatch):
+    """TensorFlow's collectives only: a tensor over ``tf_messages.MESSAGE_BYTES`` (64 bytes
+    here) travels in pieces, several small ones in batches of about that size; every result
+    as one message gives it, position by position (values differ by position and rank)."""
+    if ON_HOROVOD:
+        pytest.skip("messages are cut on TensorFlow's collectives only")
+    from hvdtrain.collectives import tensorflow_backend, tf_messages
+
+    monkeypatch.setattr(tf_messages, "MESSAGE_BYTES", 64)
+    pieces = []
+    monkeypatch.setattr(tensorflow_backend, "piece_lengths", lambda elements, itemsize: (
+        pieces.append(tf_messages.piece_lengths(elements, itemsize)) or pieces[-1]))
+    rank = float(hvd.rank())
+
+    def numbered(shape, dtype=tf.float32):
+        return tf.reshape(tf.range(np.prod(shape), dtype=dtype), shape)
+
+    reduced, gathered, broadcast = run_in(mode, lambda: (
+        hvd_tf.allreduce(numbered([17, 5]) * (rank + 1), op=hvd.Sum),        # 340 bytes
+        hvd_tf.allgather(numbered([3, 7], tf.int64) + 100 * hvd.rank()),
+        hvd_tf.broadcast(numbered([9, 4], tf.float64) + rank, 1)))
+    np.testing.assert_array_equal(reduced, numbered([17, 5]) * 3)
+    np.testing.assert_array_equal(gathered, tf.concat([numbered([3, 7], tf.int64),
+                                                       numbered([3, 7], tf.int64) + 100], 0))
+    np.testing.assert_array_equal(broadcast, numbered([9, 4], tf.float64) + 1)
+    assert {6, 5} <= {len(lengths) for lengths in pieces}     # the allreduce, the broadcast
+    if mode == "eager":      # the batches: variables of a model, gradient buckets
+        keras.utils.set_random_seed(hvd.rank())
+        model = keras.Sequential([keras.Input((7,)), keras.layers.Dense(5),
+                                  keras.layers.Dense(2)])
+        hvd_tf.broadcast_variables(model.variables, root_rank=1)
+        assert same_on_every_rank(np.concatenate([w.ravel() for w in model.get_weights()]))
+        summed = hvd_tf.collectives().allreduce_sum([numbered([5]) + rank, numbered([30]),
+                                                     numbered([2, 3], tf.int32)])
+        for total, expected in zip(summed, [numbered([5]) * 2 + 1, numbered([30]) * 2,
+                                            numbered([2, 3], tf.int32) * 2]):
+            np.testing.assert_array_equal(total, expected)
+
+
 def test_a_tensorflow_1_graph_runs_collectives_and_leaves_nothing_bound_to_it():
     """Horovod's tests call ``init()`` inside a graph and run its ops in a session: more
     independent collectives than the session has threads, a node whose input size changes

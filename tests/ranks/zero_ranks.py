@@ -4,17 +4,21 @@ none CASES`` for one process):
 
 - ``optimizers``: SGD, momentum, Nesterov, Adam, AdamW (biases excluded from weight decay),
   RMSprop, Adagrad, Lion, a user's own elementwise optimizer, Adam with ``clipnorm`` and
-  momentum with ``global_clipnorm``, each at stage 2 on a model with a kernel constraint,
-  against Keras ``fit`` in one process with the global batch;
-- ``variants``: Adam at stage 1 and 2 with two accumulated micro-steps (against Keras with the
-  four-times batch), in the custom loop, under mixed precision (a loss-scale optimizer), and a
-  model's own ``train_step`` with two optimizers (a GAN's shape);
+  momentum with ``global_clipnorm``, each at stage 2 or 3 (``optimizer_stage``) on a model
+  with a kernel constraint, against Keras ``fit`` in one process with the global batch;
+- ``variants``: Adam at stages 1, 2 and 3 with two accumulated micro-steps (against Keras with
+  the four-times batch), in the custom loop, under mixed precision (a loss-scale optimizer,
+  stages 2 and 3), a model's own ``train_step`` with two optimizers (a GAN's shape; stages 2
+  and 3), and at stage 3 regularizers, a constraint, ``add_loss`` and a Dropout inside a
+  layer's call, with ``--remat full`` (against stage 0 with it on the same ranks: one
+  process draws other masks);
 - ``diverged``: a sharded run whose loss diverges stops every rank, its optimizer whole again;
-- ``resume-from FROM`` / ``checkpoint-to TO``: continue at stage 2 the run in FROM (one epoch
-  done, written by another world size), and write a one-epoch run at stage 2 into TO.
+- ``resume-from FROM STAGE EPOCHS`` / ``checkpoint-to TO STAGE``: continue at STAGE to EPOCHS
+  the run in FROM (written by another world size), and write a one-epoch run into TO.
 
 Every rank writes what it saw to ``OUT_DIR/zero-<rank>.json``: per case the largest relative
-difference from the reference, the optimizer state's shapes during training and after. Every rank
+difference from the reference, the optimizer state's and the weights' shapes during training
+and after. Every rank
 trains every case (the collectives need them all), but the one-process reference of the i-th
 optimizer or variant case is fitted on rank ``i % SIZE`` alone, which writes that case (the test
 reads the cases from every rank's file): the reference is the same on every rank, so fitting it
@@ -134,10 +138,12 @@ class StateShapes(keras.callbacks.Callback):
     def __init__(self) -> None:
         super().__init__()
         self.shapes: list = []
+        self.weight_shapes: list = []
 
     def on_epoch_end(self, epoch, logs=None):
         self.shapes = [list(v.shape) for optimizer in optimizers_of(self.model)
                        for v in optimizer.variables]
+        self.weight_shapes = [list(w.shape) for w in self.model.trainable_weights]
 
 
 def optimizers_of(built: keras.Model) -> list[keras.optimizers.Optimizer]:
@@ -163,7 +169,7 @@ def sharded_run(out: Path, name: str, make, x, y, epochs: int, **options):
                  callbacks=[shapes], run_dir=str(out / f"run-{name}"), progress=False,
                  tensorboard=False, lr_scaling="none", warmup_epochs=0, deterministic=True,
                  **options)
-    return trained, shapes.shapes
+    return trained, shapes
 
 
 def reference_fit(make, x, y, batch_size: int, epochs: int) -> keras.Model:
@@ -176,23 +182,27 @@ def reference_fit(make, x, y, batch_size: int, epochs: int) -> keras.Model:
     return reference
 
 
-def case(out: Path, name: str, make, x, y, reference_batch: int, epochs: int = 2,
+def case(out: Path, name: str, make, x, y, reference_batch: int | None, epochs: int = 2,
          against_stage_0: bool = False, compared: bool = True, **options) -> dict | None:
     """One sharded run on the job's ranks against Keras ``fit`` in this process (no collective:
-    the same numbers on every rank); ``against_stage_0``: also against the same run unsharded on
-    these ranks. ``compared`` False: this rank only trains its part (the runs' collectives), and
-    another rank compares; None."""
+    the same numbers on every rank; ``reference_batch`` None: no such reference, a model
+    whose ranks draw their own dropout masks); ``against_stage_0``: also against the same run
+    unsharded on these ranks. ``compared`` False: this rank only trains its part (the runs'
+    collectives), and another rank compares; None."""
     trained, shapes = sharded_run(out, name, make, x, y, epochs, **options)
     if against_stage_0:
         unsharded, _ = sharded_run(out, name + "-stage-0", make, x, y, epochs,
                                    **{**options, "zero_stage": 0})
     if not compared:
         return None
-    reference = reference_fit(make, x, y, reference_batch, epochs)
-    seen = {"weights": difference(trained.get_weights(), reference.get_weights()),
-            "state": difference(state(trained), state(reference)),
-            "shapes_while_training": shapes,
+    seen = {"shapes_while_training": shapes.shapes,
+            "weight_shapes_while_training": shapes.weight_shapes,
+            "weight_shapes": [list(w.shape) for w in trained.trainable_weights],
             "shapes_after": [list(v.shape) for v in state(trained)]}
+    if reference_batch is not None:
+        reference = reference_fit(make, x, y, reference_batch, epochs)
+        seen.update(weights=difference(trained.get_weights(), reference.get_weights()),
+                    state=difference(state(trained), state(reference)))
     if against_stage_0:
         seen["weights_vs_stage_0"] = difference(trained.get_weights(), unsharded.get_weights())
         seen["state_vs_stage_0"] = difference(state(trained), state(unsharded))
@@ -210,11 +220,18 @@ def on_this_rank(cases: dict) -> dict:
     return {name: seen for name, seen in cases.items() if seen is not None}
 
 
-def optimizer_cases(out: Path, x, y) -> dict:
+def optimizer_stage(index: int, backend: str) -> int:
+    """Each optimizer at stage 2 on one backend and at stage 3 on the other (alternating by
+    its place in ``OPTIMIZERS``): their update of the pieces is the same code, and both stages
+    meet every optimizer without a second run of each."""
+    return 2 + (index + (backend == "tensorflow")) % 2
+
+
+def optimizer_cases(out: Path, x, y, backend: str) -> dict:
     return on_this_rank({
         name: case(out, name, lambda make=make: model(make()), x, y, BATCH * SIZE,
                    against_stage_0=name in MAGNIFIED, compared=index % SIZE == RANK,
-                   zero_stage=2)
+                   zero_stage=optimizer_stage(index, backend))
         for index, (name, make) in enumerate(OPTIMIZERS.items())})
 
 
@@ -226,7 +243,45 @@ def mixed_precision_model() -> keras.Model:
         keras.mixed_precision.set_global_policy("float32")
 
 
-def variant_cases(out: Path, x, y) -> dict:
+class Penalized(keras.layers.Layer):
+    """A layer of its own with a Dropout and ``add_loss`` inside its call: at stage 3 the
+    call is recomputed for the gradient, which must draw the same mask and keep the loss."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.drop = keras.layers.Dropout(0.3)
+
+    def build(self, shape):
+        self.w = self.add_weight(shape=(shape[-1], 6), initializer="glorot_uniform")
+
+    def call(self, x, training=None):
+        out = self.drop(x @ self.w, training=training)
+        self.add_loss(0.01 * keras.ops.mean(keras.ops.square(out)))
+        return keras.ops.tanh(out)
+
+
+def layers_in_their_calls() -> keras.Model:
+    """Weight and activity regularizers, a constraint, a string regularizer, and
+    ``Penalized``: what stage 3 moves into each layer's gathering call; and layers without
+    weights (a Dropout, an activation), which ``--remat full`` recomputes."""
+    keras.utils.set_random_seed(3)
+    built = keras.Sequential([
+        keras.Input((8,)),
+        keras.layers.Dense(12, activation="tanh", kernel_regularizer=keras.regularizers.L2(0.01),
+                           activity_regularizer=keras.regularizers.L1(0.001),
+                           kernel_constraint=keras.constraints.MaxNorm(0.9)),
+        Penalized(), keras.layers.Dropout(0.2), keras.layers.Activation("relu"),
+        keras.layers.Dense(1, kernel_regularizer="l1")])
+    built.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
+    return built
+
+
+# Stage-3 variants run on Horovod's collectives only: on TensorFlow's, stage 3 is met by half
+# the optimizers, mixed precision and the layers case (the suite pays for its time).
+HOROVOD_ONLY = ("accumulated-stage-3", "own-step-two-optimizers-stage-3")
+
+
+def variant_cases(out: Path, x, y, backend: str) -> dict:
     adam = lambda: model(keras.optimizers.Adam(0.01))  # noqa: E731
     variants = {   # name: (run name, model, reference batch, options)
         "accumulated-stage-1": ("acc1", adam, 2 * BATCH * SIZE,
@@ -238,8 +293,18 @@ def variant_cases(out: Path, x, y) -> dict:
                             dict(against_stage_0=True, zero_stage=2)),
         "own-step-two-optimizers": ("own-step", two_optimizers, BATCH * SIZE,
                                     dict(against_stage_0=True, zero_stage=2)),
+        "accumulated-stage-3": ("acc3", adam, 2 * BATCH * SIZE,
+                                dict(zero_stage=3, accumulation_steps=2)),
+        "own-step-two-optimizers-stage-3": ("own-step3", two_optimizers, BATCH * SIZE,
+                                            dict(zero_stage=3)),
+        "mixed-precision-stage-3": ("mixed3", mixed_precision_model, BATCH * SIZE,
+                                    dict(against_stage_0=True, zero_stage=3)),
+        "layers-stage-3": ("layers3", layers_in_their_calls, None,
+                           dict(against_stage_0=True, zero_stage=3, remat="full")),
     }
     first = len(OPTIMIZERS)    # numbered on from the optimizer cases: the ranks share evenly
+    if backend == "tensorflow":
+        variants = {name: v for name, v in variants.items() if name not in HOROVOD_ONLY}
     return on_this_rank({
         name: case(out, run, make, x, y, batch, compared=(first + index) % SIZE == RANK,
                    **options)
@@ -262,39 +327,49 @@ def diverged_case(out: Path, x, y) -> dict:
             "weights": [list(w.shape) for w in trained.get_weights()]}
 
 
-def resume_case(out: Path, source: Path, x, y) -> dict | None:
-    """Continue at stage 2 a one-epoch run written by another world size with the same global
-    batch (32), to epoch 2, without ``accept_changes``: the same run. Before, half that global
-    batch is refused (its one line kept), leaving the run as it was. And how many ranks held
-    the state its checkpoint records. Rank 0 alone says it (the others: None)."""
+def resume_case(out: Path, source: Path, stage: int, epochs: int, x, y) -> dict | None:
+    """Continue at ``stage`` to ``epochs`` the run in ``source``, whose newest checkpoint
+    another world size wrote with the same global batch (32), without ``accept_changes``:
+    the same run. Before, half that global batch is refused (its one line kept), leaving the
+    run as it was. And how many ranks held the state that checkpoint records, and whether its
+    optimizer state went straight into pieces. Rank 0 alone says it (the others: None)."""
+    import logging
+
     from hvdtrain.errors import UserError
 
     records = [json.loads(path.read_text()).get("sharded")
                for path in sorted(source.rglob("state.json"))]
-    options = dict(epochs=2, shuffle=False, run_dir=str(source), resume="required",
+    options = dict(epochs=epochs, shuffle=False, run_dir=str(source), resume="required",
                    progress=False, tensorboard=False, lr_scaling="none", warmup_epochs=0,
-                   deterministic=True, zero_stage=2)
+                   deterministic=True, zero_stage=stage)
     try:
         hvdtrain.fit(model(keras.optimizers.Adam(0.01)), x, y, batch_size=16 // SIZE, **options)
         refused = ""
     except UserError as error:
         refused = str(error)
     trained = model(keras.optimizers.Adam(0.01))
-    hvdtrain.fit(trained, x, y, batch_size=32 // SIZE, **options)
+    lines: list[str] = []
+    seen = logging.Handler()
+    seen.emit = lambda record: lines.append(record.getMessage())
+    logging.getLogger("hvdtrain").addHandler(seen)
+    try:
+        hvdtrain.fit(trained, x, y, batch_size=32 // SIZE, **options)
+    finally:
+        logging.getLogger("hvdtrain").removeHandler(seen)
     if RANK:        # rank 0 compares: the reference is the same on every rank
         return None
-    reference = reference_fit(lambda: model(keras.optimizers.Adam(0.01)), x, y, 32, 2)
+    reference = reference_fit(lambda: model(keras.optimizers.Adam(0.01)), x, y, 32, epochs)
     return {"weights": difference(trained.get_weights(), reference.get_weights()),
             "state": difference(state(trained), state(reference)),
-            "held_by": records[0]["ranks"] if len(records) == 1 and records[0] else records,
-            "refused": refused}
+            "held_by": records[-1] and records[-1]["ranks"], "refused": refused,
+            "into_pieces": any("into each rank's pieces" in line for line in lines)}
 
 
-def checkpoint_to(target: Path, x, y) -> None:
-    """One epoch at stage 2 into ``target`` (a checkpoint another world size resumes)."""
+def checkpoint_to(target: Path, stage: int, x, y) -> None:
+    """One epoch at ``stage`` into ``target`` (a checkpoint another world size resumes)."""
     hvdtrain.fit(model(keras.optimizers.Adam(0.01)), x, y, batch_size=32 // SIZE, epochs=1,
                  shuffle=False, run_dir=str(target), progress=False, tensorboard=False,
-                 lr_scaling="none", warmup_epochs=0, deterministic=True, zero_stage=2)
+                 lr_scaling="none", warmup_epochs=0, deterministic=True, zero_stage=stage)
 
 
 def main() -> None:
@@ -307,17 +382,18 @@ def main() -> None:
     while cases:
         name = cases.pop(0)
         if name == "optimizers":
-            seen["optimizers"] = optimizer_cases(out, x, y)
+            seen["optimizers"] = optimizer_cases(out, x, y, backend)
         elif name == "variants":
-            seen["variants"] = variant_cases(out, x, y)
+            seen["variants"] = variant_cases(out, x, y, backend)
         elif name == "diverged":
             seen["diverged"] = diverged_case(out, x, y)
-        elif name == "resume-from":
-            resumed = resume_case(out, Path(cases.pop(0)), x, y)
+        elif name == "resume-from":   # DIRECTORY STAGE EPOCHS
+            resumed = resume_case(out, Path(cases.pop(0)), int(cases.pop(0)),
+                                  int(cases.pop(0)), x, y)
             if resumed is not None:
                 seen["resumed"] = resumed
-        elif name == "checkpoint-to":
-            checkpoint_to(Path(cases.pop(0)), x, y)
+        elif name == "checkpoint-to":   # DIRECTORY STAGE
+            checkpoint_to(Path(cases.pop(0)), int(cases.pop(0)), x, y)
     (out / f"zero-{RANK}.json").write_text(json.dumps(seen, indent=1))
 
 

@@ -23,6 +23,7 @@ import keras
 import tensorflow as tf
 
 from hvdtrain.collectives import Collectives, GradientReduction, gathered_rows, variable_bytes
+from hvdtrain.errors import found_by_every_rank
 from hvdtrain.optimizers.accumulation import Accumulation
 from hvdtrain.training.step.sync_batch_norm import batch_rows
 from hvdtrain.training.step.votes import StopVotes
@@ -262,7 +263,8 @@ class StepMath:
                 + variable_bytes(totals))
 
     def keras_step(self, data: Any) -> dict[str, tf.Tensor]:
-        return self.train_step(*data)
+        with found_by_every_rank(), self.layer_memory.reads_guarded():
+            return self.train_step(*data)
 
     def forward_backward(self, x, y, sample_weight: Any, weights: tf.Tensor) -> tuple:
         """This rank's part of the step that no collective touches: the forward pass on the

@@ -23,6 +23,7 @@ import keras
 import tensorflow as tf
 
 from hvdtrain.collectives import Collectives, GradientReduction
+from hvdtrain.errors import found_by_every_rank
 from hvdtrain.optimizers.reduction import distributed_for_the_run
 from hvdtrain.training.step.objective import (global_metric_results, metric_variables, real_rows,
                                               scalar)
@@ -135,7 +136,8 @@ class OwnStep:
     def keras_step(self, data: Any) -> dict[str, Any]:
         x, y, sample_weight, weights = data
         self._share = tf.cast(real_rows(weights), tf.float32) / self._global_batch
-        with batch_rows(weights > 0):   # a filler counts in no synchronized BN statistics
+        with found_by_every_rank(), batch_rows(weights > 0), self.layer_memory.reads_guarded():
+            # (a filler counts in no synchronized BN statistics)
             logs = self._model_step(self.keras_element(x, y, sample_weight))
         if not isinstance(logs, dict):
             logs = {"loss": logs}
