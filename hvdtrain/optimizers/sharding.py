@@ -35,7 +35,11 @@ class Piece:
 
     @classmethod
     def of(cls, variable: Any, world_size: int) -> "Piece":
-        size = int(np.prod(variable.shape, dtype=np.int64))
+        return cls.of_shape(tuple(variable.shape), world_size)
+
+    @classmethod
+    def of_shape(cls, shape: Sequence[int], world_size: int) -> "Piece":
+        size = int(np.prod(shape, dtype=np.int64))
         return cls(size, -(-size // world_size), world_size)
 
     def padded(self, value: Any) -> tf.Tensor:
@@ -350,7 +354,9 @@ def piece_bytes(variables: Sequence[Any], world_size: int) -> int:
 
 
 def gradient_bytes_kept(sharding: Sharding | None, variables: Sequence[Any]) -> int:
-    """Bytes of the reduced gradients of ``variables`` a rank keeps: whole, or its pieces."""
+    """Bytes of the reduced gradients of ``variables`` a rank keeps: whole, or its pieces (of
+    the whole variables, also while stage 3 holds them as pieces)."""
     if sharding is None:
         return variable_bytes(variables)
-    return piece_bytes(variables, sharding.world.size)
+    return sum(Piece.of_shape(sharding.whole_shape(v), sharding.world.size).length
+               * tf.as_dtype(v.dtype).size for v in variables)
