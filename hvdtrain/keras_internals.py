@@ -554,6 +554,42 @@ def holding_values(variables: Sequence[Any], values: Sequence[Any],
             variable._value, variable._shape, variable._ndim = value, shape, ndim
 
 
+def saving_walked(model: keras.Model) -> None:
+    """Keras' own walk over what ``model.save`` and ``save_weights`` save (``saving_lib``'s
+    ``_save_state``: layers, optimizers, metrics, in its order), each saveable's
+    ``save_own_variables`` given a store that keeps nothing: how ZeRO stage 3 learns, on
+    every rank alike, the order in which rank 0's save will ask for its pieces."""
+    from keras.src.saving import saving_lib
+
+    class Discarded(dict):
+        def __setitem__(self, key: str, value: Any) -> None:
+            pass
+
+    class DiscardingStore(saving_lib.NpzIOStore):   # the class Keras' walk accepts
+        def __init__(self) -> None:   # no file
+            pass
+
+        def __bool__(self) -> bool:
+            return True
+
+        def make(self, path: str, metadata: Any = None) -> Discarded:
+            return Discarded()
+
+    saving_lib._save_state(model, weights_store=DiscardingStore(), assets_store=None,
+                           inner_path="", visited_saveables=set())
+
+
+@contextlib.contextmanager
+def method_replaced(instance: Any, name: str, method: Callable[..., Any]) -> Iterator[None]:
+    """``instance.<name>`` is ``method`` while the block runs (set on the object itself,
+    past Keras' attribute tracking), its class's method after."""
+    object.__setattr__(instance, name, method)
+    try:
+        yield
+    finally:
+        object.__delattr__(instance, name)
+
+
 @contextlib.contextmanager
 def class_swapped(instance: Any, cls: type) -> Iterator[None]:
     """``instance`` is of ``cls`` (a subclass of its class) while the block runs."""
@@ -565,15 +601,10 @@ def class_swapped(instance: Any, cls: type) -> Iterator[None]:
         instance.__class__ = original
 
 
-@contextlib.contextmanager
-def call_replaced(layer: keras.layers.Layer, call: Callable[..., Any]) -> Iterator[None]:
+def call_replaced(layer: keras.layers.Layer, call: Callable[..., Any]) -> ContextManager[None]:
     """``layer.call`` is ``call`` while the block runs: Keras' ``__call__`` looks the method
     up at each call (so its remat, masking and autocast still wrap it)."""
-    object.__setattr__(layer, "call", call)
-    try:
-        yield
-    finally:
-        object.__delattr__(layer, "call")
+    return method_replaced(layer, "call", call)
 
 
 def reindexed(optimizer: keras.optimizers.Optimizer) -> None:

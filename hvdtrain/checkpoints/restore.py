@@ -10,6 +10,7 @@ import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Iterable
 
 import keras
 import numpy as np
@@ -78,12 +79,13 @@ def open_run_dir(config: Config, collectives: Collectives) -> tuple[Path, bool]:
     return Path(config.train.run_dir), config.train.resume != "never"
 
 
-def weight_fingerprint(model: keras.Model) -> str:
-    """A short digest of every weight's bytes: equal on all ranks iff the weights are equal.
-    Read one weight at a time: ``get_weights`` would copy the whole model at once (measured:
-    the ranks of a 123M-parameter stage-3 run ended 400 MiB over their limit there)."""
+def weight_fingerprint(weights: Iterable[Any]) -> str:
+    """A short digest of every weight's bytes (``model.weights``, or their whole values as
+    stage 3 gathers them): equal on all ranks iff the weights are equal. Read one weight at
+    a time: ``get_weights`` would copy the whole model at once (measured: the ranks of a
+    123M-parameter stage-3 run ended 400 MiB over their limit there)."""
     digest = hashlib.sha256()
-    for weight in model.weights:
+    for weight in weights:
         digest.update(np.ascontiguousarray(np.asarray(weight)).tobytes())
     return digest.hexdigest()[:16]
 
@@ -206,7 +208,7 @@ def starting_point(config: Config, run: CheckpointState, collectives: Collective
     if changed:
         logger.warning(f"note: rank {world.rank}'s adapted state of {', '.join(changed)} "
                        "differed from rank 0's; every rank now uses rank 0's")
-    before_broadcast = collectives.allgather_object(weight_fingerprint(model))
+    before_broadcast = collectives.allgather_object(weight_fingerprint(model.weights))
     # One starting point for every rank: rank 0's weights and optimizer state (not the dropout
     # seeds: those stay rank-local so ranks drop different units).
     collectives.broadcast_variables(model.weights + [

@@ -73,6 +73,7 @@ class GatheredLayers:
         self._previous_inputs: list[tf.Tensor] = []
         self._regularizers: dict[int, Callable[[Any], Any]] = {}   # id(variable) -> its own
         self._in_step = 0   # depth of the step's trace
+        self._left_in_pieces: tuple[list[Any], list[Any]] | None = None
 
     def read_refused(self, variable: Any) -> bool:
         """Whether reading ``variable`` now would read this rank's piece as if it were the
@@ -93,12 +94,15 @@ class GatheredLayers:
             self._in_step -= 1
 
     @contextlib.contextmanager
-    def for_the_run(self, optimizers: Sequence[keras.optimizers.Optimizer]) -> Iterator[None]:
+    def for_the_run(self, optimizers: Sequence[keras.optimizers.Optimizer],
+                    end_in_pieces: bool = False) -> Iterator[None]:
         """Cut every owned variable into its piece and wrap its layer's call; after, unwrap
         and gather each variable whole again, one at a time (a collective), unless the run
-        failed on this rank alone (its peers may be gone). Keras indexes a built
-        optimizer's state by its variables' TensorFlow variables, which cutting and joining
-        replace: ``optimizers`` are indexed again after each."""
+        failed on this rank alone (its peers may be gone) or, ``end_in_pieces`` (the process
+        ends with the run), it ended normally: the pieces are left for the final save
+        (``saved_whole``) until ``whole_again``. Keras indexes a built optimizer's state by
+        its variables' TensorFlow variables, which cutting and joining replace:
+        ``optimizers`` are indexed again after each."""
         variables = [v for _, own in self.layers for v in own]
         self.sharding.cut_in_place(variables)
         _reindexed(optimizers)
@@ -111,14 +115,32 @@ class GatheredLayers:
                 for layer, own in self.layers:
                     calls.enter_context(call_replaced(layer, self._wrapped(layer, own)))
                 yield
-            whole_again = True
+            whole_again = not end_in_pieces
+            if end_in_pieces:
+                self._left_in_pieces = (variables, list(optimizers))
         except STOPPED_TOGETHER:
             whole_again = True
             raise
         finally:
             if whole_again:
-                self.sharding.join_in_place(variables)
-                _reindexed(optimizers)
+                self._joined(variables, optimizers)
+
+    @property
+    def left_in_pieces(self) -> bool:
+        """Whether the run ended with the weights in pieces (``end_in_pieces``)."""
+        return self._left_in_pieces is not None
+
+    def whole_again(self) -> None:
+        """The weights a run left in pieces (``end_in_pieces``) whole again, one at a time (a
+        collective): for a validation after the run, which computes with the whole model."""
+        if self._left_in_pieces is not None:
+            self._joined(*self._left_in_pieces)
+            self._left_in_pieces = None
+
+    def _joined(self, variables: Sequence[Any],
+                optimizers: Sequence[keras.optimizers.Optimizer]) -> None:
+        self.sharding.join_in_place(variables)
+        _reindexed(optimizers)
 
     @contextlib.contextmanager
     def _regularizers_in_the_calls(self, variables: Sequence[Any]) -> Iterator[None]:

@@ -282,8 +282,16 @@ class Sharding:
         """Each of ``variables`` whole (stage 3's pieces gathered one variable at a time as
         they are asked for: a collective, as ``full_state``)."""
         for variable in variables:
-            yield (self._gathered(variable, variable).numpy() if id(variable) in self.whole_shapes
+            yield (self.whole_value(variable).numpy() if self.in_pieces(variable)
                    else variable.numpy())
+
+    def in_pieces(self, variable: Any) -> bool:
+        """Whether ``variable`` (of the model) holds only this rank's piece (stage 3)."""
+        return id(variable) in self.whole_shapes
+
+    def whole_value(self, variable: Any) -> tf.Tensor:
+        """A stage-3 variable's whole value, gathered from every rank's piece (a collective)."""
+        return self._gathered(variable, variable)
 
     def _gathered(self, piece: Any, owner: Any) -> tf.Tensor:
         """Every rank's ``piece`` of ``owner`` (a slot or a shard) as one whole value."""

@@ -144,12 +144,14 @@ def sharded_for_the_run(optimizers: Sequence[keras.optimizers.Optimizer], shardi
 
 
 @contextlib.contextmanager
-def saved_from_pieces(optimizers: Sequence[keras.optimizers.Optimizer]) -> Iterator[None]:
+def saved_from_pieces(optimizers: Sequence[keras.optimizers.Optimizer]
+                      ) -> Iterator[list[tuple[Any, Iterator[np.ndarray]]]]:
     """Around rank 0's final save, on every rank: an optimizer a run left in pieces
     (``end_in_pieces``) gives Keras' save each state variable whole, gathered as Keras stores
     it, so no rank ever holds the whole state; every rank takes part in each gather (the
     other ranks here; rank 0 as it saves, then here for any its save did not read). Its class
-    is restored after; its state stays in pieces (the process is ending)."""
+    is restored after; its state stays in pieces (the process is ending). Gives each such
+    optimizer with its stream (stage 3's weights join them in the save's order)."""
     left = [optimizer for optimizer in optimizers if isinstance(optimizer, _ShardedOptimizer)]
     streams = [attached(optimizer).full_state(optimizer) for optimizer in left]
     for optimizer, stream in zip(left, streams):
@@ -158,7 +160,7 @@ def saved_from_pieces(optimizers: Sequence[keras.optimizers.Optimizer]) -> Itera
             logger.info(f"ZeRO: optimizer '{optimizer.name}' saved from its pieces, one state "
                         "variable gathered at a time (no rank holds its whole state)")
     try:
-        yield
+        yield list(zip(left, streams))
     finally:
         in_flight = sys.exc_info()[1]
         for optimizer, stream in zip(left, streams):

@@ -118,13 +118,14 @@ KERAS_ARCHIVE_MEMBERS = ("metadata.json", "config.json", "model.weights.h5")
 SAVE_MARGIN_BYTES = 2 ** 20
 
 
-def save_model(run_dir: Path, model: keras.Model) -> Path:
+def save_model(run_dir: Path, model: keras.Model, weight_bytes: int | None = None) -> Path:
     """The final model as ``model.keras``; a model Keras cannot serialise whole (a subclass
     without ``get_config``, such as a GAN) as its weights, ``model.weights.h5``, said in one
     line. Keras would build the archive in memory whenever the host (not the job's memory
     limit) has room, holding the weights and optimizer state twice more; here it writes them
     unzipped, straight to disk, and the archive is made from those files. An HDF5 write that
-    fails for want of space can crash the process, so the room is checked first."""
+    fails for want of space can crash the process, so the room is checked first
+    (``weight_bytes``: the weights' whole size where the model holds pieces, ZeRO stage 3)."""
     partial = run_dir / ".model.partial.keras"
     unpacked = run_dir / ".model.partial"
     if not model.built and all(layer.built for layer in sublayers(model)):
@@ -132,7 +133,7 @@ def save_model(run_dir: Path, model: keras.Model) -> Path:
     with run_files(run_dir, "the final model", leftover=partial):
         shutil.rmtree(unpacked, ignore_errors=True)
         optimizer = getattr(model, "optimizer", None)
-        stored = variable_bytes(model.weights) + (
+        stored = (variable_bytes(model.weights) if weight_bytes is None else weight_bytes) + (
             saved_state_bytes(optimizer) if optimizer is not None and optimizer.built else 0)
         if shutil.disk_usage(run_dir).free < 2 * stored + SAVE_MARGIN_BYTES:
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(run_dir))
@@ -167,9 +168,11 @@ def archive_saved_model(unpacked: Path, archive: Path) -> None:
                 zipped.write(asset, asset.relative_to(unpacked).as_posix())
 
 
-def write_outputs(run_dir: Path, model: keras.Model, summary: RunSummary) -> None:
-    """Rank 0: save the final model, the summary and the curves, and report."""
-    saved = save_model(run_dir, model)
+def write_outputs(run_dir: Path, model: keras.Model, summary: RunSummary,
+                  weight_bytes: int | None = None) -> None:
+    """Rank 0: save the final model (of ``weight_bytes`` whole, if given), the summary and the
+    curves, and report."""
+    saved = save_model(run_dir, model, weight_bytes)
     fingerprints, metrics = summary.fingerprints, summary.metrics
     with run_files(run_dir, "summary.json"):
         atomic_write_text(run_dir / "summary.json",

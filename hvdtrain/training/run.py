@@ -50,7 +50,7 @@ from hvdtrain.training.prepared import Prepared, StartingPoint
 from hvdtrain.training.process_state import run_environment, seeded_per_rank, share_random_state
 from hvdtrain.checkpoints.restore import open_run_dir, starting_point, weight_fingerprint
 from hvdtrain.training.step.schedule import PlateauDecay
-from hvdtrain.training.step.core import TrainingStep
+from hvdtrain.training.step.core import RunEnd, TrainingStep
 from hvdtrain.training.step.for_run import made_step, step_for_run
 from hvdtrain.training.step.sync_batch_norm import synchronized_batch_norm
 from hvdtrain.training.step.trainable import own_step_reason, prepare, probe_trainable
@@ -262,7 +262,7 @@ class Run:
 
         def validate_epoch() -> dict[str, float]:
             metrics = run.validate()
-            run.validated = (position.epoch, weight_fingerprint(run.trainable.model), metrics)
+            run.validated = (position.epoch, self._fingerprint(run), metrics)
             return metrics
 
         def callbacks() -> CallbackGroups:
@@ -287,7 +287,7 @@ class Run:
         @contextlib.contextmanager
         def around() -> Iterator[None]:
             with data_errors_named(run.data, world.rank), \
-                    run.step.training(end_in_pieces=self.process_ends_with_run):
+                    run.step.training(self._run_end()):
                 try:
                     yield
                 except tf.errors.OpError as error:
@@ -329,11 +329,15 @@ class Run:
         # process never makes. A callback that changed them (EarlyStopping restoring its best)
         # or no validation yet: measured now, on every rank if on any (it holds collectives).
         epoch, measured, metrics = run.validated or (None, None, {})
-        ends = rank_ends(collectives, weight_fingerprint(model), measured, run.memory)
+        ends = rank_ends(collectives, self._fingerprint(run), measured, run.memory)
+        memory = run.step.layer_memory
         if any(end.stale for end in ends):
+            memory.whole_again()   # stage 3's pieces: validation computes with the whole model
             epoch, metrics = None, run.validate()
-        # A sharded optimizer the CLI's run left in pieces is gathered as rank 0 saves it.
-        with saved_from_pieces(list(run.step.optimizers.values())):
+        # What the CLI's run left in pieces (a sharded optimizer's state, stage 3's weights) is
+        # gathered one variable (or layer) at a time as rank 0 saves it.
+        with saved_from_pieces(list(run.step.optimizers.values())) as streams, \
+                memory.saved_whole(model, streams):
             if world.is_chief:
                 summary = run_summary(
                     ends, metrics=metrics, validation_epoch=epoch,
@@ -344,9 +348,24 @@ class Run:
                 final = float32_copy(model, self.config.train.precision,
                                      lambda: self.model_factory(run.data.input_shape,
                                                                 run.data.num_classes))
-                write_outputs(run.run_dir, final, summary)
+                write_outputs(run.run_dir, final, summary,
+                              weight_bytes=memory.whole_bytes(final.weights))
         return RunResult(run.run_dir, metrics, [end.fingerprint for end in ends], model, history,
                          list(run.run_columns.rows))
+
+    def _run_end(self) -> RunEnd:
+        """What may stay in pieces after the run: only what rank 0's final save gathers, when
+        the process ends with the run (the CLI); the weights only when the model is saved
+        as it trained (float32; a mixed-precision model is copied whole to float32)."""
+        ends_with_run = self.process_ends_with_run
+        return RunEnd(optimizer_in_pieces=ends_with_run,
+                      weights_in_pieces=ends_with_run and self.config.train.precision == "float32")
+
+    @staticmethod
+    def _fingerprint(run: Prepared) -> str:
+        """The weights' fingerprint (a collective where stage 3 holds them in pieces)."""
+        model = run.trainable.model
+        return weight_fingerprint(run.step.layer_memory.whole_weights(model.weights))
 
 
 def train(config: Config, liveness: Liveness | None = None) -> RunResult:

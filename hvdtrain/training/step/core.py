@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Any, Callable, ContextManager, Iterator, Protocol
+from typing import Any, Callable, ContextManager, Iterator, Protocol, Sequence
 
 import keras
 import tensorflow as tf
@@ -36,6 +36,17 @@ from hvdtrain.model_memory.remat import Remat
 from hvdtrain.optimizers.sharding import Sharding, gradient_bytes_kept
 from hvdtrain.optimizers.state_into_pieces import SavedState, load_into_pieces
 from hvdtrain.optimizers.zero import sharded_for_the_run
+
+
+@dataclass(frozen=True)
+class RunEnd:
+    """What may stay in pieces after a run that ends normally, because the process ends with
+    it and rank 0's final save gathers them as it writes: the sharded optimizers' state
+    (``zero``) and, at stage 3, the model's weights (``model_memory``; only when the model is
+    saved as it trained, in float32)."""
+
+    optimizer_in_pieces: bool = False
+    weights_in_pieces: bool = False
 
 
 class TrainingStep(Protocol):
@@ -79,9 +90,9 @@ class TrainingStep(Protocol):
     def validation(self) -> Callable[[Any], dict[str, float]]:
         """Exact validation over every rank's share of a dataset, ``val_*`` names."""
 
-    def training(self, end_in_pieces: bool = False) -> ContextManager[None]:
+    def training(self, ends: RunEnd = RunEnd()) -> ContextManager[None]:
         """What must be in place while this step trains (the run enters it around the loop);
-        ``end_in_pieces``: sharded optimizer state may stay in pieces after (``zero``)."""
+        ``ends``: what may stay in pieces after it."""
 
     def gradient_bytes(self) -> int:
         """The gradient bytes this rank keeps after the exchange (``memory.HeldMemory``)."""
@@ -240,18 +251,11 @@ class StepMath:
         return self.layer_memory.gathers
 
     @contextlib.contextmanager
-    def training(self, end_in_pieces: bool = False) -> Iterator[None]:
+    def training(self, ends: RunEnd = RunEnd()) -> Iterator[None]:
         """hvdtrain's step reduces gradients itself; sharded, the optimizer holds pieces (and
         at stage 3 the model's weights too); the layers recompute what ``--remat`` says."""
         with contextlib.ExitStack() as stack:
-            stack.enter_context(self.layer_memory.for_the_run([self.optimizer]))
-            if self.sharding is not None:
-                stack.enter_context(sharded_for_the_run([self.optimizer], self.sharding,
-                                                        self.model.trainable_variables,
-                                                        end_in_pieces))
-                if self.saved_state is not None:   # resumed: loaded once, into the pieces
-                    load_into_pieces(self.saved_state, self.optimizers, self.model, self.sharding)
-                    self.saved_state = None
+            memory_for_the_run(stack, self, self.sharding, self.model.trainable_variables, ends)
             yield
 
     def epoch_results(self, logs: dict[str, Any]) -> dict[str, float]:
@@ -442,3 +446,19 @@ class Evaluation:
         for batch in dataset:
             self._steps[key](batch)
         return global_metric_results(self.model, self.collectives, prefix)
+
+
+def memory_for_the_run(stack: contextlib.ExitStack, step: TrainingStep, sharding: Sharding | None,
+                       variables: Sequence[Any], ends: RunEnd) -> None:
+    """Enter on ``stack`` what either step holds while it trains: the layers' memory (stage
+    3's pieces, ``--remat``) and, sharded, the optimizers in pieces (built for ``variables``
+    if not yet), a resumed run's saved state loaded into them once."""
+    optimizers = list(step.optimizers.values())
+    stack.enter_context(step.layer_memory.for_the_run(optimizers, ends.weights_in_pieces))
+    if sharding is None:
+        return
+    stack.enter_context(sharded_for_the_run(optimizers, sharding, variables,
+                                            ends.optimizer_in_pieces))
+    if step.saved_state is not None:
+        load_into_pieces(step.saved_state, step.optimizers, step.model, sharding)
+        step.saved_state = None

@@ -27,14 +27,13 @@ from hvdtrain.errors import found_by_every_rank
 from hvdtrain.optimizers.reduction import distributed_for_the_run
 from hvdtrain.training.step.objective import (global_metric_results, metric_variables, real_rows,
                                               scalar)
-from hvdtrain.training.step.core import divided
+from hvdtrain.training.step.core import RunEnd, divided, memory_for_the_run
 from hvdtrain.training.step.sync_batch_norm import batch_rows
 from hvdtrain.training.step.votes import StopVotes
 from hvdtrain.model_memory.for_run import LayerMemory
 from hvdtrain.model_memory.remat import Remat
 from hvdtrain.optimizers.sharding import Sharding, gradient_bytes_kept
-from hvdtrain.optimizers.state_into_pieces import SavedState, load_into_pieces
-from hvdtrain.optimizers.zero import sharded_for_the_run
+from hvdtrain.optimizers.state_into_pieces import SavedState
 
 # The Trainer methods whose override makes a step the model's own.
 OWN_STEP_METHODS = ("train_step", "test_step", "compute_loss", "compute_metrics")
@@ -101,21 +100,14 @@ class OwnStep:
         return gradient_bytes_kept(self._sharding, self.model.trainable_variables)
 
     @contextlib.contextmanager
-    def training(self, end_in_pieces: bool = False) -> Iterator[None]:
+    def training(self, ends: RunEnd = RunEnd()) -> Iterator[None]:
         """While the block runs, the model's optimizers average gradients across ranks (and
         hold pieces of their state, sharded)."""
-        optimizers = list(self.optimizers.values())
         with contextlib.ExitStack() as stack:
-            stack.enter_context(self.layer_memory.for_the_run(optimizers))
-            if self._sharding is not None:
-                stack.enter_context(sharded_for_the_run(optimizers, self._sharding,
-                                                        end_in_pieces=end_in_pieces))
-                if self.saved_state is not None:   # resumed: loaded once, into the pieces
-                    load_into_pieces(self.saved_state, self.optimizers, self.model, self._sharding)
-                    self.saved_state = None
-            else:
-                stack.enter_context(distributed_for_the_run(optimizers, self.reduction,
-                                                            self._reduce))
+            memory_for_the_run(stack, self, self._sharding, (), ends)
+            if self._sharding is None:
+                stack.enter_context(distributed_for_the_run(list(self.optimizers.values()),
+                                                            self.reduction, self._reduce))
             yield
 
     def _reduce(self, gradients: Any, reduction: GradientReduction) -> list[Any]:

@@ -176,10 +176,10 @@ def test_a_run_every_rank_stops_together_leaves_the_optimizer_whole(horovod_job)
 
 
 def test_the_cli_saves_the_whole_state_gathered_as_it_writes(tmp_path):
-    """The CLI's stage-3 run ends with its optimizer in pieces (no rank gathers the whole state
-    back); rank 0's final save gathers each state variable as Keras stores it, so
-    ``model.keras`` holds the same whole state as the last checkpoint, and loads as an
-    ordinary model."""
+    """The CLI's stage-3 run ends with its weights and optimizer in pieces (no rank gathers
+    the whole model back); rank 0's final save gathers each layer's weights and each state
+    variable as Keras stores it, so ``model.keras`` holds the same weights and state as the
+    last checkpoint, and loads as an ordinary model."""
     import keras
     import numpy as np
 
@@ -188,8 +188,12 @@ def test_the_cli_saves_the_whole_state_gathered_as_it_writes(tmp_path):
 
     run_dir = train(tmp_path, "cli", "--epochs", "1", "--hidden-units", "30", "20",
                     "--optimizer", "adam", "--zero-stage", "3", "--no-tensorboard")
-    assert "ZeRO: optimizer 'adam' saved from its pieces" in run_dir.with_suffix(".log").read_text()
+    log = run_dir.with_suffix(".log").read_text()
+    assert "ZeRO: optimizer 'adam' saved from its pieces" in log
+    assert "ZeRO stage 3: the model's weights saved from their pieces" in log
     checkpoint = CheckpointStore(run_dir, 1).latest()
+    with np.load(checkpoint.path / "weights.npz") as saved:
+        weights = [saved[key] for key in sorted(saved.files) if key.startswith("w")]
     with np.load(checkpoint.path / "optimizer.npz") as saved:
         checkpointed = [saved[key] for key in sorted(saved.files)]
     loaded = keras.saving.load_model(run_dir / "model.keras", safe_mode=True)
@@ -198,3 +202,6 @@ def test_the_cli_saves_the_whole_state_gathered_as_it_writes(tmp_path):
     assert any(a.size > 1 for a in state)
     for ours, theirs in zip(state, checkpointed):
         np.testing.assert_array_equal(ours, theirs)
+    assert [w.shape for w in loaded.weights] == [w.shape for w in weights]
+    for ours, theirs in zip(loaded.weights, weights):
+        np.testing.assert_array_equal(np.asarray(ours), theirs)
