@@ -45,13 +45,18 @@ def assigned_one_at_a_time(path: Path, prefix: str, variables: Sequence[Any],
     shapes = [tuple(v.shape) for v in variables] if shapes is None else shapes
     with np.load(path, allow_pickle=False) as archive:
         names = member_names(archive, prefix)
-        saved = [member_shape(archive, name) for name in names]
+        saved = member_shapes(archive, prefix)
         if len(names) != len(variables) or any(
                 tuple(s) != tuple(w) for s, w in zip(saved, shapes)):
             raise ValueError(f"{path.name} holds {len(names)} arrays under '{prefix}', "
                              f"{len(variables)} of other shapes expected")
         for variable, name in zip(variables, names):
             variable.assign(archive[name])
+
+
+def member_shapes(archive: Any, prefix: str) -> list[tuple[int, ...]]:
+    """The shapes of the archive's arrays under ``prefix``, in order, from their headers."""
+    return [member_shape(archive, name) for name in member_names(archive, prefix)]
 
 
 def member_shape(archive: Any, name: str) -> tuple[int, ...]:

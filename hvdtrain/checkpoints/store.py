@@ -28,7 +28,7 @@ import keras
 import numpy as np
 
 from hvdtrain.checkpoints.archives import (arrays, assigned_one_at_a_time, member_names,
-                                           member_shape, write_npz)
+                                           member_shapes, write_npz)
 from hvdtrain.checkpoints.state import CheckpointState
 from hvdtrain.errors import CheckpointWriteFailed, UserError
 from hvdtrain.errors import os_error_reason as _why
@@ -307,8 +307,7 @@ class Checkpoint:
         arrays' headers alone."""
         try:
             with np.load(self.path / OPTIMIZER_FILE, allow_pickle=False) as archive:
-                saved = [member_shape(archive, n)
-                         for n in member_names(archive, _optimizer_prefix(name))]
+                saved = member_shapes(archive, _optimizer_prefix(name))
         except (OSError, ValueError, zipfile.BadZipFile) as error:
             raise CheckpointError(f"checkpoint {self.path} is unreadable ({error}); delete it "
                                   "to resume from the one before") from error

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import keras
 import numpy as np
@@ -356,9 +356,12 @@ def holders(optimizer: keras.optimizers.Optimizer) -> list[keras.optimizers.Opti
     return [optimizer] if inner is None else [optimizer, inner]
 
 
-def piece_bytes(variables: Sequence[Any], world_size: int) -> int:
-    """Bytes of one rank's pieces of ``variables`` at ``world_size`` ranks."""
-    return sum(Piece.of(v, world_size).length * tf.as_dtype(v.dtype).size for v in variables)
+def piece_bytes(variables: Sequence[Any], world_size: int,
+                shape_of: Callable[[Any], Sequence[int]] = lambda v: v.shape) -> int:
+    """Bytes of one rank's pieces of ``variables`` (of the shapes ``shape_of`` gives) at
+    ``world_size`` ranks."""
+    return sum(Piece.of_shape(shape_of(v), world_size).length * tf.as_dtype(v.dtype).size
+               for v in variables)
 
 
 def gradient_bytes_kept(sharding: Sharding | None, variables: Sequence[Any]) -> int:
@@ -366,5 +369,4 @@ def gradient_bytes_kept(sharding: Sharding | None, variables: Sequence[Any]) -> 
     the whole variables, also while stage 3 holds them as pieces)."""
     if sharding is None:
         return variable_bytes(variables)
-    return sum(Piece.of_shape(sharding.whole_shape(v), sharding.world.size).length
-               * tf.as_dtype(v.dtype).size for v in variables)
+    return piece_bytes(variables, sharding.world.size, sharding.whole_shape)
