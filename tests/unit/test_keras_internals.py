@@ -5,10 +5,12 @@ And the fence: no module of hvdtrain but ``keras_internals`` touches one."""
 from __future__ import annotations
 
 import ast
+import contextlib
 import functools
 import inspect
 import re
 from pathlib import Path
+from typing import Any
 
 import keras
 import numpy as np
@@ -253,6 +255,34 @@ def test_a_resized_variable_stays_the_same_object_in_every_list_that_holds_it():
     assert tuple(slot.shape) == (3,) and slot.numpy().tolist() == [0, 1, 2]
     slot.assign(slot + 1)
     assert slot.numpy().tolist() == [1, 2, 3]
+
+
+def test_the_saving_walk_asks_what_keras_save_asks_in_its_order_and_keeps_nothing(tmp_path):
+    """``saving_walked`` reaches each saveable as ``model.save`` does (stage 3's lockstep
+    depends on the order), reading no variable; ``method_replaced`` is undone after."""
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(4), keras.layers.Dense(2)])
+    model.compile(optimizer="adam", loss="mse")
+    model.optimizer.build(model.trainable_variables)
+    saveables = [*model.layers, model.optimizer]
+
+    def walk(save: Any) -> list[str]:
+        asked: list[str] = []
+        with contextlib.ExitStack() as stack:
+            for saveable in saveables:
+                def recorded(store: Any, name: str = saveable.name) -> None:
+                    asked.append(name)
+                    store["0"] = np.zeros(1)
+                stack.enter_context(internals.method_replaced(saveable, "save_own_variables",
+                                                              recorded))
+            save()
+        return asked
+
+    walked = walk(lambda: internals.saving_walked(model))
+    assert walked == walk(lambda: model.save(tmp_path / "m.keras"))
+    assert walked == walk(lambda: model.save_weights(tmp_path / "m.weights.h5"))
+    assert sorted(walked) == sorted(s.name for s in saveables)
+    assert "save_own_variables" not in vars(model.layers[0])
+    assert (tmp_path / "m.keras").exists()
 
 
 def test_layers_built_while_automatic_names_are_kept_do_not_shift_the_next_names():
