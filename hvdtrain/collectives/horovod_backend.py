@@ -121,13 +121,14 @@ class HorovodCollectives:
         is."""
         import tensorflow as tf
 
-        wire = [reduction.on_wire(t * reduction.prescale if reduction.prescale != 1.0 else t)
-                for t in tensors]
-        gathered = [i for i, t in enumerate(wire) if t.dtype == tf.bfloat16]
-        kept = [i for i in range(len(wire)) if i not in gathered]
+        gathered = [i for i, t in enumerate(tensors)
+                    if reduction.on_wire(t).dtype == tf.bfloat16]
+        kept = [i for i in range(len(tensors)) if i not in gathered]
+        wire = [reduction.on_wire(tensors[i] * reduction.prescale if reduction.prescale != 1.0
+                                  else tensors[i]) for i in gathered]
         combined = list(tensors)
         for index, rows in zip(gathered, self._hvd.grouped_allgather(
-                [tf.bitcast(tf.reshape(wire[i], [-1]), tf.int16) for i in gathered])):
+                [tf.bitcast(tf.reshape(t, [-1]), tf.int16) for t in wire])):
             size = tf.size(tensors[index])
             ranks = tf.shape(rows)[0] // tf.maximum(size, 1)
             rows = tf.cast(tf.reshape(tf.bitcast(rows, tf.bfloat16), [ranks, size]),
@@ -139,7 +140,8 @@ class HorovodCollectives:
         if kept:
             op = self._hvd.Average if reduction.op == "average" else self._hvd.Sum
             for index, total in zip(kept, self._hvd.grouped_allreduce(
-                    [wire[i] for i in kept], op=op, postscale_factor=reduction.postscale)):
+                    [tensors[i] for i in kept], op=op, prescale_factor=reduction.prescale,
+                    postscale_factor=reduction.postscale)):
                 combined[index] = total
         return combined
 
