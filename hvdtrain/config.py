@@ -22,7 +22,7 @@ from typing import Any
 
 import yaml
 
-from hvdtrain.builtin_names import DATASETS, MODELS
+from hvdtrain.builtin_names import COMPRESSIONS, DATASETS, MODELS
 from hvdtrain.errors import UserError
 from hvdtrain.log import LEVELS
 from hvdtrain.plugins import PLUGIN
@@ -169,7 +169,11 @@ class OptimConfig:
     reduction: str = option("mean", "how gradients combine across ranks: mean (ring-allreduce "
                                     "of the global-batch mean) or adasum",
                             choices=("mean", "adasum"))
-    compression: str = option("none", "gradient compression on the wire", choices=("none", "fp16"))
+    compression: str = option("none", "gradients on the wire: none (float32), fp16 (float16: "
+                                      "half the bytes, 11-bit mantissa, overflows past 65504) "
+                                      "or bf16 (bfloat16: half the bytes, float32's range, "
+                                      "8-bit mantissa); both approximate",
+                              choices=COMPRESSIONS)
     bucket_mib: float = option(BUCKET_MIB, "gradients travel in buckets of about this many MiB, "
                                            "the last layers' first, each sent as soon as the "
                                            "backward pass has computed it (0: one allreduce "
@@ -416,6 +420,9 @@ def validate(config: Config) -> Config:
         _check_zero(config)
     if config.train.backend == "tensorflow":
         _check_tensorflow_backend(config)
+    if config.optim.compression == "bf16" and config.optim.reduction == "adasum":
+        raise ConfigError("--compression bf16 cannot travel with --reduction adasum (Horovod's "
+                          "Adasum takes no bfloat16); use --compression fp16 or none")
     return config
 
 

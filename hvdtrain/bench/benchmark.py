@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from hvdtrain.builtin_names import COMPRESSIONS
 from hvdtrain.config import BUCKET_MIB, bucket_bytes
 
 # Beside the ranks' folders of a ``--profile-dir``: how many ranks were profiled.
@@ -64,7 +65,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--loop", default="custom", choices=("custom", "fit", "exchange"),
                         help="training path, or only the step's gradient exchange (tensors "
                              "shaped like the gradients, no compute; default: custom)")
-    parser.add_argument("--compression", default="none", choices=("none", "fp16"),
+    parser.add_argument("--compression", default="none", choices=COMPRESSIONS,
                         help="gradients on the wire (default: none)")
     parser.add_argument("--bucket-mib", type=float, default=BUCKET_MIB,
                         help="gradient bucket size, as in training (0: one allreduce after the "
@@ -221,7 +222,7 @@ def run(args: argparse.Namespace) -> tuple[bool, dict[str, Any]]:
                   jit_compile=False)
     share = build_for_training(model, batch, args.model)
     step = StepMath(model, optimizer, collectives, share,
-                    StepOptions(fp16_compression=args.compression == "fp16",
+                    StepOptions(compression=args.compression,
                                 global_batch=args.batch_size * world.size,
                                 bucket_bytes=bucket_bytes(args.bucket_mib),
                                 zero_stage=args.zero_stage,

@@ -1,9 +1,11 @@
 """Where float16 on the wire spends its time: per float32 gradient size, the exchange in
-float32, the exchange with fp16 compression, and each piece of the latter alone.
+float32, the exchange with fp16 compression, each piece of the latter alone, and the exchange
+with bf16 compression (on Horovod: bfloat16 gathered, then summed in float32).
 
 Run under a launcher with the MPI controller: ``launch/mpirun.sh -np 2 --command "python -m
 hvdtrain.bench.fp16 --output fp16.json"``. Each path (``float32``, ``fp16``, the float16
-allreduce alone, the casts alone, with XLA, and float16 gathered then summed in float32) is a
+allreduce alone, the casts alone, with XLA, float16 gathered then summed in float32, and
+``bf16``) is a
 ``tf.function`` timed on every rank, the paths taking turns call by call; the median is
 reported. The casts are local, so their times say what compression costs on any link, the
 allreduce's what it costs on this one.
@@ -20,8 +22,8 @@ from pathlib import Path
 from typing import Any, Callable
 
 PATHS = ("float32", "fp16", "float16_allreduce", "cast_down", "cast_up", "xla_cast_down",
-         "xla_cast_up", "fp16_xla", "fp16_allgather")
-REDUCTIONS = ("float32", "fp16", "float16_allreduce", "fp16_xla", "fp16_allgather")
+         "xla_cast_up", "fp16_xla", "fp16_allgather", "bf16")
+REDUCTIONS = ("float32", "fp16", "float16_allreduce", "fp16_xla", "fp16_allgather", "bf16")
 
 
 @functools.cache
@@ -39,8 +41,9 @@ def path_functions(collectives: Any) -> dict[str, tuple[Callable[[Any], Any], bo
     from hvdtrain.collectives import GradientReduction
     from hvdtrain.collectives.horovod_backend import horovod_tensorflow
 
-    def reduce(tensor: Any, fp16: bool = False) -> Any:
-        return collectives.reduce_gradients([tensor], GradientReduction(fp16=fp16))[0]
+    def reduce(tensor: Any, compression: str = "none") -> Any:
+        return collectives.reduce_gradients([tensor], GradientReduction(
+            compression=compression))[0]
 
     def fp16_xla(tensor: Any) -> Any:
         return xla_cast(tf.float32)(reduce(xla_cast(tf.float16)(tensor)))
@@ -51,7 +54,7 @@ def path_functions(collectives: Any) -> dict[str, tuple[Callable[[Any], Any], bo
 
     return {
         "float32": (tf.function(reduce), False),
-        "fp16": (tf.function(lambda t: reduce(t, fp16=True)), False),
+        "fp16": (tf.function(lambda t: reduce(t, "fp16")), False),
         "float16_allreduce": (tf.function(reduce), True),
         "cast_down": (tf.function(lambda t: tf.cast(t, tf.float16)), False),
         "cast_up": (tf.function(lambda t: tf.cast(t, tf.float32)), True),
@@ -59,14 +62,16 @@ def path_functions(collectives: Any) -> dict[str, tuple[Callable[[Any], Any], bo
         "xla_cast_up": (tf.function(xla_cast(tf.float32)), True),
         "fp16_xla": (tf.function(fp16_xla), False),
         "fp16_allgather": (tf.function(fp16_allgather), False),
+        "bf16": (tf.function(lambda t: reduce(t, "bf16")), False),
     }
 
 
 def sweep(sizes: list[int], repeats: int, paths: tuple[str, ...] = PATHS) -> list[dict]:
     """Median seconds of every path at every size in bytes of float32, on this rank (rank 0
     returns them), the paths taking turns call by call after one warm-up call each. Each
-    size's input holds multiples of 1/4 in [-2, 2), which a float16 sum of a few ranks keeps
-    exact: every reduction path must return the float32 sum exactly, or the sweep fails."""
+    size's input holds multiples of 1/4 in [-2, 2), which a float16 (or bfloat16) sum of a few
+    ranks keeps exact: every reduction path must return the float32 sum exactly, or the sweep
+    fails."""
     from hvdtrain.collectives.horovod_backend import HorovodCollectives
     from hvdtrain.launchers import apply_runtime_defaults
 

@@ -4,8 +4,8 @@ On the nodes named by ``--hosts``, back to back with the same per-rank batch and
 process alone, one process per rank computing at once with no communication (the concurrent
 compute floor: on nodes that share a machine's cores, the one a step cannot beat), hvdtrain's
 gradient exchange alone, ``hvdtrain benchmark`` (with each ``--bucket-mib``, ``--bucket-order
-issued``, ``--compression fp16``, each ``--fusion-mib`` and hierarchical allreduce), the minimal
-Horovod loop, ``MultiWorkerMirroredStrategy`` and the allreduce sweep.
+issued``, ``--compression fp16`` and ``bf16``, each ``--fusion-mib`` and hierarchical
+allreduce), the minimal Horovod loop, ``MultiWorkerMirroredStrategy`` and the allreduce sweep.
 Per variant: median step time, examples/second, the communication share of a step and the
 exchange's bus bandwidth against ``--link-gbit``; writes ``scaling.json``. ``resnet50`` runs at
 32x32x3: its full 94 MB gradient at a compute a CPU finishes in a fraction of a second.
@@ -41,7 +41,7 @@ def variant_names(fusion_mib: list[float], bucket_mib: list[float]) -> list[str]
     """Every variant, in the order they run (and are reported)."""
     return ["single", "concurrent", "exchange", "hvdtrain",
             *(f"hvdtrain-buckets-{mib:g}MiB" for mib in bucket_mib),
-            "hvdtrain-issued-order", "hvdtrain-tensorflow", "hvdtrain-fp16",
+            "hvdtrain-issued-order", "hvdtrain-tensorflow", "hvdtrain-fp16", "hvdtrain-bf16",
             "hvdtrain-hierarchical",
             "hvdtrain-zero-1", "hvdtrain-zero-2",
             *(f"hvdtrain-fusion-{mib:g}MiB" for mib in fusion_mib), "minimal", "multiworker"]
@@ -55,8 +55,8 @@ def hvdtrain_knobs(name: str) -> tuple[list[str], dict[str, str]]:
         return [], {"HVDTRAIN_BACKEND": "tensorflow"}
     if name == "hvdtrain-issued-order":
         return ["--bucket-order", "issued"], {}
-    if name == "hvdtrain-fp16":
-        return ["--compression", "fp16"], {}
+    if name in ("hvdtrain-fp16", "hvdtrain-bf16"):
+        return ["--compression", name.removeprefix("hvdtrain-")], {}
     if name == "hvdtrain-hierarchical":
         return [], {"HOROVOD_HIERARCHICAL_ALLREDUCE": "1"}
     if name.startswith("hvdtrain-zero-"):
@@ -127,7 +127,8 @@ def summarize(results: dict[str, dict[str, list[dict]]], ranks: int,
             if busy:
                 row["host_cpu_busy"] = statistics.median(busy)
             if name not in ("single", "concurrent"):
-                wire_bytes = parameters * (2 if name == "hvdtrain-fp16" else 4)
+                wire_bytes = parameters * (2 if name in ("hvdtrain-fp16", "hvdtrain-bf16")
+                                           else 4)
                 exchange = step if name == "exchange" else step - floor
                 if name != "exchange":
                     row["communication_share"] = max(0.0, exchange / step)

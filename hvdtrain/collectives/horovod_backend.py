@@ -13,6 +13,7 @@ from typing import Any, Callable, Iterator, Sequence
 from hvdtrain.collectives.base import (GradientReduction, positions_by_dtype, scaled_rows,
                                        tf_variables)
 from hvdtrain.collectives.world import World, gpus_visible
+from hvdtrain.errors import UserError
 from hvdtrain.launchers import MPI_LAUNCHER_VARIABLES, apply_runtime_defaults
 
 # Variables broadcast eagerly go in batches of about Horovod's default fusion buffer: a rank then
@@ -74,7 +75,8 @@ class HorovodCollectives:
         import tensorflow as tf
 
         hvd = self._hvd
-        compression = hvd.Compression.fp16 if reduction.fp16 else hvd.Compression.none
+        compression = (hvd.Compression.fp16 if reduction.compression == "fp16"
+                       else hvd.Compression.none)
         reduced = list(tensors)
         dense, sparse = [], []
         for index, tensor in enumerate(tensors):
@@ -97,10 +99,12 @@ class HorovodCollectives:
             previous: list[Any] = []
             for bucket in reduction.buckets([reduced[i] for i in dense]):
                 members = [dense[i] for i in bucket]
-                combined = hvd.grouped_allreduce(
-                    reduction.submitted(previous, [reduced[i] for i in members]), op=op,
-                    compression=compression, prescale_factor=reduction.prescale,
-                    postscale_factor=reduction.postscale)
+                submitted = reduction.submitted(previous, [reduced[i] for i in members])
+                combined = (self._gathered_sums(submitted, reduction)
+                            if reduction.compression == "bf16" else hvd.grouped_allreduce(
+                                submitted, op=op, compression=compression,
+                                prescale_factor=reduction.prescale,
+                                postscale_factor=reduction.postscale))
                 for index, tensor in zip(members, combined):
                     reduced[index] = tensor
                 previous = combined
@@ -109,9 +113,53 @@ class HorovodCollectives:
                                          reduction.prescale * reduction.postscale)
         return reduced
 
+    def _gathered_sums(self, tensors: list[Any], reduction: GradientReduction) -> list[Any]:
+        """``tensors`` combined as ``reduction`` says ("sum" or "average"), with bfloat16 on
+        the wire. Horovod 0.28.1's allreduce and reducescatter take no bfloat16 (their types
+        end at float16; MPI has no bfloat16), so each rank's bfloat16 copy travels bit-cast to
+        int16 in one grouped all-gather, and every rank adds the ranks' rows in the tensor's
+        own type (float32): the same rows in the same order, so the same sum on every rank,
+        rounded only when each rank's part left. Received per rank: (N-1)/2 of the float32
+        bytes, where float32's ring allreduce receives 2(N-1)/N of them: half at 2 ranks, as
+        many at 4, more beyond. A tensor that is not float32 or float64 is allreduced as it
+        is."""
+        import tensorflow as tf
+
+        gathered = [i for i, t in enumerate(tensors)
+                    if reduction.on_wire(t).dtype == tf.bfloat16]
+        kept = [i for i in range(len(tensors)) if i not in gathered]
+        wire = [reduction.on_wire(tensors[i] * reduction.prescale if reduction.prescale != 1.0
+                                  else tensors[i]) for i in gathered]
+        combined = list(tensors)
+        for index, rows in zip(gathered, self._hvd.grouped_allgather(
+                [tf.bitcast(tf.reshape(t, [-1]), tf.int16) for t in wire])):
+            size = tf.size(tensors[index])
+            ranks = tf.shape(rows)[0] // tf.maximum(size, 1)
+            rows = tf.cast(tf.reshape(tf.bitcast(rows, tf.bfloat16), [ranks, size]),
+                           tensors[index].dtype)
+            total = tf.reduce_sum(rows, axis=0)
+            if reduction.op == "average":
+                total = total / tf.cast(ranks, total.dtype)
+            combined[index] = tf.reshape(total * reduction.postscale, tf.shape(tensors[index]))
+        if kept:
+            op = self._hvd.Average if reduction.op == "average" else self._hvd.Sum
+            for index, total in zip(kept, self._hvd.grouped_allreduce(
+                    [tensors[i] for i in kept], op=op, prescale_factor=reduction.prescale,
+                    postscale_factor=reduction.postscale)):
+                combined[index] = total
+        return combined
+
     def reduce_scatter_sum(self, tensors: Sequence[Any]) -> list[Any]:
+        """Horovod's grouped reducescatter; bfloat16 (``--compression bf16`` under
+        ``--zero-stage``) is refused in one line: Horovod 0.28.1's reducescatter takes none,
+        and gathering whole tensors instead would move as many bytes as float32 pieces at 2
+        ranks and more beyond."""
         if not tensors:
             return []
+        if any(t.dtype.name == "bfloat16" for t in tensors):
+            raise UserError("--compression bf16 with --zero-stage needs the TensorFlow backend "
+                            "(Horovod's reducescatter takes no bfloat16); use --backend "
+                            "tensorflow or --compression fp16")
         return list(self._hvd.grouped_reducescatter(list(tensors), op=self._hvd.Sum))
 
     def allgather(self, tensors: Sequence[Any]) -> list[Any]:

@@ -296,8 +296,9 @@ class TensorFlowCollectives:
 
     def reduce_gradients(self, tensors: Sequence[Any],
                          reduction: GradientReduction = GradientReduction()) -> list[Any]:
-        """Dense gradients summed in one all-reduce per dtype and bucket (fp16 on the wire:
-        cast around the sum; buckets in issue order, which the group's ordering token keeps
+        """Dense gradients summed in one all-reduce per dtype and bucket (fp16 or bf16 on the
+        wire: cast around the sum, which TensorFlow's collective adds in the wire's type, one
+        rounding per addition; buckets in issue order, which the group's ordering token keeps
         alike on every rank), averaged over the world for "average", pre- and post-scaled; a
         sparse one's rows gathered from every rank (as Horovod gives them); None stays None."""
         tf = self._tf
@@ -316,9 +317,7 @@ class TensorFlowCollectives:
         scale = reduction.postscale / (self.world.size if reduction.op == "average" else 1)
         wire = [reduced[i] * reduction.prescale if reduction.prescale != 1.0 else reduced[i]
                 for i in dense]
-        if reduction.fp16:
-            wire = [tf.cast(t, tf.float16) if t.dtype in (tf.float32, tf.float64) else t
-                    for t in wire]
+        wire = [reduction.on_wire(t) for t in wire]
         for bucket in reduction.buckets([reduced[i] for i in dense]):
             totals = self.allreduce_sum([wire[i] for i in bucket])
             for index, total in zip((dense[i] for i in bucket), totals):

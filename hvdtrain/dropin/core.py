@@ -131,10 +131,9 @@ def gradient_reduction(op: Any = Average, compression: Any = Compression.none,
         raise ValueError("op must be hvd.Average, hvd.Sum or hvd.Adasum")
     if reduction == "adasum" and BACKEND != "horovod":
         raise refused("op=hvd.Adasum")
-    fp16 = ops.compression_name(compression) == "fp16"
     if gradient_predivide_factor != 1.0 and reduction != "average":
         raise ValueError("gradient_predivide_factor not supported with op != Average")
-    return GradientReduction(reduction, fp16,
+    return GradientReduction(reduction, ops.compression_name(compression),
                              prescale=1.0 / gradient_predivide_factor,
                              postscale=gradient_predivide_factor,
                              sparse_as_dense=sparse_as_dense)

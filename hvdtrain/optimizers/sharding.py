@@ -157,8 +157,7 @@ class Sharding:
         for bucket in self.reduction.buckets([gradients[i] for i in present]):
             members = [present[i] for i in bucket]
             wire = [self.pieces[id(variables[i])].padded(gradients[i]) for i in members]
-            if reduction.fp16:
-                wire = [tf.cast(t, tf.float16) if t.dtype == tf.float32 else t for t in wire]
+            wire = [reduction.on_wire(t) for t in wire]
             previous = self.collectives.reduce_scatter_sum(reduction.submitted(previous, wire))
             for index, part in zip(members, previous):
                 part = tf.cast(part, gradients[index].dtype)

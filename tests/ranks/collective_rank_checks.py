@@ -10,8 +10,9 @@ pre- and postscaling, fused (many in one tf.function) and grouped, IndexedSlices
 allgather (variable first dimensions, fused, grouped); broadcast from every root; alltoall with
 uneven, empty and one-sided splits; reducescatter (even, uneven, scaled, grouped); fp16
 compression; join; broadcast_object and allgather_object; and the errors Horovod must raise on
-every rank when ranks disagree (shape, dtype, root). One case is hvdtrain's own: the
-cross-rank sum behind synchronized batch normalisation, forward and backward. Every rank runs
+every rank when ranks disagree (shape, dtype, root). Two cases are hvdtrain's own: the
+cross-rank sum behind synchronized batch normalisation, forward and backward, and the
+gradients' reduction with bf16 on the wire. Every rank runs
 every case in the same order: a collective that one rank skipped would hang the other.
 
 On TensorFlow's collectives (``HVDTRAIN_BACKEND=tensorflow`` on the ranks) the same cases run
@@ -545,6 +546,24 @@ def test_allreduce_with_fp16_compression():
         assert result.dtype == dtype
         expected = tensor.astype(np.float16).astype(np.float32) * SIZE
         np.testing.assert_allclose(result.numpy(), expected, rtol=1e-3)
+
+
+def test_gradient_reduction_with_bf16_travels_rounded_and_agrees_on_every_rank():
+    """hvdtrain's ``--compression bf16`` reduction (the drop-in's ``reduce_gradients``; on
+    Horovod gathered and summed in float32, on TensorFlow's collectives one bfloat16
+    allreduce): 1 + 2^-10 x (rank + 1) travels as 1 (bfloat16's 8-bit mantissa; float16's
+    11 bits would keep it), thirds to bfloat16's precision, 1e30 without overflow; averaged
+    and pre/post-scaled, float32, identical on every rank."""
+    from hvdtrain.collectives import GradientReduction
+
+    tensor = tf.constant([1 + 2**-10 * (RANK + 1), (RANK + 1) / 3, 1e30], tf.float32)
+    reduction = GradientReduction("average", "bf16", prescale=0.5, postscale=4.0)
+    for run in (lambda t: hvd.reduce_gradients([t], reduction)[0],
+                tf.function(lambda t: hvd.reduce_gradients([t], reduction)[0])):
+        result = run(tensor)
+        assert result.dtype == tf.float32 and float(result[0]) == 2.0
+        np.testing.assert_allclose(result.numpy()[1:], [(SIZE + 1) / 3, 2e30], rtol=2**-7)
+        exact(hvd.allgather(result[tf.newaxis]), np.tile(result.numpy(), [SIZE, 1]))
 
 
 def join_round(first: int, dtype: tf.DType) -> int:

@@ -22,7 +22,9 @@ LOOPS = ("fit", "custom")
 # (backend, loop, accumulation steps, bucket order) of the several-buckets test.
 BUCKETS = [("horovod", "fit", 2, "ready"), ("tensorflow", "custom", 1, "issued"),
            ("horovod", "custom", 1, "issued")]
-REDUCTIONS = [("--compression", "fp16"), ("--reduction", "adasum")]
+# (backend, flag, value) of the reduction tests: each against that backend's exactness run.
+REDUCTIONS = [("horovod", "--compression", "fp16"), ("horovod", "--compression", "bf16"),
+              ("tensorflow", "--compression", "bf16"), ("horovod", "--reduction", "adasum")]
 MIXED_PRECISION = [("mixed_float16", "fit"), ("mixed_float16", "custom"),
                    ("mixed_bfloat16", "fit")]
 RESUME_COMMON = ["--momentum", "0.9", "--warmup-epochs", "1", "--seed", "3", "--hidden-units",
@@ -107,11 +109,11 @@ def cases(group: str, tmp: Path) -> dict[str, list[str]]:
                 "--bucket-mib", "0.001", "--backend", backend, "--bucket-order", order]
     found[f"accumulated-{group}"] = [*EXACT, "--batch-size", "16", "--accumulation-steps", "2",
                                      "--learning-rate", "0.05", "--backend", group]
+    for backend, flag, value in REDUCTIONS:
+        if backend == group:
+            found[f"reduction-{value}-{group}"] = [*two_ranks(group), flag, value]
     if group != "horovod":
         return found
-    for flag, value in REDUCTIONS:
-        found[f"reduction-{value}"] = [*EXACT, "--batch-size", "16", "--learning-rate", "0.05",
-                                       flag, value]
     for precision, loop in MIXED_PRECISION:
         found[f"{precision}-{loop}"] = ["--precision", precision, "--loop", loop, "--epochs",
                                         "4", "--hidden-units", "64"]

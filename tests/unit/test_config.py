@@ -75,6 +75,9 @@ def test_field_names_are_unique_across_sections():
     ({"steps_per_epoch": 5, "accumulation_steps": 2},
      "--steps-per-epoch 5 must be a multiple of --accumulation-steps 2: an epoch would end "
      "between updates"),
+    ({"compression": "bf16", "reduction": "adasum"},
+     "--compression bf16 cannot travel with --reduction adasum (Horovod's Adasum takes no "
+     "bfloat16); use --compression fp16 or none"),
 ])
 def test_bad_values_are_named_in_one_line(overrides, message):
     with pytest.raises(ConfigError) as caught:

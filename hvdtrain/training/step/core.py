@@ -100,15 +100,15 @@ class TrainingStep(Protocol):
 
 @dataclass(frozen=True, kw_only=True)
 class StepOptions:
-    """How gradients travel (accumulation steps, Adasum or mean, fp16 on the wire, bucket size
-    and submission order), the global batch the ranks' shares are counted against (a
-    constant that keeps the weighted gradients at a mean's scale), whether the forward and
+    """How gradients travel (accumulation steps, Adasum or mean, fp16 or bf16 on the wire,
+    bucket size and submission order), the global batch the ranks' shares are counted against
+    (a constant that keeps the weighted gradients at a mean's scale), whether the forward and
     backward pass are compiled with XLA (the model's ``jit_compile``), and the ZeRO stage
     (``optimizers.zero``: 0, every rank holds the whole optimizer state)."""
 
     accumulation_steps: int = 1
     adasum: bool = False
-    fp16_compression: bool = False
+    compression: str = "none"
     global_batch: int = 1
     # Whether the data carries the user's sample (or class) weights: else Keras' loss and
     # metrics get none, as in Keras' own fit (a masked loss broadcasts them differently).
@@ -123,10 +123,10 @@ class StepOptions:
         """Gradients weighted by the global batch are summed; Adasum combines each rank's own
         mean gradient (its weighted sum times the world size), as Horovod's Adasum expects."""
         if self.adasum:
-            return GradientReduction("adasum", self.fp16_compression, prescale=world_size,
+            return GradientReduction("adasum", self.compression, prescale=world_size,
                                      bucket_bytes=self.bucket_bytes,
                                      in_issue_order=self.in_issue_order)
-        return GradientReduction("sum", self.fp16_compression, bucket_bytes=self.bucket_bytes,
+        return GradientReduction("sum", self.compression, bucket_bytes=self.bucket_bytes,
                                  in_issue_order=self.in_issue_order)
 
 
@@ -170,11 +170,11 @@ class StepMath:
     def reduce(self, gradients: list[Any], scalars: list[tf.Tensor]) -> tuple[list, list]:
         """The step's exchange: (the gradients combined as the options say, the float32
         ``scalars`` summed). The scalars ride in the first bucket (the list's end), so no extra
-        collective; with fp16 compression or Adasum they travel in a separate allreduce, as
-        they must neither be rounded to float16 nor Adasum-combined. ``hvdtrain benchmark
+        collective; with compression (fp16, bf16) or Adasum they travel in a separate
+        allreduce, as they must neither be rounded nor Adasum-combined. ``hvdtrain benchmark
         --loop exchange`` times this alone."""
         reduction = self.reduction
-        if self.options.adasum or self.options.fp16_compression:
+        if self.options.adasum or self.options.compression != "none":
             summed = self.collectives.allreduce_sum(scalars)
             return self.collectives.reduce_gradients(gradients, reduction), summed
         reduced = self.collectives.reduce_gradients([*gradients, *scalars], reduction)

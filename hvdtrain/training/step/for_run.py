@@ -31,7 +31,7 @@ def made_step(trainable: Trainable, data: DataBundle, collectives: Collectives,
     if trainable.own_step is not None:
         op = "adasum" if optim.reduction == "adasum" else "average"
         return OwnStep(trainable.model, collectives, data.keras_element,
-                       GradientReduction(op, optim.compression == "fp16",
+                       GradientReduction(op, optim.compression,
                                          bucket_bytes=optim.bucket_bytes,
                                          in_issue_order=optim.bucket_order == "issued"),
                        optim.zero_stage, global_batch, remat)
@@ -39,7 +39,7 @@ def made_step(trainable: Trainable, data: DataBundle, collectives: Collectives,
     return StepMath(trainable.model, trainable.optimizer, collectives, trainable.share,
                     StepOptions(accumulation_steps=optim.accumulation_steps,
                                 adasum=optim.reduction == "adasum",
-                                fp16_compression=optim.compression == "fp16",
+                                compression=optim.compression,
                                 global_batch=global_batch,
                                 sample_weights=data.sample_weights,
                                 bucket_bytes=optim.bucket_bytes,

@@ -75,7 +75,7 @@ class OwnStep:
         """``keras_element(x, y, sample_weight)``: the batch as Keras ``fit`` would hand it to
         ``train_step`` for this data (``x``, ``(x, y)`` or ``(x, y, sample_weight)``);
         ``reduction``: how the optimizers combine gradients (average, or Adasum of the ranks'
-        mean gradients; fp16 on the wire); ``zero_stage`` > 0: the optimizers' state sharded
+        mean gradients; fp16 or bf16 on the wire); ``zero_stage`` > 0: the optimizers' state sharded
         (``optimizers.zero``); ``global_batch``: what the ranks' shares are counted against;
         ``remat``: Keras' rematerialisation for the run (``model_memory``)."""
         self.model = model
@@ -118,7 +118,7 @@ class OwnStep:
             return self.collectives.reduce_gradients(gradients, reduction)
         summing = dataclasses.replace(reduction, op="sum")
         weighted = [None if g is None else scaled(g, share) for g in gradients]
-        if reduction.fp16:    # the share must not be rounded to float16
+        if reduction.compression != "none":    # the share must not be rounded
             total = self.collectives.allreduce_sum([share])[0]
             reduced = self.collectives.reduce_gradients(weighted, summing)
         else:

@@ -1,6 +1,6 @@
 """The training options and what they change: gradient accumulation equals a larger batch,
-fp16 compression and Adasum change the reduction, mixed precision trains and saves float32 (2
-ranks each). The learning-rate schedules, in one process:
+fp16 and bf16 compression (bf16 on both backends) and Adasum change the reduction, mixed
+precision trains and saves float32 (2 ranks each). The learning-rate schedules, in one process:
 tests/unit/training/step/test_schedules.py.
 The runs are cases of the three launches of conftest's ``training_runs``
 (tests/support/training_cases.py); the one-process k-times batch is trained once for both
@@ -28,17 +28,22 @@ def test_accumulation_equals_a_k_times_larger_batch(training_runs, backend):
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("flag, value", REDUCTIONS)
-def test_compression_and_adasum_train_and_change_the_reduction(training_runs, flag, value):
-    """The exactness run's options plus ``flag value``, against the exactness run itself."""
-    run = training_runs("horovod", f"reduction-{value}")
-    exact_run = training_runs("horovod", "exact-fit-2-horovod")
+@pytest.mark.parametrize("backend, flag, value", REDUCTIONS)
+def test_compression_and_adasum_train_and_change_the_reduction(training_runs, backend, flag,
+                                                               value):
+    """The exactness run's options plus ``flag value``, against the exactness run itself (on
+    the same backend)."""
+    run = training_runs(backend, f"reduction-{value}-{backend}")
+    exact_run = training_runs(backend, f"exact-fit-2-{backend}")
     summary = read_summary(run)
     exact = read_summary(exact_run)
     assert summary["weights_identical"]
     assert summary["fingerprints"][0] != exact["fingerprints"][0]   # the option took effect
-    if value == "fp16":   # fp16 rounding only: close to the exact reduction
+    if flag == "--compression":   # rounding only: close to the exact reduction (bf16 measured
+        # 1.3e-3 off in weights up to 0.7, val_loss 2e-5 off, 2026-11-29)
         assert_same_weights(final_weights(run), final_weights(exact_run), atol=5e-3)
+        assert summary["metrics"]["val_loss"] == pytest.approx(exact["metrics"]["val_loss"],
+                                                               abs=1e-3)
         assert summary["metrics"]["val_accuracy"] == pytest.approx(
             exact["metrics"]["val_accuracy"], abs=0.02)
     else:                 # Adasum keeps the single-rank rate (no linear scaling) and learns

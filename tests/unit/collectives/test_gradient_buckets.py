@@ -1,6 +1,6 @@
 """How gradients are split into buckets (``GradientReduction.buckets``): the last tensors
-first, each bucket closed once it holds ``bucket_bytes``, one bucket for 0; single-process,
-no collectives."""
+first, each bucket closed once it holds ``bucket_bytes``, one bucket for 0; how compressed
+gradients travel (``on_wire``) and what compression refuses; single-process, no collectives."""
 
 from __future__ import annotations
 
@@ -99,3 +99,36 @@ def test_issue_order_submits_each_bucket_after_the_one_before_has_completed():
     assert issued == "[[False, False, False], [True, False, False], [True, True, False]]"
     line = GradientReduction(bucket_bytes=800, in_issue_order=True).describe(floats(300, 200))
     assert "each sent once the one before has completed (one order on every rank)" in line
+
+
+def test_compressed_gradients_travel_rounded_and_other_types_as_they_are():
+    """``on_wire``: float32 and float64 as float16 (fp16) or bfloat16 (bf16), rounded to the
+    type's mantissa; integers and half-precision floats unchanged; "none" changes nothing."""
+    third = tf.constant([1 / 3, 1e30], tf.float32)
+    bf16 = GradientReduction(compression="bf16").on_wire(third)
+    assert bf16.dtype == tf.bfloat16
+    assert float(bf16[0]) == pytest.approx(1 / 3, rel=2**-8) and float(bf16[0]) != 1 / 3
+    assert float(bf16[1]) == pytest.approx(1e30, rel=2**-8)   # float32's range: no overflow
+    assert GradientReduction(compression="bf16").on_wire(tf.cast(third, tf.float64)).dtype \
+        == tf.bfloat16
+    assert GradientReduction(compression="fp16").on_wire(third).dtype == tf.float16
+    for kept in (tf.constant([3], tf.int32), tf.constant([0.5], tf.float16)):
+        assert GradientReduction(compression="bf16").on_wire(kept).dtype == kept.dtype
+    assert GradientReduction().on_wire(third) is third
+
+
+def test_compression_refusals_name_the_problem():
+    """bf16 with Adasum (Horovod's Adasum takes no bfloat16) and an unknown compression are
+    refused; so is bfloat16 in Horovod's reducescatter (``--zero-stage``), before Horovod sees
+    it."""
+    from hvdtrain.collectives import HorovodCollectives
+    from hvdtrain.errors import UserError
+
+    with pytest.raises(ValueError, match="bf16 cannot travel with adasum"):
+        GradientReduction("adasum", "bf16")
+    with pytest.raises(ValueError, match="compression must be one of none, fp16, bf16, not fp8"):
+        GradientReduction(compression="fp8")
+    uninitialised = HorovodCollectives.__new__(HorovodCollectives)
+    with pytest.raises(UserError, match="^--compression bf16 with --zero-stage needs the "
+                                        "TensorFlow backend"):
+        uninitialised.reduce_scatter_sum([tf.zeros([4], tf.bfloat16)])

@@ -20,7 +20,7 @@ def test_horovod_arguments_map_to_the_trainers_gradient_reduction():
 
     assert hvd.gradient_reduction() == GradientReduction("average")
     assert hvd.gradient_reduction(hvd.Sum, hvd.Compression.fp16, True) == GradientReduction(
-        "sum", fp16=True, sparse_as_dense=True)
+        "sum", "fp16", sparse_as_dense=True)
     assert hvd.gradient_reduction(gradient_predivide_factor=4.0) == GradientReduction(
         "average", prescale=0.25, postscale=4.0)
     with pytest.raises(ValueError, match="op != Average"):
@@ -64,7 +64,7 @@ assert dropin.BACKEND == "tensorflow", dropin.BACKEND
 print("why:", dropin.BACKEND_WHY)
 assert not [name for name in sys.modules if name.split(".")[0] == "horovod"]
 assert (hvd.Average, hvd.Sum, hvd.Adasum, hvd_tf.Min, hvd_tf.Max, hvd_tf.Product) == tuple(range(6))
-assert hvd_tf.gradient_reduction(hvd.Sum, hvd.Compression.fp16).fp16
+assert hvd_tf.gradient_reduction(hvd.Sum, hvd.Compression.fp16).compression == "fp16"
 for refused in (lambda: hvd.DistributedOptimizer(keras.optimizers.SGD(), op=hvd.Adasum),
                 lambda: hvd.elastic.run(print), lambda: hvd.elastic.KerasState(None),
                 hvd_tf.join, lambda: hvd.start_timeline("t.json"),

@@ -213,22 +213,23 @@ def test_a_callback_on_rank_0_that_stops_training_stops_rank_1_at_the_same_epoch
 # --- the stop vote -----------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("fp16", [False, True], ids=["one-collective", "fp16-compression"])
-def test_the_other_ranks_stop_vote_reaches_this_rank_in_the_steps_own_reduction(fp16):
+@pytest.mark.parametrize("compression", ["none", "fp16", "bf16"])
+def test_the_other_ranks_stop_vote_reaches_this_rank_in_the_steps_own_reduction(compression):
     """Rank 1 casts no vote, rank 0 does: the sum reaches rank 1 with the step's update, in
-    the gradients' reduction (or, with fp16 gradients, in the loss's own allreduce)."""
-    if fp16:
+    the gradients' reduction (or, with compressed gradients, in the loss's own allreduce)."""
+    compressed = compression != "none"
+    if compressed:
         script = [Sum([[0.0, 0.0, 1.0, 0.0]]),
                   Sum([lambda sent: [tf.zeros_like(t) for t in sent]])]
     else:
         script = [Sum([_peer_votes(stop=1.0)])]
     other = ScriptedCollectives(1, 2, script)
-    step = _step(other, _model(), StepOptions(fp16_compression=fp16))
+    step = _step(other, _model(), StepOptions(compression=compression))
     step.train_step(*_batch())
     assert step.votes.stop_agreed() and not step.votes.stop_requested()
-    sent = other.values("allreduce_sum" if fp16 else "reduce_gradients")[0]
+    sent = other.values("allreduce_sum" if compressed else "reduce_gradients")[0]
     assert [float(v) for v in sent[-2:]] == [0.0, 0.0]          # this rank's two votes
-    assert other.calls() == (["allreduce_sum", "reduce_gradients"] if fp16
+    assert other.calls() == (["allreduce_sum", "reduce_gradients"] if compressed
                              else ["reduce_gradients"])
 
 
