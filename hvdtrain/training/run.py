@@ -50,7 +50,8 @@ from hvdtrain.training.prepared import Prepared, StartingPoint
 from hvdtrain.training.process_state import run_environment, seeded_per_rank, share_random_state
 from hvdtrain.checkpoints.restore import open_run_dir, starting_point, weight_fingerprint
 from hvdtrain.training.step.schedule import PlateauDecay
-from hvdtrain.training.step.core import RunEnd, TrainingStep
+from hvdtrain.training.step.core import TrainingStep
+from hvdtrain.training.step.held import RunEnd
 from hvdtrain.training.step.for_run import made_step, step_for_run
 from hvdtrain.training.step.sync_batch_norm import synchronized_batch_norm
 from hvdtrain.training.step.trainable import own_step_reason, prepare, probe_trainable

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Any, Callable, ContextManager, Iterator, Protocol, Sequence
+from typing import Any, Callable, ContextManager, Iterator, Protocol
 
 import keras
 import tensorflow as tf
@@ -34,19 +34,8 @@ from hvdtrain.training.step.objective import (LossShare, global_metric_results, 
 from hvdtrain.model_memory.for_run import LayerMemory
 from hvdtrain.model_memory.remat import Remat
 from hvdtrain.optimizers.sharding import Sharding, gradient_bytes_kept
-from hvdtrain.optimizers.state_into_pieces import SavedState, load_into_pieces
-from hvdtrain.optimizers.zero import sharded_for_the_run
-
-
-@dataclass(frozen=True)
-class RunEnd:
-    """What may stay in pieces after a run that ends normally, because the process ends with
-    it and rank 0's final save gathers them as it writes: the sharded optimizers' state
-    (``zero``) and, at stage 3, the model's weights (``model_memory``; only when the model is
-    saved as it trained, in float32)."""
-
-    optimizer_in_pieces: bool = False
-    weights_in_pieces: bool = False
+from hvdtrain.optimizers.state_into_pieces import SavedState
+from hvdtrain.training.step.held import RunEnd, memory_for_the_run
 
 
 class TrainingStep(Protocol):
@@ -446,19 +435,3 @@ class Evaluation:
         for batch in dataset:
             self._steps[key](batch)
         return global_metric_results(self.model, self.collectives, prefix)
-
-
-def memory_for_the_run(stack: contextlib.ExitStack, step: TrainingStep, sharding: Sharding | None,
-                       variables: Sequence[Any], ends: RunEnd) -> None:
-    """Enter on ``stack`` what either step holds while it trains: the layers' memory (stage
-    3's pieces, ``--remat``) and, sharded, the optimizers in pieces (built for ``variables``
-    if not yet), a resumed run's saved state loaded into them once."""
-    optimizers = list(step.optimizers.values())
-    stack.enter_context(step.layer_memory.for_the_run(optimizers, ends.weights_in_pieces))
-    if sharding is None:
-        return
-    stack.enter_context(sharded_for_the_run(optimizers, sharding, variables,
-                                            ends.optimizer_in_pieces))
-    if step.saved_state is not None:
-        load_into_pieces(step.saved_state, step.optimizers, step.model, sharding)
-        step.saved_state = None

@@ -27,7 +27,8 @@ from hvdtrain.errors import found_by_every_rank
 from hvdtrain.optimizers.reduction import distributed_for_the_run
 from hvdtrain.training.step.objective import (global_metric_results, metric_variables, real_rows,
                                               scalar)
-from hvdtrain.training.step.core import RunEnd, divided, memory_for_the_run
+from hvdtrain.training.step.core import divided
+from hvdtrain.training.step.held import RunEnd, memory_for_the_run
 from hvdtrain.training.step.sync_batch_norm import batch_rows
 from hvdtrain.training.step.votes import StopVotes
 from hvdtrain.model_memory.for_run import LayerMemory
