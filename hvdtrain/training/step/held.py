@@ -6,14 +6,14 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import Any, Protocol, Sequence
 
+import keras
+
+from hvdtrain.model_memory.for_run import LayerMemory
 from hvdtrain.optimizers.sharding import Sharding
-from hvdtrain.optimizers.state_into_pieces import load_into_pieces
+from hvdtrain.optimizers.state_into_pieces import SavedState, load_into_pieces
 from hvdtrain.optimizers.zero import sharded_for_the_run
-
-if TYPE_CHECKING:
-    from hvdtrain.training.step.core import TrainingStep
 
 
 @dataclass(frozen=True)
@@ -27,7 +27,19 @@ class RunEnd:
     weights_in_pieces: bool = False
 
 
-def memory_for_the_run(stack: contextlib.ExitStack, step: TrainingStep, sharding: Sharding | None,
+class Holding(Protocol):
+    """What of a step (``core.TrainingStep``) its memory set-up reads."""
+
+    model: keras.Model
+    layer_memory: LayerMemory
+    saved_state: SavedState | None
+
+    @property
+    def optimizers(self) -> dict[str, keras.optimizers.Optimizer]:
+        """Every optimizer the step applies."""
+
+
+def memory_for_the_run(stack: contextlib.ExitStack, step: Holding, sharding: Sharding | None,
                        variables: Sequence[Any], ends: RunEnd) -> None:
     """Enter on ``stack`` what either step holds while it trains: the layers' memory (stage
     3's pieces, ``--remat``) and, sharded, the optimizers in pieces (built for ``variables``
