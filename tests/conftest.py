@@ -378,8 +378,10 @@ class SlurmCluster:
                **env: str) -> str:
         """Submit with trainer ``args``; ``sbatch``: more sbatch options (they override the
         script's own); ``env``: more environment for the job."""
-        job_env = rank_env(**self.env, **env, HVDTRAIN_REPO=str(REPO),
-                           HVDTRAIN_LAUNCHER=launcher)
+        # The test's environment wins over the cluster's (which holds the caller's, where a
+        # PYTHONPATH may already be set).
+        job_env = rank_env(**{**self.env, **env, "HVDTRAIN_REPO": str(REPO),
+                              "HVDTRAIN_LAUNCHER": launcher})
         result = run(["sbatch", "--parsable", "--ntasks-per-node=2", "--cpus-per-task=1", *sbatch,
                       f"--chdir={self.directory}", f"--output={self.directory}/job-%j.out",
                       f"--error={self.directory}/job-%j.err",
