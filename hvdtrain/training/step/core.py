@@ -370,19 +370,6 @@ def keras_metrics(model: keras.Model, loss: tf.Tensor, y: Any, predictions: Any,
     return model.get_metrics_result()
 
 
-def xla_line(jit_compile: bool, own_step: bool) -> str:
-    """The run log's line on XLA: the model's ``jit_compile`` (Keras' "auto" already resolved:
-    on with a GPU where the model supports it, off on CPUs) taken as the user set it."""
-    if jit_compile and own_step:
-        return ("note: the model's own train_step runs without XLA although its jit_compile is "
-                "True: its optimizers reduce gradients with collectives, which XLA cannot "
-                "compile; compile the model with jit_compile=False to silence this")
-    if jit_compile:
-        return ("XLA: on for the forward and backward pass (the model's jit_compile); the "
-                "collectives and the update run outside it")
-    return "XLA: off (the model's jit_compile is False; Keras' 'auto' chooses off without a GPU)"
-
-
 class Evaluation:
     """Exact distributed evaluation as Keras' ``test_step`` computes it: the model's metrics
     over this rank's shard, their state summed across ranks once."""
