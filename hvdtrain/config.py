@@ -61,6 +61,10 @@ def bucket_bytes(mib: float) -> int:
     return round(mib * 2**20)
 
 
+# --powersgd-rank's default: see hvdtrain/bench/README.md, "PowerSGD".
+POWERSGD_RANK = 2
+
+
 # Keras 3's optimizers by the names keras.optimizers.get accepts.
 KERAS_OPTIMIZERS = ("sgd", "adam", "adamw", "rmsprop", "adagrad", "adadelta", "adamax",
                     "adafactor", "nadam", "ftrl", "lion", "lamb")
@@ -169,7 +173,14 @@ class OptimConfig:
     reduction: str = option("mean", "how gradients combine across ranks: mean (ring-allreduce "
                                     "of the global-batch mean) or adasum",
                             choices=("mean", "adasum"))
-    compression: str = option("none", "gradient compression on the wire", choices=("none", "fp16"))
+    compression: str = option("none", "gradient compression on the wire: fp16 (half the bytes) "
+                                      "or powersgd (a low-rank approximation with error "
+                                      "feedback, --powersgd-rank); both approximate",
+                              choices=("none", "fp16", "powersgd"))
+    powersgd_rank: int = option(POWERSGD_RANK, "--compression powersgd: the rank of each "
+                                               "compressed gradient's approximation (higher: "
+                                               "closer to the exact mean, more bytes)",
+                                minimum=1)
     bucket_mib: float = option(BUCKET_MIB, "gradients travel in buckets of about this many MiB, "
                                            "the last layers' first, each sent as soon as the "
                                            "backward pass has computed it (0: one allreduce "
@@ -416,7 +427,28 @@ def validate(config: Config) -> Config:
         _check_zero(config)
     if config.train.backend == "tensorflow":
         _check_tensorflow_backend(config)
+    if config.optim.compression == "powersgd":
+        _check_powersgd(config)
     return config
+
+
+def _check_powersgd(config: Config) -> None:
+    """Where PowerSGD's state (each rank's error buffers, the shared Q's of whole gradients)
+    has no meaning: sharded gradients, Adasum, a changing world, skipped loss-scaled steps."""
+    if config.optim.zero_stage:
+        raise ConfigError("--compression powersgd compresses whole gradients, which ZeRO "
+                          "reduce-scatters in pieces; use --zero-stage 0 or another "
+                          "--compression")
+    if config.optim.reduction == "adasum":
+        raise ConfigError("--compression powersgd approximates the ranks' sum, not Adasum's "
+                          "combination; use --reduction mean or another --compression")
+    if config.train.elastic:
+        raise ConfigError("--compression powersgd keeps per-rank error buffers that a world "
+                          "change would lose; drop --elastic or use another --compression")
+    if config.train.precision == "mixed_float16":
+        raise ConfigError("--compression powersgd with --precision mixed_float16: a loss-scaled "
+                          "step that overflows would leave non-finite values in the error "
+                          "buffers; use --precision mixed_bfloat16 or float32")
 
 
 def _check_zero(config: Config) -> None:
