@@ -89,6 +89,16 @@ def bucket_case(backend: str, loop: str, accumulation: int, order: str) -> str:
     return f"buckets-{backend}-{loop}-{accumulation}"
 
 
+def powersgd_cases(group: str, tmp: Path) -> dict[str, list[str]]:
+    """The exactness run's options with --compression powersgd: 2 epochs; 1 epoch, then
+    continued to 2 (--resume), which must end with the same weights."""
+    options = [*two_ranks(group), "--compression", "powersgd"]
+    return {f"powersgd-{group}": options,
+            f"powersgd-half-{group}": [*options, "--epochs", "1"],
+            f"powersgd-continued-{group}": [*options, "--run-dir",
+                                            str(tmp / f"powersgd-half-{group}"), "--resume"]}
+
+
 def cases(group: str, tmp: Path) -> dict[str, list[str]]:
     """``name: options`` of one group ("horovod", "tensorflow" or "one"), in training order."""
     if group == "one":
@@ -107,6 +117,7 @@ def cases(group: str, tmp: Path) -> dict[str, list[str]]:
                 "--bucket-mib", "0.001", "--backend", backend, "--bucket-order", order]
     found[f"accumulated-{group}"] = [*EXACT, "--batch-size", "16", "--accumulation-steps", "2",
                                      "--learning-rate", "0.05", "--backend", group]
+    found.update(powersgd_cases(group, tmp))
     if group != "horovod":
         return found
     for flag, value in REDUCTIONS:

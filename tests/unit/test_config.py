@@ -75,6 +75,20 @@ def test_field_names_are_unique_across_sections():
     ({"steps_per_epoch": 5, "accumulation_steps": 2},
      "--steps-per-epoch 5 must be a multiple of --accumulation-steps 2: an epoch would end "
      "between updates"),
+    ({"compression": "powersgd", "zero_stage": 1},
+     "--compression powersgd compresses whole gradients, which ZeRO reduce-scatters in "
+     "pieces; use --zero-stage 0 or another --compression"),
+    ({"compression": "powersgd", "reduction": "adasum"},
+     "--compression powersgd approximates the ranks' sum, not Adasum's combination; use "
+     "--reduction mean or another --compression"),
+    ({"compression": "powersgd", "elastic": True, "run_dir": "r"},
+     "--compression powersgd keeps per-rank error buffers that a world change would lose; "
+     "drop --elastic or use another --compression"),
+    ({"compression": "powersgd", "precision": "mixed_float16"},
+     "--compression powersgd with --precision mixed_float16: a loss-scaled step that "
+     "overflows would leave non-finite values in the error buffers; use --precision "
+     "mixed_bfloat16 or float32"),
+    ({"compression": "powersgd", "powersgd_rank": 0}, "'powersgd_rank' must be at least 1, got 0"),
 ])
 def test_bad_values_are_named_in_one_line(overrides, message):
     with pytest.raises(ConfigError) as caught:
