@@ -91,9 +91,15 @@ def bucket_case(backend: str, loop: str, accumulation: int, order: str) -> str:
 
 def powersgd_cases(group: str, tmp: Path) -> dict[str, list[str]]:
     """The exactness run's options with --compression powersgd: 2 epochs; 1 epoch, then
-    continued to 2 (--resume), which must end with the same weights."""
+    continued to 2 (--resume), which must end with the same weights; and a GAN's own
+    train_step (two optimizers) for one epoch."""
     options = [*two_ranks(group), "--compression", "powersgd"]
     return {f"powersgd-{group}": options,
+            f"powersgd-gan-{group}": ["--model", "user_programs:gan_model", "--dataset",
+                                      "user_programs:digit_images", "--epochs", "1",
+                                      "--batch-size", "16", "--deterministic",
+                                      "--no-tensorboard", "--compression", "powersgd",
+                                      "--backend", group],
             f"powersgd-half-{group}": [*options, "--epochs", "1"],
             f"powersgd-continued-{group}": [*options, "--run-dir",
                                             str(tmp / f"powersgd-half-{group}"), "--resume"]}

@@ -65,6 +65,9 @@ def test_powersgd_keeps_ranks_identical_learns_and_resumes_exactly(training_runs
         exact["metrics"]["val_accuracy"], abs=0.05)
     assert_same_weights(final_weights(resumed), final_weights(run), atol=1e-6)
     assert summary["fingerprints"] == read_summary(resumed)["fingerprints"]
+    gan = training_runs(backend, f"powersgd-gan-{backend}")   # a model's own train_step
+    assert read_summary(gan)["weights_identical"]
+    assert "PowerSGD rank 2: 2 of 8 gradients compressed" in (gan / "hvdtrain.log").read_text()
 
 
 @pytest.mark.distributed
