@@ -11,3 +11,6 @@ against ``COMPRESSIONS``.
 DATASETS = ("digits", "synthetic", "npz", "tfrecord", "csv", "mnist", "fashion_mnist", "cifar10")
 MODELS = ("mlp", "cnn", "resnet")
 COMPRESSIONS = ("none", "fp16", "bf16")
+# --compression: the casts on the wire, or PowerSGD (a low-rank approximation, whose uncompressed
+# part travels as float32).
+GRADIENT_COMPRESSIONS = (*COMPRESSIONS, "powersgd")

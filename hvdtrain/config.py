@@ -22,7 +22,7 @@ from typing import Any
 
 import yaml
 
-from hvdtrain.builtin_names import COMPRESSIONS, DATASETS, MODELS
+from hvdtrain.builtin_names import DATASETS, GRADIENT_COMPRESSIONS, MODELS
 from hvdtrain.errors import UserError
 from hvdtrain.log import LEVELS
 from hvdtrain.plugins import PLUGIN
@@ -59,6 +59,10 @@ BUCKET_MIB = 4.0
 def bucket_bytes(mib: float) -> int:
     """A ``--bucket-mib`` value in bytes (0: one group)."""
     return round(mib * 2**20)
+
+
+# --powersgd-rank's default: see hvdtrain/bench/README.md, "PowerSGD".
+POWERSGD_RANK = 2
 
 
 # Keras 3's optimizers by the names keras.optimizers.get accepts.
@@ -170,10 +174,15 @@ class OptimConfig:
                                     "of the global-batch mean) or adasum",
                             choices=("mean", "adasum"))
     compression: str = option("none", "gradients on the wire: none (float32), fp16 (float16: "
-                                      "half the bytes, 11-bit mantissa, overflows past 65504) "
-                                      "or bf16 (bfloat16: half the bytes, float32's range, "
-                                      "8-bit mantissa); both approximate",
-                              choices=COMPRESSIONS)
+                                      "half the bytes, 11-bit mantissa, overflows past 65504), "
+                                      "bf16 (bfloat16: half the bytes, float32's range, 8-bit "
+                                      "mantissa) or powersgd (a low-rank approximation with "
+                                      "error feedback, --powersgd-rank); all approximate",
+                              choices=GRADIENT_COMPRESSIONS)
+    powersgd_rank: int = option(POWERSGD_RANK, "--compression powersgd: the rank of each "
+                                               "compressed gradient's approximation (higher: "
+                                               "closer to the exact mean, more bytes)",
+                                minimum=1)
     bucket_mib: float = option(BUCKET_MIB, "gradients travel in buckets of about this many MiB, "
                                            "the last layers' first, each sent as soon as the "
                                            "backward pass has computed it (0: one allreduce "
@@ -423,7 +432,28 @@ def validate(config: Config) -> Config:
     if config.optim.compression == "bf16" and config.optim.reduction == "adasum":
         raise ConfigError("--compression bf16 cannot travel with --reduction adasum (Horovod's "
                           "Adasum takes no bfloat16); use --compression fp16 or none")
+    if config.optim.compression == "powersgd":
+        _check_powersgd(config)
     return config
+
+
+def _check_powersgd(config: Config) -> None:
+    """Where PowerSGD's state (each rank's error buffers, the shared Q's of whole gradients)
+    has no meaning: sharded gradients, Adasum, a changing world, skipped loss-scaled steps."""
+    if config.optim.zero_stage:
+        raise ConfigError("--compression powersgd compresses whole gradients, which ZeRO "
+                          "reduce-scatters in pieces; use --zero-stage 0 or another "
+                          "--compression")
+    if config.optim.reduction == "adasum":
+        raise ConfigError("--compression powersgd approximates the ranks' sum, not Adasum's "
+                          "combination; use --reduction mean or another --compression")
+    if config.train.elastic:
+        raise ConfigError("--compression powersgd keeps per-rank error buffers that a world "
+                          "change would lose; drop --elastic or use another --compression")
+    if config.train.precision == "mixed_float16":
+        raise ConfigError("--compression powersgd with --precision mixed_float16: a loss-scaled "
+                          "step that overflows would leave non-finite values in the error "
+                          "buffers; use --precision mixed_bfloat16 or float32")
 
 
 def _check_zero(config: Config) -> None:

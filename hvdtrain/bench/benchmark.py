@@ -17,8 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from hvdtrain.builtin_names import COMPRESSIONS
-from hvdtrain.config import BUCKET_MIB, bucket_bytes
+from hvdtrain.builtin_names import GRADIENT_COMPRESSIONS
+from hvdtrain.config import BUCKET_MIB, POWERSGD_RANK, bucket_bytes
 
 # Beside the ranks' folders of a ``--profile-dir``: how many ranks were profiled.
 PROFILED_WORLD = "world.json"
@@ -65,8 +65,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--loop", default="custom", choices=("custom", "fit", "exchange"),
                         help="training path, or only the step's gradient exchange (tensors "
                              "shaped like the gradients, no compute; default: custom)")
-    parser.add_argument("--compression", default="none", choices=COMPRESSIONS,
+    parser.add_argument("--compression", default="none", choices=GRADIENT_COMPRESSIONS,
                         help="gradients on the wire (default: none)")
+    parser.add_argument("--powersgd-rank", type=count, default=POWERSGD_RANK,
+                        help=f"--compression powersgd's rank (default: {POWERSGD_RANK})")
     parser.add_argument("--bucket-mib", type=float, default=BUCKET_MIB,
                         help="gradient bucket size, as in training (0: one allreduce after the "
                              f"backward pass; default: {BUCKET_MIB:g})")
@@ -226,7 +228,9 @@ def run(args: argparse.Namespace) -> tuple[bool, dict[str, Any]]:
                                 global_batch=args.batch_size * world.size,
                                 bucket_bytes=bucket_bytes(args.bucket_mib),
                                 zero_stage=args.zero_stage,
-                                in_issue_order=args.bucket_order == "issued"))
+                                in_issue_order=args.bucket_order == "issued",
+                                powersgd_rank=args.powersgd_rank if args.compression
+                                == "powersgd" and world.size > 1 else 0))
     with step_installed(step), step.training():
         run_step = (_fit_step(step, batch) if args.loop == "fit" else
                     _exchange_step(step) if args.loop == "exchange" else

@@ -42,7 +42,7 @@ def variant_names(fusion_mib: list[float], bucket_mib: list[float]) -> list[str]
     return ["single", "concurrent", "exchange", "hvdtrain",
             *(f"hvdtrain-buckets-{mib:g}MiB" for mib in bucket_mib),
             "hvdtrain-issued-order", "hvdtrain-tensorflow", "hvdtrain-fp16", "hvdtrain-bf16",
-            "hvdtrain-hierarchical",
+            "hvdtrain-powersgd", "hvdtrain-hierarchical",
             "hvdtrain-zero-1", "hvdtrain-zero-2",
             *(f"hvdtrain-fusion-{mib:g}MiB" for mib in fusion_mib), "minimal", "multiworker"]
 
@@ -55,7 +55,7 @@ def hvdtrain_knobs(name: str) -> tuple[list[str], dict[str, str]]:
         return [], {"HVDTRAIN_BACKEND": "tensorflow"}
     if name == "hvdtrain-issued-order":
         return ["--bucket-order", "issued"], {}
-    if name in ("hvdtrain-fp16", "hvdtrain-bf16"):
+    if name in ("hvdtrain-fp16", "hvdtrain-bf16", "hvdtrain-powersgd"):
         return ["--compression", name.removeprefix("hvdtrain-")], {}
     if name == "hvdtrain-hierarchical":
         return [], {"HOROVOD_HIERARCHICAL_ALLREDUCE": "1"}
@@ -127,15 +127,17 @@ def summarize(results: dict[str, dict[str, list[dict]]], ranks: int,
             if busy:
                 row["host_cpu_busy"] = statistics.median(busy)
             if name not in ("single", "concurrent"):
-                wire_bytes = parameters * (2 if name in ("hvdtrain-fp16", "hvdtrain-bf16")
-                                           else 4)
+                # (PowerSGD's bytes depend on each layer's shape: its bandwidth is not shown)
+                wire_bytes = (parameters * (2 if name in ("hvdtrain-fp16", "hvdtrain-bf16")
+                                            else 4)
+                              if name != "hvdtrain-powersgd" else 0)
                 exchange = step if name == "exchange" else step - floor
                 if name != "exchange":
                     row["communication_share"] = max(0.0, exchange / step)
                     if alone is not None:
                         row["step_over_bound"] = step / max(floor, alone)
                 row["bus_gbytes_per_second"] = (2 * (ranks - 1) / ranks * wire_bytes / exchange
-                                                / 1e9 if exchange > 0 else None)
+                                                / 1e9 if exchange > 0 and wire_bytes else None)
                 if link_gbytes and row["bus_gbytes_per_second"] is not None:
                     row["fraction_of_link"] = row["bus_gbytes_per_second"] / link_gbytes
             rows.append(row)

@@ -16,7 +16,7 @@ import keras
 import numpy as np
 
 from hvdtrain.checkpoints.store import (CheckpointStore, assign_rank_state, atomic_write_text,
-                                        build_optimizers, lock_run_dir)
+                                        build_optimizers, lock_run_dir, rank_local_variables)
 from hvdtrain.checkpoints.state import CheckpointState
 from hvdtrain.collectives import Collectives, World, chief_decides
 from hvdtrain.config import Config
@@ -149,8 +149,14 @@ def _resumed(restored: Restored, world: World, run_dir: Path, store: CheckpointS
         build_optimizers(trainable.model, step.optimizers, saved.optimizers)
     if restored.rate_scale is not None:
         trainable.schedule.set_world_scale(restored.rate_scale)
+    generators = len(rank_local_variables(trainable.model))
     if restored.rank_states[world.rank:world.rank + 1]:
-        assign_rank_state(trainable.model, restored.rank_states[world.rank])
+        assign_rank_state(trainable.model, restored.rank_states[world.rank][:generators])
+    if step.powersgd is not None:   # saved after each rank's random-generator states
+        note = step.powersgd.load([values[generators:] for values in restored.rank_states],
+                                  world.rank, world.size)
+        if note:
+            logger.info(note)
     if plateau is not None and saved.plateau:
         plateau.load(saved.plateau)
     trainable.rates.load(saved.rates)

@@ -218,12 +218,13 @@ class Checkpoint:
     ``checkpoints/epoch-NNNN`` (after NNNN whole epochs) or ``epoch-NNNN-step-SSSSSS`` (SSSSSS
     steps into the next) holds ``weights.npz`` (``w*`` in ``model.weights`` order, and each
     rank's random-generator state ``rng<rank>_*``, which ``get_weights`` leaves out, so every
-    rank draws the masks an uninterrupted run would; earlier versions' ``model.weights.h5`` is
-    still read), ``optimizer.npz`` (``v*`` for ``model.optimizer``, ``<attribute>.v*`` for
-    others such as a GAN's ``d_optimizer``, step counters and rates included) and
-    ``state.json`` (a ``CheckpointState``, with the SHA-256 of the other two). NumPy, not HDF5:
-    an HDF5 file whose write failed stays open in the library and fails again, or crashes the
-    process, when Python exits."""
+    rank draws the masks an uninterrupted run would, followed there by the rank's
+    ``--compression powersgd`` state, its Q matrices and error buffers; earlier versions'
+    ``model.weights.h5`` is still read), ``optimizer.npz`` (``v*`` for ``model.optimizer``,
+    ``<attribute>.v*`` for others such as a GAN's ``d_optimizer``, step counters and rates
+    included) and ``state.json`` (a ``CheckpointState``, with the SHA-256 of the other two).
+    NumPy, not HDF5: an HDF5 file whose write failed stays open in the library and fails
+    again, or crashes the process, when Python exits."""
 
     path: Path
 

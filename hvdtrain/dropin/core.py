@@ -139,8 +139,10 @@ def gradient_reduction(op: Any = Average, compression: Any = Compression.none,
                              sparse_as_dense=sparse_as_dense)
 
 
-def reduce_gradients(gradients: Sequence[Any], reduction: GradientReduction) -> list[Any]:
-    """Combine gradients across ranks (None stays None): the trainer's reduction."""
+def reduce_gradients(gradients: Sequence[Any], reduction: GradientReduction,
+                     variables: Sequence[Any] = ()) -> list[Any]:
+    """Combine gradients across ranks (None stays None): the trainer's reduction (of the
+    gradients alone: the drop-in keeps no state per variable, so ``variables`` is not read)."""
     return collectives().reduce_gradients(list(gradients), reduction)
 
 

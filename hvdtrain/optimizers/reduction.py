@@ -21,8 +21,9 @@ from hvdtrain.collectives import GradientReduction
 from hvdtrain.optimizers.run_class import Kept, RunOptimizer, class_for_the_run, run_class
 from hvdtrain.optimizers.accumulation import Accumulation
 
-# How a distributed optimizer combines a list of gradients across ranks (None stays None).
-Reducer = Callable[[Sequence[Any], GradientReduction], list[Any]]
+# How a distributed optimizer combines a list of gradients across ranks (None stays None),
+# given the variables they are the gradients of (PowerSGD keeps state per variable).
+Reducer = Callable[[Sequence[Any], GradientReduction, Sequence[Any]], list[Any]]
 
 
 @dataclass(frozen=True)
@@ -48,7 +49,7 @@ class _ReducingOptimizer(RunOptimizer):
         setting = self.hvdtrain_settings
         apply_locally = self.keras_apply
         if setting.passes == 1:
-            apply_locally(setting.reduce(grads, setting.reduction), variables)
+            apply_locally(setting.reduce(grads, setting.reduction, variables), variables)
             return
         if self._hvdtrain_accumulation is None:
             self._hvdtrain_accumulation = Accumulation([v.shape for v in variables],
@@ -64,7 +65,7 @@ class _ReducingOptimizer(RunOptimizer):
         def reduce_and_apply(totals: list[tf.Tensor]) -> None:
             if setting.average_passes:
                 totals = [total / setting.passes for total in totals]
-            apply_locally(setting.reduce(totals, setting.reduction), variables)
+            apply_locally(setting.reduce(totals, setting.reduction, variables), variables)
 
         accumulation.at_the_last_pass(reduce_and_apply)
 

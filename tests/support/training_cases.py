@@ -91,6 +91,22 @@ def bucket_case(backend: str, loop: str, accumulation: int, order: str) -> str:
     return f"buckets-{backend}-{loop}-{accumulation}"
 
 
+def powersgd_cases(group: str, tmp: Path) -> dict[str, list[str]]:
+    """The exactness run's options with --compression powersgd: 2 epochs; 1 epoch, then
+    continued to 2 (--resume), which must end with the same weights; and a GAN's own
+    train_step (two optimizers) for one epoch."""
+    options = [*two_ranks(group), "--compression", "powersgd"]
+    return {f"powersgd-{group}": options,
+            f"powersgd-gan-{group}": ["--model", "user_programs:gan_model", "--dataset",
+                                      "user_programs:digit_images", "--epochs", "1",
+                                      "--batch-size", "16", "--deterministic",
+                                      "--no-tensorboard", "--compression", "powersgd",
+                                      "--backend", group],
+            f"powersgd-half-{group}": [*options, "--epochs", "1"],
+            f"powersgd-continued-{group}": [*options, "--run-dir",
+                                            str(tmp / f"powersgd-half-{group}"), "--resume"]}
+
+
 def cases(group: str, tmp: Path) -> dict[str, list[str]]:
     """``name: options`` of one group ("horovod", "tensorflow" or "one"), in training order."""
     if group == "one":
@@ -112,6 +128,7 @@ def cases(group: str, tmp: Path) -> dict[str, list[str]]:
     for backend, flag, value in REDUCTIONS:
         if backend == group:
             found[f"reduction-{value}-{group}"] = [*two_ranks(group), flag, value]
+    found.update(powersgd_cases(group, tmp))
     if group != "horovod":
         return found
     for precision, loop in MIXED_PRECISION:

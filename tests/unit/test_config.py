@@ -78,6 +78,20 @@ def test_field_names_are_unique_across_sections():
     ({"compression": "bf16", "reduction": "adasum"},
      "--compression bf16 cannot travel with --reduction adasum (Horovod's Adasum takes no "
      "bfloat16); use --compression fp16 or none"),
+    ({"compression": "powersgd", "zero_stage": 1},
+     "--compression powersgd compresses whole gradients, which ZeRO reduce-scatters in "
+     "pieces; use --zero-stage 0 or another --compression"),
+    ({"compression": "powersgd", "reduction": "adasum"},
+     "--compression powersgd approximates the ranks' sum, not Adasum's combination; use "
+     "--reduction mean or another --compression"),
+    ({"compression": "powersgd", "elastic": True, "run_dir": "r"},
+     "--compression powersgd keeps per-rank error buffers that a world change would lose; "
+     "drop --elastic or use another --compression"),
+    ({"compression": "powersgd", "precision": "mixed_float16"},
+     "--compression powersgd with --precision mixed_float16: a loss-scaled step that "
+     "overflows would leave non-finite values in the error buffers; use --precision "
+     "mixed_bfloat16 or float32"),
+    ({"compression": "powersgd", "powersgd_rank": 0}, "'powersgd_rank' must be at least 1, got 0"),
 ])
 def test_bad_values_are_named_in_one_line(overrides, message):
     with pytest.raises(ConfigError) as caught:

@@ -141,6 +141,8 @@ class Checkpointing(keras.callbacks.Callback):
         rank's callbacks asked to stop training."""
         model = self.step.model
         local = [v.numpy() for v in rank_local_variables(model)]
+        if self.step.powersgd is not None:   # saved after the random-generator states
+            local += self.step.powersgd.rank_values()
         rank_states = self.collectives.allgather_object(local) if local else None
         whole = consolidated_state(self.step.optimizers, model)
         outcome = ""

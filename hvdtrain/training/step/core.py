@@ -33,6 +33,7 @@ from hvdtrain.training.step.objective import (LossShare, global_metric_results, 
                                               own_losses, real_rows)
 from hvdtrain.model_memory.for_run import LayerMemory
 from hvdtrain.model_memory.remat import Remat
+from hvdtrain.optimizers.powersgd import PowerSGD
 from hvdtrain.optimizers.sharding import Sharding, gradient_bytes_kept
 from hvdtrain.optimizers.state_into_pieces import SavedState
 from hvdtrain.training.step.held import RunEnd, memory_for_the_run
@@ -56,6 +57,8 @@ class TrainingStep(Protocol):
     layer_memory: LayerMemory
     # A resumed sharded run's optimizer state, loaded into pieces as training starts.
     saved_state: SavedState | None
+    # --compression powersgd's state (checkpointed with each rank's own state); None without.
+    powersgd: PowerSGD | None
 
     def keras_step(self, data: Any) -> dict[str, Any]:
         """One step on one dataset element (graph-safe): Keras ``fit`` runs it as the model's
@@ -107,6 +110,9 @@ class StepOptions:
     zero_stage: int = 0
     in_issue_order: bool = False
     remat: Remat | None = None
+    # PowerSGD's rank (``optimizers.powersgd``; 0: none) and the seed of its first Q's.
+    powersgd_rank: int = 0
+    seed: int = 0
 
     def reduction(self, world_size: int) -> GradientReduction:
         """Gradients weighted by the global batch are summed; Adasum combines each rank's own
@@ -150,6 +156,8 @@ class StepMath:
                 shapes = self.sharding.piece_shapes(model.trainable_variables)
         self.layer_memory = LayerMemory(model, self.sharding, options.remat)
         self.saved_state: SavedState | None = None
+        self.powersgd = (PowerSGD(model.trainable_variables, options.powersgd_rank, options.seed)
+                         if options.powersgd_rank else None)
         self.accumulation: Accumulation | None = None
         if options.accumulation_steps > 1:   # the gradients' sums, the weighted loss's, shares'
             self.accumulation = Accumulation(shapes + [(), ()],
@@ -160,9 +168,13 @@ class StepMath:
         """The step's exchange: (the gradients combined as the options say, the float32
         ``scalars`` summed). The scalars ride in the first bucket (the list's end), so no extra
         collective; with compression (fp16, bf16) or Adasum they travel in a separate
-        allreduce, as they must neither be rounded nor Adasum-combined. ``hvdtrain benchmark
-        --loop exchange`` times this alone."""
+        allreduce, as they must neither be rounded nor Adasum-combined. With PowerSGD the
+        gradients it compresses travel in its two allreduces after the others' buckets.
+        ``hvdtrain benchmark --loop exchange`` times this alone."""
         reduction = self.reduction
+        if self.powersgd is not None:
+            return self.powersgd.reduced(self.collectives, gradients,
+                                         self.model.trainable_variables, reduction, scalars)
         if self.options.adasum or self.options.compression != "none":
             summed = self.collectives.allreduce_sum(scalars)
             return self.collectives.reduce_gradients(gradients, reduction), summed
@@ -252,8 +264,9 @@ class StepMath:
 
     def gradient_bytes(self) -> int:
         totals = self.accumulation.totals if self.accumulation is not None else []
+        compression = self.powersgd.state_bytes() if self.powersgd is not None else 0
         return (gradient_bytes_kept(self.sharding, self.model.trainable_variables)
-                + variable_bytes(totals))
+                + variable_bytes(totals) + compression)
 
     def keras_step(self, data: Any) -> dict[str, tf.Tensor]:
         with found_by_every_rank(), self.layer_memory.reads_guarded():
@@ -361,19 +374,6 @@ def keras_metrics(model: keras.Model, loss: tf.Tensor, y: Any, predictions: Any,
 
     tf.cond(count > 0, update, lambda: tf.constant(False))   # a filler counts in no metric
     return model.get_metrics_result()
-
-
-def xla_line(jit_compile: bool, own_step: bool) -> str:
-    """The run log's line on XLA: the model's ``jit_compile`` (Keras' "auto" already resolved:
-    on with a GPU where the model supports it, off on CPUs) taken as the user set it."""
-    if jit_compile and own_step:
-        return ("note: the model's own train_step runs without XLA although its jit_compile is "
-                "True: its optimizers reduce gradients with collectives, which XLA cannot "
-                "compile; compile the model with jit_compile=False to silence this")
-    if jit_compile:
-        return ("XLA: on for the forward and backward pass (the model's jit_compile); the "
-                "collectives and the update run outside it")
-    return "XLA: off (the model's jit_compile is False; Keras' 'auto' chooses off without a GPU)"
 
 
 class Evaluation:

@@ -24,29 +24,34 @@ from hvdtrain.training.step.trainable import Trainable
 
 
 def made_step(trainable: Trainable, data: DataBundle, collectives: Collectives,
-              global_batch: int, optim: OptimConfig, remat: Remat | None = None
-              ) -> TrainingStep:
+              global_batch: int, optim: OptimConfig, remat: Remat | None = None,
+              seed: int = 0) -> TrainingStep:
     """The step that trains ``trainable`` as ``optim`` says, its layers recomputing what
-    ``remat`` says; the ranks' shares are counted against ``global_batch``."""
+    ``remat`` says; the ranks' shares are counted against ``global_batch``; ``seed`` draws
+    PowerSGD's first Q's (one rank compresses nothing: no gradient travels)."""
+    powersgd_rank = (optim.powersgd_rank if optim.compression == "powersgd"
+                     and collectives.world.size > 1 else 0)
+    # PowerSGD's uncompressed part travels as float32; the other choices are casts on the wire.
+    wire = "none" if optim.compression == "powersgd" else optim.compression
     if trainable.own_step is not None:
         op = "adasum" if optim.reduction == "adasum" else "average"
         return OwnStep(trainable.model, collectives, data.keras_element,
-                       GradientReduction(op, optim.compression,
+                       GradientReduction(op, wire,
                                          bucket_bytes=optim.bucket_bytes,
                                          in_issue_order=optim.bucket_order == "issued"),
-                       optim.zero_stage, global_batch, remat)
+                       optim.zero_stage, global_batch, remat, powersgd_rank, seed)
     assert trainable.share is not None, "probe_trainable measures the share before any step"
     return StepMath(trainable.model, trainable.optimizer, collectives, trainable.share,
                     StepOptions(accumulation_steps=optim.accumulation_steps,
                                 adasum=optim.reduction == "adasum",
-                                compression=optim.compression,
+                                compression=wire,
                                 global_batch=global_batch,
                                 sample_weights=data.sample_weights,
                                 bucket_bytes=optim.bucket_bytes,
                                 xla=bool(trainable.model.jit_compile),
                                 zero_stage=optim.zero_stage,
                                 in_issue_order=optim.bucket_order == "issued",
-                                remat=remat))
+                                remat=remat, powersgd_rank=powersgd_rank, seed=seed))
 
 
 def remat_of(model: ModelConfig) -> Remat | None:
@@ -73,7 +78,7 @@ def step_for_run(config: Config, trainable: Trainable, data: DataBundle,
         trainable.share = agreed_share(trainable.share, collectives, optim, asks_xla,
                                        config.train.elastic)
     step = made_step(trainable, data, collectives, global_batch, optim,
-                     remat_of(config.model))
+                     remat_of(config.model), config.train.seed)
     if world.size > 1 and optim.reduction != "adasum":
         all_at_once = ("accumulated over micro-steps" if optim.accumulation_steps > 1 else
                        "computed by one XLA cluster" if asks_xla and not own_step else "")
@@ -81,6 +86,8 @@ def step_for_run(config: Config, trainable: Trainable, data: DataBundle,
         if collectives.backend == "tensorflow":   # program order (the ordering token)
             reduction = dataclasses.replace(reduction, in_issue_order=True)
         logger.info(reduction.describe(trainable.model.trainable_variables, all_at_once))
+        if step.powersgd is not None:
+            logger.info(step.powersgd.describe(trainable.model.trainable_variables))
     elif world.size > 1 and optim.bucket_order == "issued":
         logger.warning("--bucket-order issued does not apply to --reduction adasum: Adasum "
                        "sends each gradient in an allreduce of its own, in no bucket")

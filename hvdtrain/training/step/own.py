@@ -33,6 +33,7 @@ from hvdtrain.training.step.sync_batch_norm import batch_rows
 from hvdtrain.training.step.votes import StopVotes
 from hvdtrain.model_memory.for_run import LayerMemory
 from hvdtrain.model_memory.remat import Remat
+from hvdtrain.optimizers.powersgd import PowerSGD
 from hvdtrain.optimizers.sharding import Sharding, gradient_bytes_kept
 from hvdtrain.optimizers.state_into_pieces import SavedState
 
@@ -71,14 +72,16 @@ class OwnStep:
 
     def __init__(self, model: keras.Model, collectives: Collectives, keras_element: Any,
                  reduction: GradientReduction = GradientReduction("average"),
-                 zero_stage: int = 0, global_batch: int = 1, remat: Remat | None = None
-                 ) -> None:
+                 zero_stage: int = 0, global_batch: int = 1, remat: Remat | None = None,
+                 powersgd_rank: int = 0, seed: int = 0) -> None:
         """``keras_element(x, y, sample_weight)``: the batch as Keras ``fit`` would hand it to
         ``train_step`` for this data (``x``, ``(x, y)`` or ``(x, y, sample_weight)``);
         ``reduction``: how the optimizers combine gradients (average, or Adasum of the ranks'
         mean gradients; fp16 or bf16 on the wire); ``zero_stage`` > 0: the optimizers' state sharded
         (``optimizers.zero``); ``global_batch``: what the ranks' shares are counted against;
-        ``remat``: Keras' rematerialisation for the run (``model_memory``)."""
+        ``remat``: Keras' rematerialisation for the run (``model_memory``);
+        ``powersgd_rank`` > 0: PowerSGD compresses what it can of every optimizer's gradients
+        (``optimizers.powersgd``; ``seed`` draws its first Q's)."""
         self.model = model
         self.collectives = collectives
         self.optimizers = owned_optimizers(model)
@@ -88,6 +91,8 @@ class OwnStep:
         self._sharding = (Sharding(collectives, zero_stage, reduction) if zero_stage else None)
         self.layer_memory = LayerMemory(model, self._sharding, remat)
         self.saved_state: SavedState | None = None
+        self.powersgd = (PowerSGD(model.trainable_variables, powersgd_rank, seed)
+                         if powersgd_rank else None)
         self._model_step = type(model).train_step.__get__(model)
         self._global_batch = float(global_batch)
         # This rank's share of the step being traced (set by ``keras_step``, read by the
@@ -97,8 +102,10 @@ class OwnStep:
         self.votes = StopVotes()
 
     def gradient_bytes(self) -> int:
-        """The reduced gradients of the weights the optimizers train (pieces, sharded)."""
-        return gradient_bytes_kept(self._sharding, self.model.trainable_variables)
+        """The reduced gradients of the weights the optimizers train (pieces, sharded), and
+        PowerSGD's state."""
+        compression = self.powersgd.state_bytes() if self.powersgd is not None else 0
+        return gradient_bytes_kept(self._sharding, self.model.trainable_variables) + compression
 
     @contextlib.contextmanager
     def training(self, ends: RunEnd = RunEnd()) -> Iterator[None]:
@@ -111,15 +118,20 @@ class OwnStep:
                                                             self.reduction, self._reduce))
             yield
 
-    def _reduce(self, gradients: Any, reduction: GradientReduction) -> list[Any]:
+    def _reduce(self, gradients: Any, reduction: GradientReduction,
+                variables: Any) -> list[Any]:
         """The optimizers' exchange: averaged gradients weighted by each rank's share of the
-        global batch (summed, over the summed shares); Adasum combines the ranks' own."""
+        global batch (summed, over the summed shares; PowerSGD's approximated); Adasum
+        combines the ranks' own."""
         share = self._share
         if reduction.op != "average" or share is None:
             return self.collectives.reduce_gradients(gradients, reduction)
         summing = dataclasses.replace(reduction, op="sum")
         weighted = [None if g is None else scaled(g, share) for g in gradients]
-        if reduction.compression != "none":    # the share must not be rounded
+        if self.powersgd is not None:
+            reduced, (total,) = self.powersgd.reduced(self.collectives, weighted, variables,
+                                                      summing, [share])
+        elif reduction.compression != "none":    # the share must not be rounded
             total = self.collectives.allreduce_sum([share])[0]
             reduced = self.collectives.reduce_gradients(weighted, summing)
         else:

@@ -24,7 +24,6 @@ from hvdtrain.data.contract import DataBundle
 from hvdtrain.errors import UserError, first_sentence
 from hvdtrain.keras_internals import compile_arguments, remembered_rates, sublayers
 from hvdtrain.log import logger
-from hvdtrain.training.step.core import xla_line
 from hvdtrain.training.step.objective import (DEFAULT_LOSS, DEFAULT_METRICS, LossShare,
                                               build_for_training)
 from hvdtrain.training.step.own import own_step_methods, owned_optimizers
@@ -221,3 +220,16 @@ def probe_trainable(trainable: Trainable, batch: tuple, label: str,
                         f"failed ({why}); build it (and its sub-models) before training"
                         ) from error
     return None
+
+
+def xla_line(jit_compile: bool, own_step: bool) -> str:
+    """The run log's line on XLA: the model's ``jit_compile`` (Keras' "auto" already resolved:
+    on with a GPU where the model supports it, off on CPUs) taken as the user set it."""
+    if jit_compile and own_step:
+        return ("note: the model's own train_step runs without XLA although its jit_compile is "
+                "True: its optimizers reduce gradients with collectives, which XLA cannot "
+                "compile; compile the model with jit_compile=False to silence this")
+    if jit_compile:
+        return ("XLA: on for the forward and backward pass (the model's jit_compile); the "
+                "collectives and the update run outside it")
+    return "XLA: off (the model's jit_compile is False; Keras' 'auto' chooses off without a GPU)"

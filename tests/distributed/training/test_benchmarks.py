@@ -145,7 +145,8 @@ def test_scaling_rows_share_and_bus_bandwidth_from_the_compute_floor():
     assert variant_names([0, 8], [0, 16]) == [
         "single", "concurrent", "exchange", "hvdtrain", "hvdtrain-buckets-0MiB",
         "hvdtrain-buckets-16MiB", "hvdtrain-issued-order", "hvdtrain-tensorflow",
-        "hvdtrain-fp16", "hvdtrain-bf16", "hvdtrain-hierarchical", "hvdtrain-zero-1",
+        "hvdtrain-fp16", "hvdtrain-bf16", "hvdtrain-powersgd", "hvdtrain-hierarchical",
+        "hvdtrain-zero-1",
         "hvdtrain-zero-2", "hvdtrain-fusion-0MiB", "hvdtrain-fusion-8MiB", "minimal", "multiworker"]
 
     def result(step: float) -> dict:

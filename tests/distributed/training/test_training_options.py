@@ -1,6 +1,7 @@
 """The training options and what they change: gradient accumulation equals a larger batch,
-fp16 and bf16 compression (bf16 on both backends) and Adasum change the reduction, mixed
-precision trains and saves float32 (2 ranks each). The learning-rate schedules, in one process:
+fp16 and bf16 compression (bf16 on both backends) and Adasum change the reduction, PowerSGD
+keeps the ranks identical and its state across a resume, mixed precision trains and saves float32
+(2 ranks each). The learning-rate schedules, in one process:
 tests/unit/training/step/test_schedules.py.
 The runs are cases of the three launches of conftest's ``training_runs``
 (tests/support/training_cases.py); the one-process k-times batch is trained once for both
@@ -50,6 +51,29 @@ def test_compression_and_adasum_train_and_change_the_reduction(training_runs, ba
         assert read_metrics(run)[0]["lr"] == pytest.approx(0.05)
         losses = [row["loss"] for row in read_metrics(run)]
         assert losses[-1] < losses[0] and summary["metrics"]["val_accuracy"] > 0.6
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_powersgd_keeps_ranks_identical_learns_and_resumes_exactly(training_runs, backend):
+    """--compression powersgd on 2 ranks: weights identical on both, the loss goes down, the
+    result near the exact reduction's, and 1 epoch + 1 resumed ends where 2 epochs do (the
+    error buffers and Q matrices come back from the checkpoint: without them it does not)."""
+    run = training_runs(backend, f"powersgd-{backend}")
+    training_runs(backend, f"powersgd-continued-{backend}")
+    resumed = training_runs(backend, f"powersgd-half-{backend}")
+    exact = read_summary(training_runs(backend, f"exact-fit-2-{backend}"))
+    summary = read_summary(run)
+    assert summary["weights_identical"] and read_summary(resumed)["weights_identical"]
+    losses = [row["loss"] for row in read_metrics(run)]
+    assert losses[-1] < losses[0]
+    assert summary["metrics"]["val_accuracy"] == pytest.approx(
+        exact["metrics"]["val_accuracy"], abs=0.05)
+    assert_same_weights(final_weights(resumed), final_weights(run), atol=1e-6)
+    assert summary["fingerprints"] == read_summary(resumed)["fingerprints"]
+    gan = training_runs(backend, f"powersgd-gan-{backend}")   # a model's own train_step
+    assert read_summary(gan)["weights_identical"]
+    assert "PowerSGD rank 2: 2 of 8 gradients compressed" in (gan / "hvdtrain.log").read_text()
 
 
 @pytest.mark.distributed

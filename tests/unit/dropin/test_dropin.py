@@ -168,7 +168,8 @@ def test_a_distributed_optimizers_partial_sums_are_saved_with_it(tmp_path):
 
     optimizer = keras.optimizers.SGD(0.1)
     set_class(optimizer, reducing_class(type(optimizer), GradientReduction("average"), 2, True,
-                                        LocalCollectives().reduce_gradients))
+                                        lambda grads, reduction, variables:
+                                        LocalCollectives().reduce_gradients(grads, reduction)))
     variable = keras.Variable([1.0, 2.0])
     optimizer.apply([tf.constant([0.5, 0.25])], [variable])      # the first of two passes
     saved = dict(tf.train.list_variables(

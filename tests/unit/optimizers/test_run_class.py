@@ -11,7 +11,9 @@ from hvdtrain.collectives import GradientReduction, LocalCollectives
 from hvdtrain.optimizers.reduction import distributed_for_the_run, reducing_class
 from hvdtrain.optimizers.run_class import attached, become, class_for_the_run, give_back, own_class
 
-REDUCE = LocalCollectives().reduce_gradients
+
+def REDUCE(gradients, reduction, variables):
+    return LocalCollectives().reduce_gradients(gradients, reduction)
 
 
 def _reducing(cls: type, passes: int = 1) -> type:
