@@ -11,6 +11,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from hvdtrain.collectives import variable_bytes
 from hvdtrain.model_memory.gathered import GatheredLayers
 from hvdtrain.model_memory.remat import Remat, Rematerialized
 from hvdtrain.model_memory.saved_whole import saved_in_lockstep
@@ -60,8 +61,10 @@ class LayerMemory:
 
     def whole_bytes(self, variables: Sequence[Any]) -> int:
         """The bytes of ``variables`` whole (Keras' save writes them so), also in pieces."""
-        shape_of = self.gathered.sharding.whole_shape if self.gathered else _shape
-        return sum(int(np.prod(shape_of(v))) * tf.as_dtype(v.dtype).size for v in variables)
+        if self.gathered is None:
+            return variable_bytes(variables)
+        whole_shape = self.gathered.sharding.whole_shape
+        return sum(int(np.prod(whole_shape(v))) * tf.as_dtype(v.dtype).size for v in variables)
 
     def whole_again(self) -> None:
         """Weights a run left in pieces whole again (a collective): a validation after it."""
@@ -76,7 +79,3 @@ class LayerMemory:
         if self.gathered is None or not self.gathered.left_in_pieces:
             return contextlib.nullcontext()
         return saved_in_lockstep(model, self.gathered.sharding, optimizer_streams)
-
-
-def _shape(variable: Any) -> tuple[int, ...]:
-    return tuple(variable.shape)

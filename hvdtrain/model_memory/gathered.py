@@ -73,7 +73,8 @@ class GatheredLayers:
         self._previous_inputs: list[tf.Tensor] = []
         self._regularizers: dict[int, Callable[[Any], Any]] = {}   # id(variable) -> its own
         self._in_step = 0   # depth of the step's trace
-        self._left_in_pieces: tuple[list[Any], list[Any]] | None = None
+        # The optimizers of a run that left the weights in pieces (``end_in_pieces``).
+        self._left_in_pieces: list[Any] | None = None
 
     def read_refused(self, variable: Any) -> bool:
         """Whether reading ``variable`` now would read this rank's piece as if it were the
@@ -103,7 +104,7 @@ class GatheredLayers:
         (``saved_whole``) until ``whole_again``. Keras indexes a built optimizer's state by
         its variables' TensorFlow variables, which cutting and joining replace:
         ``optimizers`` are indexed again after each."""
-        variables = [v for _, own in self.layers for v in own]
+        variables = self._variables
         self.sharding.cut_in_place(variables)
         _reindexed(optimizers)
         whole_again = False
@@ -117,13 +118,13 @@ class GatheredLayers:
                 yield
             whole_again = not end_in_pieces
             if end_in_pieces:
-                self._left_in_pieces = (variables, list(optimizers))
+                self._left_in_pieces = list(optimizers)
         except STOPPED_TOGETHER:
             whole_again = True
             raise
         finally:
             if whole_again:
-                self._joined(variables, optimizers)
+                self._joined(optimizers)
 
     @property
     def left_in_pieces(self) -> bool:
@@ -134,12 +135,16 @@ class GatheredLayers:
         """The weights a run left in pieces (``end_in_pieces``) whole again, one at a time (a
         collective): for a validation after the run, which computes with the whole model."""
         if self._left_in_pieces is not None:
-            self._joined(*self._left_in_pieces)
+            self._joined(self._left_in_pieces)
             self._left_in_pieces = None
 
-    def _joined(self, variables: Sequence[Any],
-                optimizers: Sequence[keras.optimizers.Optimizer]) -> None:
-        self.sharding.join_in_place(variables)
+    @property
+    def _variables(self) -> list[Any]:
+        """Every owned variable, in the layers' order."""
+        return [v for _, own in self.layers for v in own]
+
+    def _joined(self, optimizers: Sequence[keras.optimizers.Optimizer]) -> None:
+        self.sharding.join_in_place(self._variables)
         _reindexed(optimizers)
 
     @contextlib.contextmanager

@@ -45,10 +45,10 @@ def saved_in_lockstep(model: keras.Model, sharding: Sharding,
     layer holding pieces stores whole values gathered as Keras' save reaches it, and each
     optimizer of ``optimizer_streams`` consumes its stream there. After the block every rank
     finishes the gathers rank 0's save left (all of them, on the other ranks)."""
-    owned = {id(layer): own for layer in [model, *sublayers(model)]
-             for own in [[v for v in own_trainable_variables(layer) if sharding.in_pieces(v)]]
-             if own}
-    layers = [layer for layer in [model, *sublayers(model)] if id(layer) in owned]
+    pieces_of = [(layer, [v for v in own_trainable_variables(layer) if sharding.in_pieces(v)])
+                 for layer in [model, *sublayers(model)]]
+    layers = [layer for layer, own in pieces_of if own]
+    owned = {id(layer): own for layer, own in pieces_of if own}   # the pieces each stores
     streams = {id(optimizer): stream for optimizer, stream in optimizer_streams}
     order: list[Any] = []
     lockstep: Iterator[tuple[Any, list[Any] | None]] | None = None
