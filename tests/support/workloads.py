@@ -176,7 +176,7 @@ def slow_steps() -> list[keras.callbacks.Callback]:
 def slow_first_slurm_allocation() -> list[keras.callbacks.Callback]:
     """A user's callback that makes every step 1 s longer (timing, not the math) in a Slurm
     job's first allocation only (``SLURM_RESTART_COUNT`` unset or 0): its training then outlasts
-    a one-minute time limit on any machine, and the allocation after the requeue trains at full
+    the time-limit warning on any machine, and the allocation after the requeue trains at full
     speed."""
     import os
 

@@ -195,12 +195,12 @@ def launcher_pid(run_dir: Path) -> int | None:
 @pytest.mark.slow
 def test_slurm_stop_and_time_limit_requeue_finish_like_an_uninterrupted_run(slurm, uninterrupted):
     """SIGTERM to the job step mid-epoch: the job ends with exit 75 and a mid-epoch checkpoint,
-    nothing remains. Resubmitted with a one-minute time limit (Slurm's shortest) shorter than
-    its training (each step of the first allocation slowed by 1 s in a user's callback, which
-    changes timing, not the math; the allocation after the requeue trains at full speed), the
-    shipped script's SIGUSR1 trap stops the ranks before the limit, with a checkpoint (every
-    rank that says so at one step), and requeues the job, which then trains to the end; the
-    weights and metrics rows equal an uninterrupted run's."""
+    nothing remains. Resubmitted with a two-minute time limit shorter than its training (each
+    step of the first allocation slowed by 1 s in a user's callback, which changes timing, not
+    the math; the allocation after the requeue trains at full speed), the shipped script's
+    SIGUSR1 trap stops the ranks before the limit, with a checkpoint (every rank that says so
+    at one step), and requeues the job, which then trains to the end; the weights and metrics
+    rows equal an uninterrupted run's."""
     run_dir = slurm.directory / "preempted"
     args = [*ARGS, "--loop", "fit", "--no-progress", "--run-dir", str(run_dir)]
     slow = {"HOROVOD_CYCLE_TIME": "250"}
@@ -220,14 +220,17 @@ def test_slurm_stop_and_time_limit_requeue_finish_like_an_uninterrupted_run(slur
     assert list((run_dir / "checkpoints").glob("epoch-*-step-*")), "no mid-epoch checkpoint"
     assert_nothing_left(run_dir)
 
-    # Slurm tests time limits every 30 s: it sends the --signal warning at the first test
+    # Slurm tests time limits about every 30 s: it sends the --signal warning at the first test
     # within 30 s + the warning's seconds of the limit, and ends the job at the first test past
-    # the limit. With one minute and @1 the warning comes 29-59 s into the allocation, at least
-    # 30 s before the limit is enforced (time for the ranks to stop and the script to requeue).
-    # The ranks train by then: 10 s into the allocation on 2 cores, 27 s with 25 processes
-    # competing for them. The slowed training (135 steps of over 1 s) outlasts the limit.
+    # the limit. With two minutes and @45 the warning comes 45-75 s into the allocation (the
+    # ranks train by then: 10 s in on 2 cores, 27 s with 25 processes competing for them), at
+    # least 45 s before the limit is enforced: time for the ranks to stop and the script to
+    # requeue even when a loaded controller runs a test late. (With one minute and @1, a late
+    # test once sent the warning seconds before the limit: the ranks took the time limit's
+    # SIGTERM as a second request and exited without a checkpoint.) The slowed training (130
+    # steps of over 1 s) outlasts the warning.
     job = slurm.submit(*args, "--callbacks", "workloads:slow_first_slurm_allocation",
-                       sbatch=("--time=1", "--signal=B:USR1@1"), PYTHONPATH=RANK_PYTHONPATH)
+                       sbatch=("--time=2", "--signal=B:USR1@45"), PYTHONPATH=RANK_PYTHONPATH)
     deadline = time.time() + 600
     while (record := slurm.finished(job)) is None:
         assert time.time() < deadline, slurm.output(job)[-3000:]
@@ -237,9 +240,10 @@ def test_slurm_stop_and_time_limit_requeue_finish_like_an_uninterrupted_run(slur
     assert record["JobState"] == "COMPLETED" and record["ExitCode"] == "0:0", output[-3000:]
     assert int(record["Restarts"]) == 1, output[-3000:]
     # The first allocation stopped with a checkpoint, every rank that said so at one step:
-    # the signal came mid-run. (Once in three runs under load one rank printed no line and
-    # exited 138, 128 + SIGUSR1, while the other stopped with 75: one line, not two; not
-    # explained yet. The requeue, the resume and the final equality hold either way.)
+    # the signal came mid-run. (Once in three runs under load, with the warning 29-59 s in,
+    # one rank printed no line and exited 138, 128 + SIGUSR1, while the other stopped with 75:
+    # one line, not two; not explained yet. The requeue, the resume and the final equality
+    # hold either way.)
     stops = re.findall(r"hvdtrain: error: (stopped by SIGUSR1 on rank [01].*?"
                        r"checkpoint \S+ written; .*?--resume auto)", output)
     assert stops and set(stops) == {stops[0]}, output[-3000:]
