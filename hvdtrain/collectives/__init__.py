@@ -15,9 +15,9 @@ from typing import Any, Callable, Mapping
 
 from hvdtrain.collectives.base import (Collectives, GradientReduction, LocalCollectives,
                                        assign_across_ranks, chief_decides, differentiable_sum,
-                                       ended_by_another_rank, gathered_rows, peer_unreachable,
-                                       raised_here, static_bytes, summed_across_ranks,
-                                       tf_variables, variable_bytes)
+                                       ended_by_another_rank, gathered_at_chief, gathered_rows,
+                                       peer_unreachable, raised_here, static_bytes,
+                                       summed_across_ranks, tf_variables, variable_bytes)
 from hvdtrain.collectives.horovod_backend import HorovodCollectives, horovod_usable
 from hvdtrain.collectives.world import World, cpu_threads_per_rank, place_devices
 from hvdtrain.errors import first_sentence
@@ -25,9 +25,9 @@ from hvdtrain.launchers import launched_by_a_launcher
 
 __all__ = ["BACKENDS", "Collectives", "GradientReduction", "LocalCollectives", "World",
            "assign_across_ranks", "chief_decides", "chosen_backend", "cpu_threads_per_rank",
-           "differentiable_sum", "ended_by_another_rank", "gathered_rows", "init_collectives",
-           "peer_unreachable", "place_devices", "raised_here", "static_bytes",
-           "summed_across_ranks", "tf_variables", "variable_bytes"]
+           "differentiable_sum", "ended_by_another_rank", "gathered_at_chief", "gathered_rows",
+           "init_collectives", "peer_unreachable", "place_devices", "raised_here",
+           "static_bytes", "summed_across_ranks", "tf_variables", "variable_bytes"]
 
 BACKENDS = ("auto", "horovod", "tensorflow")
 

@@ -272,6 +272,20 @@ def chief_decides(collectives: Collectives, decide: Callable[[], Any]) -> Any:
     return value
 
 
+def gathered_at_chief(collectives: Collectives, obj: Any) -> list[Any] | None:
+    """Every rank's ``obj`` in rank order on rank 0, None elsewhere: each rank broadcasts its
+    own in turn and the others drop what they receive, so a rank holds at most two ranks'
+    objects at once (an allgather would hold all of them on every rank: a checkpoint's
+    per-rank state, PowerSGD's error buffers among it, is as large as the gradients)."""
+    kept: list[Any] = []
+    for root in range(collectives.world.size):
+        mine = obj if collectives.world.rank == root else None
+        received = collectives.broadcast_object(mine, root_rank=root)
+        if collectives.world.is_chief:
+            kept.append(received)
+    return kept if collectives.world.is_chief else None
+
+
 def summed_across_ranks(collectives: Collectives, variables: Sequence[Any]) -> list[Any]:
     """The sum over ranks of each variable's value (one grouped allreduce)."""
     import tensorflow as tf

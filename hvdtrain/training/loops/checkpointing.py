@@ -14,7 +14,7 @@ import tensorflow as tf
 
 from hvdtrain.checkpoints.store import CheckpointStore, rank_local_variables
 from hvdtrain.checkpoints.state import CheckpointState
-from hvdtrain.collectives import Collectives, summed_across_ranks
+from hvdtrain.collectives import Collectives, gathered_at_chief, summed_across_ranks
 from hvdtrain.data.equal_steps import Passes
 from hvdtrain.errors import CheckpointWriteFailed, StoppedBySignal
 from hvdtrain.liveness.watch import Liveness
@@ -143,7 +143,7 @@ class Checkpointing(keras.callbacks.Callback):
         local = [v.numpy() for v in rank_local_variables(model)]
         if self.step.powersgd is not None:   # saved after the random-generator states
             local += self.step.powersgd.rank_values()
-        rank_states = self.collectives.allgather_object(local) if local else None
+        rank_states = gathered_at_chief(self.collectives, local) if local else None
         whole = consolidated_state(self.step.optimizers, model)
         outcome = ""
         if self.collectives.world.is_chief:
