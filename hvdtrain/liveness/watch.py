@@ -32,6 +32,8 @@ if TYPE_CHECKING:
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
 # Requests closer together than this are one event delivered twice, not a second request.
 SAME_EVENT_S = 3.0
+# A scheduler's advance warning, then its end of the job: one stop, not two (see ``request``).
+WARNING, END = "SIGUSR1", "SIGTERM"
 # The stall limit without a stop request (see the module doc).
 FLOOR_S = 30.0
 STEP_FACTOR = 20.0
@@ -104,6 +106,7 @@ class Liveness:
         self.stop_reason: str | None = None
         self._stop_code = 0
         self._stop_at = 0.0
+        self._end_came = False
         # The step and phase clock.
         self._step_began: float | None = None
         self._last_step_end: float | None = None
@@ -275,13 +278,22 @@ class Liveness:
     # --- stop requests -----------------------------------------------------------------------
 
     def request(self, reason: str, exit_code: int) -> None:
-        """Record the first request; end the process at once on a second, later one."""
+        """Record the first request; end the process at once on a second, later one.
+
+        The exception: after the time-limit warning (SIGUSR1, which the batch scripts relay),
+        the scheduler's SIGTERM is the same stop arriving on schedule, not an impatient second
+        request. A loaded Slurm controller may send the two seconds apart; exiting then would
+        lose the checkpoint the warning asked for, while Slurm's own SIGKILL (KillWait after
+        its SIGTERM) still bounds the wait. A request after that one ends the process."""
         with self._lock:
             now = self._clock()
             if self.stop_reason is None:
                 self.stop_reason, self._stop_code, self._stop_at = reason, exit_code, now
                 return
             if now - self._stop_at < SAME_EVENT_S:
+                return
+            if (self.stop_reason, reason) == (WARNING, END) and not self._end_came:
+                self._end_came, self._stop_at = True, now
                 return
         self._leave(f"hvdtrain: second stop request ({reason}) after {self.stop_reason}: "
                     "exiting now, without a checkpoint", exit_code)

@@ -222,6 +222,21 @@ def test_requests_close_together_are_one_and_a_later_one_ends_at_once():
                                  "exiting now, without a checkpoint\n")
 
 
+def test_the_end_after_the_time_limit_warning_still_stops_at_a_step():
+    """Slurm's SIGTERM seconds after its SIGUSR1 warning is the same stop (a loaded controller
+    sent them seconds apart in CI): the rank keeps going to its checkpoint; one more ends it."""
+    live, clock, exits, stream = monitor()
+    live.request("SIGUSR1", 138)
+    clock.now += 5
+    live.request("SIGTERM", 143)
+    assert exits == [] and live.stop_reason == "SIGUSR1"
+    clock.now += 5
+    live.request("SIGTERM", 143)
+    assert exits == [143]
+    assert stream.getvalue() == ("hvdtrain: second stop request (SIGTERM) after SIGUSR1: "
+                                 "exiting now, without a checkpoint\n")
+
+
 def test_the_thread_fires_on_its_own_and_uninstall_closes_the_heartbeat():
     exits, stream = [], io.StringIO()
     live = Liveness(0.2, exit=exits.append, stream=stream, poll_s=0.05)
