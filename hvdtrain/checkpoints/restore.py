@@ -205,6 +205,10 @@ def starting_point(config: Config, run: CheckpointState, collectives: Collective
         if start.epoch:
             logger.info(f"BackupAndRestore: continuing after epoch {start.epoch} from "
                         f"{backup.backup_dir}")
+        if start.epoch and step.powersgd is not None:
+            logger.warning("note: BackupAndRestore keeps the weights and optimizer, not "
+                           "PowerSGD's error buffers and Q matrices, which start afresh; "
+                           "hvdtrain's own checkpoints (--resume auto) resume them exactly")
     if world.is_chief:   # only now: a rejected run must not overwrite a run's config
         with run_files(run_dir, "config.yaml"):
             atomic_write_text(run_dir / "config.yaml", config.to_yaml())
