@@ -208,6 +208,7 @@ def run(args: argparse.Namespace) -> tuple[bool, dict[str, Any]]:
     from hvdtrain.training.step.objective import DEFAULT_LOSS, DEFAULT_METRICS, build_for_training
     from hvdtrain.training.step.schedule import make_optimizer, make_schedule
     from hvdtrain.training.step.core import StepMath, StepOptions
+    from hvdtrain.training.step.for_run import wire_and_powersgd_rank
     from hvdtrain.collectives import init_collectives, place_devices
 
     collectives = init_collectives(prepare=place_devices)
@@ -223,14 +224,15 @@ def run(args: argparse.Namespace) -> tuple[bool, dict[str, Any]]:
     model.compile(optimizer=optimizer, loss=DEFAULT_LOSS, metrics=list(DEFAULT_METRICS),
                   jit_compile=False)
     share = build_for_training(model, batch, args.model)
+    wire, powersgd_rank = wire_and_powersgd_rank(args.compression, args.powersgd_rank,
+                                                 world.size)
     step = StepMath(model, optimizer, collectives, share,
-                    StepOptions(compression=args.compression,
+                    StepOptions(compression=wire,
                                 global_batch=args.batch_size * world.size,
                                 bucket_bytes=bucket_bytes(args.bucket_mib),
                                 zero_stage=args.zero_stage,
                                 in_issue_order=args.bucket_order == "issued",
-                                powersgd_rank=args.powersgd_rank if args.compression
-                                == "powersgd" and world.size > 1 else 0))
+                                powersgd_rank=powersgd_rank))
     with step_installed(step), step.training():
         run_step = (_fit_step(step, batch) if args.loop == "fit" else
                     _exchange_step(step) if args.loop == "exchange" else

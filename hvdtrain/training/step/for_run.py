@@ -23,16 +23,24 @@ from hvdtrain.training.step.sync_batch_norm import batch_norm_note
 from hvdtrain.training.step.trainable import Trainable
 
 
+def wire_and_powersgd_rank(compression: str, powersgd_rank: int,
+                           world_size: int) -> tuple[str, int]:
+    """What a ``--compression`` asks of the step: (the cast on the wire of the gradients that
+    travel exact, PowerSGD's rank or 0). PowerSGD's uncompressed part travels as float32; the
+    other choices are casts on the wire; one rank compresses nothing (no gradient travels)."""
+    if compression != "powersgd":
+        return compression, 0
+    return "none", powersgd_rank if world_size > 1 else 0
+
+
 def made_step(trainable: Trainable, data: DataBundle, collectives: Collectives,
               global_batch: int, optim: OptimConfig, remat: Remat | None = None,
               seed: int = 0) -> TrainingStep:
     """The step that trains ``trainable`` as ``optim`` says, its layers recomputing what
     ``remat`` says; the ranks' shares are counted against ``global_batch``; ``seed`` draws
     PowerSGD's first Q's (one rank compresses nothing: no gradient travels)."""
-    powersgd_rank = (optim.powersgd_rank if optim.compression == "powersgd"
-                     and collectives.world.size > 1 else 0)
-    # PowerSGD's uncompressed part travels as float32; the other choices are casts on the wire.
-    wire = "none" if optim.compression == "powersgd" else optim.compression
+    wire, powersgd_rank = wire_and_powersgd_rank(optim.compression, optim.powersgd_rank,
+                                                 collectives.world.size)
     if trainable.own_step is not None:
         op = "adasum" if optim.reduction == "adasum" else "average"
         return OwnStep(trainable.model, collectives, data.keras_element,
