@@ -66,3 +66,14 @@ def test_every_rank_draws_the_same_first_q():
     variables = [tf.Variable(tf.zeros((32, 24)))]
     first, second = PowerSGD(variables, 2, 3), PowerSGD(variables, 2, 3)
     np.testing.assert_array_equal(first.q_variables[0].numpy(), second.q_variables[0].numpy())
+
+
+def test_the_step_and_the_benchmark_read_a_compression_alike():
+    """--compression powersgd: its exact part travels as float32 and one rank compresses
+    nothing; the casts travel as they are (the benchmark once passed 'powersgd' on as a cast)."""
+    from hvdtrain.training.step.for_run import wire_and_powersgd_rank
+
+    assert wire_and_powersgd_rank("powersgd", 2, world_size=2) == ("none", 2)
+    assert wire_and_powersgd_rank("powersgd", 4, world_size=1) == ("none", 0)
+    assert wire_and_powersgd_rank("bf16", 2, world_size=2) == ("bf16", 0)
+    GradientReduction(compression=wire_and_powersgd_rank("powersgd", 2, 2)[0])
