@@ -193,6 +193,11 @@ class OptimConfig:
                                         "them in one order; the TensorFlow backend always "
                                         "submits so)",
                                choices=("ready", "issued"))
+    bucket_choice: str = option("measured", "measured: the first steps time --bucket-mib buckets "
+                                            "against one allreduce after the backward pass "
+                                            "and keep the faster (neither changes the "
+                                            "update); fixed: --bucket-mib throughout",
+                                choices=("measured", "fixed"))
     accumulation_steps: int = option(1, "local steps whose gradients are accumulated before one "
                                         "allreduce and update", minimum=1)
     zero_stage: int = option(0, "ZeRO: 1 keeps on each rank the optimizer state for 1/ranks of "

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from hvdtrain.builtin_names import GRADIENT_COMPRESSIONS
-from hvdtrain.config import BUCKET_MIB, POWERSGD_RANK, bucket_bytes
+from hvdtrain.config import BUCKET_MIB, POWERSGD_RANK, OptimConfig, bucket_bytes
 
 # Beside the ranks' folders of a ``--profile-dir``: how many ranks were profiled.
 PROFILED_WORLD = "world.json"
@@ -75,6 +75,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--bucket-order", default="ready", choices=("ready", "issued"),
                         help="when each bucket's allreduce is submitted, as in training "
                              "(default: ready)")
+    parser.add_argument("--bucket-choice", default=OptimConfig().bucket_choice,
+                        choices=("measured", "fixed"),
+                        help="as in training: measured times --bucket-mib buckets against one "
+                             "allreduce after the backward pass first and keeps the faster "
+                             f"(default: {OptimConfig().bucket_choice})")
     parser.add_argument("--zero-stage", type=int, default=0, choices=(0, 1, 2),
                         help="ZeRO stage, as in training (default: 0)")
     parser.add_argument("--profile-dir", type=Path, metavar="DIR",
@@ -189,22 +194,45 @@ def _exchange_step(step):
     return exchange
 
 
+def _chosen(step, candidates, traced, batch):
+    """``--bucket-choice measured``, as a run's first steps do it (``bucket_choice``): each
+    way's median step after its warm-up, rank 0's medians deciding on every rank; the kept
+    way's traced step."""
+    from hvdtrain.training.step.bucket_choice import TIMED_STEPS, WARMUP_STEPS, decided
+
+    functions, medians = [], []
+    for candidate in candidates:
+        step.reduction = candidate
+        functions.append(traced())
+        seconds = []
+        for done in range(WARMUP_STEPS + TIMED_STEPS):
+            started = time.perf_counter()
+            float(functions[-1](*batch)["loss"])
+            if done >= WARMUP_STEPS:
+                seconds.append(time.perf_counter() - started)
+        medians.append(statistics.median(seconds))
+    kept = decided(step.collectives.broadcast_object(medians), candidates)
+    step.reduction = candidates[kept]
+    return functions[kept]
+
+
 def _fit_step(step, batch):
     """The Keras fit path's compiled step (the function fit itself would run); call it while
     the step is installed (``loops.step_installed``)."""
     import tensorflow as tf
 
-    step.model.make_train_function()
+    step.model.make_train_function(force=True)     # traced anew for the step's reduction
+    train_function = step.model.train_function
     iterator = iter(tf.data.Dataset.from_tensors(batch).repeat())
-    return lambda *_: step.model.train_function(iterator)
+    return lambda *_: train_function(iterator)
 
 
 def run(args: argparse.Namespace) -> tuple[bool, dict[str, Any]]:
     """(is this rank 0, the result gathered from every rank)."""
     import tensorflow as tf
 
-    from hvdtrain.config import OptimConfig
     from hvdtrain.training.loops.driver import step_installed
+    from hvdtrain.training.step.bucket_choice import measured_candidates
     from hvdtrain.training.step.objective import DEFAULT_LOSS, DEFAULT_METRICS, build_for_training
     from hvdtrain.training.step.schedule import make_optimizer, make_schedule
     from hvdtrain.training.step.core import StepMath, StepOptions
@@ -233,10 +261,17 @@ def run(args: argparse.Namespace) -> tuple[bool, dict[str, Any]]:
                                 zero_stage=args.zero_stage,
                                 in_issue_order=args.bucket_order == "issued",
                                 powersgd_rank=powersgd_rank))
+    candidates = measured_candidates(
+        step.reduction, model.trainable_variables,
+        args.bucket_choice == "measured" and world.size > 1 and args.loop != "exchange"
+        and not args.zero_stage and step.powersgd is None)
     with step_installed(step), step.training():
-        run_step = (_fit_step(step, batch) if args.loop == "fit" else
+        def traced() -> Any:
+            return (_fit_step(step, batch) if args.loop == "fit" else
                     _exchange_step(step) if args.loop == "exchange" else
                     tf.function(step.train_step, jit_compile=False))
+
+        run_step = traced() if candidates is None else _chosen(step, candidates, traced, batch)
         timing = time_steps(run_step, batch, args.warmup_steps, args.steps, args.repeats)
         if args.profile_dir:
             profile_steps(run_step, batch, args.steps, args.profile_dir / f"rank{world.rank}")
@@ -253,6 +288,8 @@ def run(args: argparse.Namespace) -> tuple[bool, dict[str, Any]]:
     return world.is_chief, {
         "model": args.model, "loop": args.loop, "compression": args.compression,
         "bucket_mib": args.bucket_mib, "bucket_order": args.bucket_order,
+        "bucket_choice": args.bucket_choice,
+        "bucket_kept_mib": step.reduction.bucket_bytes / 2**20,
         "zero_stage": args.zero_stage,
         "world_size": world.size, "batch_size_per_rank": args.batch_size,
         "input_shape": list(x.shape[1:]),

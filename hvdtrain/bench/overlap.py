@@ -31,9 +31,10 @@ from hvdtrain.bench.step_records import (TensorStep, by_occurrence, covered, fir
                                          last_ends)
 from hvdtrain.bench.variants import MPIRUN_WRAPPER, python, run_checked, variant_env
 
-# Short and cheap; what follows ``--`` on the command line comes later and wins.
+# Short and cheap; what follows ``--`` on the command line comes later and wins. The buckets
+# as given (--bucket-choice fixed): the timeline's steps then all send the gradients alike.
 BENCHMARK_DEFAULTS = ["--model", "cnn", "--batch-size", "64", "--warmup-steps", "3",
-                      "--steps", "5", "--repeats", "1"]
+                      "--steps", "5", "--repeats", "1", "--bucket-choice", "fixed"]
 
 
 @dataclass(frozen=True)

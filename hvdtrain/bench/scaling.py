@@ -62,7 +62,8 @@ def hvdtrain_knobs(name: str) -> tuple[list[str], dict[str, str]]:
     if name.startswith("hvdtrain-zero-"):
         return ["--zero-stage", name.removeprefix("hvdtrain-zero-")], {}
     if name.startswith("hvdtrain-buckets-"):
-        return ["--bucket-mib", name.removeprefix("hvdtrain-buckets-").removesuffix("MiB")], {}
+        return ["--bucket-mib", name.removeprefix("hvdtrain-buckets-").removesuffix("MiB"),
+                "--bucket-choice", "fixed"], {}
     if name.startswith("hvdtrain-fusion-"):
         mib = float(name.removeprefix("hvdtrain-fusion-").removesuffix("MiB"))
         return [], {"HOROVOD_FUSION_THRESHOLD": str(int(mib * 2 ** 20))}

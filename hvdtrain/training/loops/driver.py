@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Any, Callable, ContextManager, Iterator
+from typing import Any, Callable, ContextManager, Iterator, Sequence
 
 import keras
 import tensorflow as tf
@@ -32,6 +32,7 @@ from hvdtrain.keras_internals import (finalizing_deferred, keras_messages_silenc
 from hvdtrain.training.loops.elastic import ElasticRun, elastic_loop
 from hvdtrain.training.loops.epoch_end import CallbackGroups, RunCallbacks
 from hvdtrain.training.loops.epochs import Epoch, train_epochs
+from hvdtrain.training.step.bucket_choice import TracedPerWay, choosing
 from hvdtrain.training.step.core import TrainingStep
 
 
@@ -42,8 +43,9 @@ class ContinuedHooks(RunCallbacks):
     ``end_training`` after the last."""
 
     def __init__(self, callbacks: CallbackGroups, model: keras.Model, epochs: int, steps: int,
-                 history: keras.callbacks.History) -> None:
-        super().__init__(callbacks, model, epochs, steps, last=[history])
+                 history: keras.callbacks.History,
+                 loop_own: Sequence[keras.callbacks.Callback] = ()) -> None:
+        super().__init__(callbacks, model, epochs, steps, last=[history, *loop_own])
         self.offset = 0
         self.begun = False
         self.last_logs: dict | None = None
@@ -178,6 +180,12 @@ def on_one_world(loop: FixedWorldLoop) -> Loop:
     return train
 
 
+def retraced_train_function(model: keras.Model) -> Any:
+    """Keras' train function traced anew (``make_train_function`` sets it, returns nothing)."""
+    model.make_train_function(force=True)
+    return model.train_function
+
+
 def fit_loop(step: TrainingStep, dataset: tf.data.Dataset, epochs: int, initial_epoch: int,
              passes: Passes, callbacks: CallbackGroups,
              done_steps: int = 0) -> keras.callbacks.History:
@@ -185,7 +193,10 @@ def fit_loop(step: TrainingStep, dataset: tf.data.Dataset, epochs: int, initial_
     rank 0's), one call per ``fit_segments`` segment."""
     model = step.model
     history = keras.callbacks.History()
-    hooks = ContinuedHooks(callbacks, model, epochs, passes.keras_steps, history)
+    ways = TracedPerWay(step, lambda: retraced_train_function(model),
+                        lambda function: setattr(model, "train_function", function))
+    hooks = ContinuedHooks(callbacks, model, epochs, passes.keras_steps, history,
+                           choosing(step, lambda way: ways.switch(way, model.train_function)))
     segments = fit_segments(passes, initial_epoch, epochs, done_steps)
     shared = iter(dataset) if len(segments) > 1 else None
     finalizing = finalized_once(model) if shared is not None else contextlib.nullcontext()
@@ -219,12 +230,13 @@ def _custom_loop(step: TrainingStep, dataset: tf.data.Dataset, epochs: int, init
                  done_steps: int) -> keras.callbacks.History:
     """``custom_loop`` inside its silencing of Keras' messages (not rank 0)."""
     # Traced from the data's element spec, as Keras' fit traces from its iterator.
-    train_step = tf.function(step.keras_step, jit_compile=False,
-                             input_signature=[dataset.element_spec])
+    train_step = TracedPerWay(step, lambda: tf.function(step.keras_step, jit_compile=False,
+                                                        input_signature=[dataset.element_spec]))
     model = step.model
     model.stop_training = False
     history = keras.callbacks.History()
-    hooks = RunCallbacks(callbacks, model, epochs, passes.keras_steps, last=[history])
+    hooks = RunCallbacks(callbacks, model, epochs, passes.keras_steps,
+                         last=[history, *choosing(step, train_step.switch)])
     batches = iter(dataset)     # before train begins, as Keras' fit makes its iterator
     hooks.on_train_begin()
     epoch_logs = train_epochs(hooks, train_step, model,

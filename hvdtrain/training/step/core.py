@@ -51,8 +51,11 @@ class TrainingStep(Protocol):
     votes: StopVotes
     # False when the update of a step whose loss is not finite has already been applied.
     skips_non_finite_updates: bool
-    # How the step's gradients travel (buckets, their order, compression).
+    # How the step's gradients travel (buckets, their order, compression); read when the step
+    # is traced, so a loop may change it and trace again (``loops.bucket_choice``).
     reduction: GradientReduction
+    # The two ways the first steps time (``bucket_choice``); None: ``reduction`` throughout.
+    bucket_candidates: tuple[GradientReduction, GradientReduction] | None
     # What the layers hold for the run (stage 3's gathered weights, --remat).
     layer_memory: LayerMemory
     # A resumed sharded run's optimizer state, loaded into pieces as training starts.
@@ -142,6 +145,7 @@ class StepMath:
         self.loss_scaling = isinstance(optimizer, keras.optimizers.LossScaleOptimizer)
         self.skips_non_finite_updates = True
         self.reduction = options.reduction(collectives.world.size)
+        self.bucket_candidates: tuple[GradientReduction, GradientReduction] | None = None
         self.global_loss = tf.Variable(0.0, trainable=False, dtype=tf.float32)
         self.votes = StopVotes()
         self._forward_backward = (tf.function(self.forward_backward, jit_compile=True)

@@ -16,6 +16,8 @@ from hvdtrain.log import logger
 from hvdtrain.model_memory.remat import Remat
 from hvdtrain.optimizers.zero import check_shardable
 from hvdtrain.optimizers.zero import describe as describe_sharding
+from hvdtrain.training.step.bucket_choice import describe as describe_choice
+from hvdtrain.training.step.bucket_choice import measured_candidates
 from hvdtrain.training.step.core import StepMath, StepOptions, TrainingStep
 from hvdtrain.training.step.objective import agreed_share
 from hvdtrain.training.step.own import OwnStep
@@ -87,18 +89,8 @@ def step_for_run(config: Config, trainable: Trainable, data: DataBundle,
                                        config.train.elastic)
     step = made_step(trainable, data, collectives, global_batch, optim,
                      remat_of(config.model), config.train.seed)
-    if world.size > 1 and optim.reduction != "adasum":
-        all_at_once = ("accumulated over micro-steps" if optim.accumulation_steps > 1 else
-                       "computed by one XLA cluster" if asks_xla and not own_step else "")
-        reduction = step.reduction
-        if collectives.backend == "tensorflow":   # program order (the ordering token)
-            reduction = dataclasses.replace(reduction, in_issue_order=True)
-        logger.info(reduction.describe(trainable.model.trainable_variables, all_at_once))
-        if step.powersgd is not None:
-            logger.info(step.powersgd.describe(trainable.model.trainable_variables))
-    elif world.size > 1 and optim.bucket_order == "issued":
-        logger.warning("--bucket-order issued does not apply to --reduction adasum: Adasum "
-                       "sends each gradient in an allreduce of its own, in no bucket")
+    if world.size > 1:
+        _exchange_lines(config, step, trainable, collectives.backend, asks_xla)
     if optim.zero_stage == 3 and asks_xla:
         raise UserError(f"--zero-stage 3 gathers each layer's weights inside its call, which "
                         f"XLA cannot compile (the collectives have no XLA kernels); compile "
@@ -113,3 +105,31 @@ def step_for_run(config: Config, trainable: Trainable, data: DataBundle,
             logger.info(describe_sharding(optim.zero_stage, world.size, step.optimizer,
                                           trainable.model.trainable_variables))
     return step
+
+
+def _exchange_lines(config: Config, step: TrainingStep, trainable: Trainable, backend: str,
+                    asks_xla: bool) -> None:
+    """The lines on how the step's gradients travel (several ranks), and whether the first
+    steps measure its buckets against one allreduce (``bucket_choice``: it sets the step's
+    candidates)."""
+    optim = config.optim
+    if optim.reduction == "adasum":
+        if optim.bucket_order == "issued":
+            logger.warning("--bucket-order issued does not apply to --reduction adasum: Adasum "
+                           "sends each gradient in an allreduce of its own, in no bucket")
+        return
+    variables = trainable.model.trainable_variables
+    all_at_once = ("accumulated over micro-steps" if optim.accumulation_steps > 1 else
+                   "computed by one XLA cluster" if asks_xla and not trainable.own_step else "")
+    reduction = step.reduction
+    if backend == "tensorflow":   # program order (the ordering token)
+        reduction = dataclasses.replace(reduction, in_issue_order=True)
+    logger.info(reduction.describe(variables, all_at_once))
+    step.bucket_candidates = measured_candidates(
+        step.reduction, variables,
+        optim.bucket_choice == "measured" and not all_at_once and not optim.zero_stage
+        and step.powersgd is None and not config.train.elastic)
+    if step.bucket_candidates is not None:
+        logger.info(describe_choice(step.bucket_candidates))
+    if step.powersgd is not None:
+        logger.info(step.powersgd.describe(variables))

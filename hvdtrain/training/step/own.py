@@ -88,6 +88,7 @@ class OwnStep:
         self.optimizer = next(iter(self.optimizers.values()), None)
         self.keras_element = keras_element
         self.reduction = reduction
+        self.bucket_candidates: tuple[GradientReduction, GradientReduction] | None = None
         self._sharding = (Sharding(collectives, zero_stage, reduction) if zero_stage else None)
         self.layer_memory = LayerMemory(model, self._sharding, remat)
         self.saved_state: SavedState | None = None
@@ -124,6 +125,9 @@ class OwnStep:
         global batch (summed, over the summed shares; PowerSGD's approximated); Adasum
         combines the ranks' own."""
         share = self._share
+        # The buckets the step is traced with now (``bucket_choice`` may have changed them
+        # since the optimizers took ``reduction``).
+        reduction = dataclasses.replace(reduction, bucket_bytes=self.reduction.bucket_bytes)
         if reduction.op != "average" or share is None:
             return self.collectives.reduce_gradients(gradients, reduction)
         summing = dataclasses.replace(reduction, op="sum")
