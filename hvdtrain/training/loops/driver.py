@@ -32,6 +32,7 @@ from hvdtrain.keras_internals import (finalizing_deferred, keras_messages_silenc
 from hvdtrain.training.loops.elastic import ElasticRun, elastic_loop
 from hvdtrain.training.loops.epoch_end import CallbackGroups, RunCallbacks
 from hvdtrain.training.loops.epochs import Epoch, train_epochs
+from hvdtrain.training.loops.run_callbacks import LivenessCallback
 from hvdtrain.training.step.bucket_choice import TracedPerWay, choosing
 from hvdtrain.training.step.core import TrainingStep
 
@@ -180,6 +181,12 @@ def on_one_world(loop: FixedWorldLoop) -> Loop:
     return train
 
 
+def traces_next(callbacks: CallbackGroups) -> Callable[[], None]:
+    """What tells the run's liveness monitor that the next step traces (none without one)."""
+    watch = next((c for c in callbacks.before if isinstance(c, LivenessCallback)), None)
+    return (lambda: None) if watch is None else watch.step_traces_next
+
+
 def retraced_train_function(model: keras.Model) -> Any:
     """Keras' train function traced anew (``make_train_function`` sets it, returns nothing)."""
     model.make_train_function(force=True)
@@ -194,7 +201,8 @@ def fit_loop(step: TrainingStep, dataset: tf.data.Dataset, epochs: int, initial_
     model = step.model
     history = keras.callbacks.History()
     ways = TracedPerWay(step, lambda: retraced_train_function(model),
-                        lambda function: setattr(model, "train_function", function))
+                        lambda function: setattr(model, "train_function", function),
+                        traces_next(callbacks))
     hooks = ContinuedHooks(callbacks, model, epochs, passes.keras_steps, history,
                            choosing(step, lambda way: ways.switch(way, model.train_function)))
     segments = fit_segments(passes, initial_epoch, epochs, done_steps)
@@ -231,7 +239,8 @@ def _custom_loop(step: TrainingStep, dataset: tf.data.Dataset, epochs: int, init
     """``custom_loop`` inside its silencing of Keras' messages (not rank 0)."""
     # Traced from the data's element spec, as Keras' fit traces from its iterator.
     train_step = TracedPerWay(step, lambda: tf.function(step.keras_step, jit_compile=False,
-                                                        input_signature=[dataset.element_spec]))
+                                                        input_signature=[dataset.element_spec]),
+                              traces_next=traces_next(callbacks))
     model = step.model
     model.stop_training = False
     history = keras.callbacks.History()

@@ -112,10 +112,14 @@ class TracedPerWay:
     reduction to candidate ``i`` and makes its function current, traced on first use."""
 
     def __init__(self, step: TrainingStep, trace: Callable[[], Any],
-                 install: Callable[[Any], None] = lambda function: None) -> None:
+                 install: Callable[[Any], None] = lambda function: None,
+                 traces_next: Callable[[], None] = lambda: None) -> None:
         """``trace``: a new traced function of the step as it is now; ``install``: put a
-        function where the loop calls it (Keras' ``model.train_function``)."""
+        function where the loop calls it (Keras' ``model.train_function``); ``traces_next``:
+        told when the next step will trace (the liveness monitor then gives it a phase's
+        time, not a step's)."""
         self.step, self.trace, self.install = step, trace, install
+        self.traces_next = traces_next
         self.traced: dict[int, Any] = {}
         self.current = 0
 
@@ -134,6 +138,7 @@ class TracedPerWay:
         self.step.reduction = self.step.bucket_candidates[index]
         self.current = index
         if index not in self.traced:
+            self.traces_next()
             self.traced[index] = self.trace()
         self.install(self.traced[index])
 
