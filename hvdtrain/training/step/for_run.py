@@ -6,8 +6,6 @@ the ranks' losses combine, how the gradients travel, where a sharded optimizer's
 
 from __future__ import annotations
 
-import dataclasses
-
 from hvdtrain.collectives import Collectives, GradientReduction
 from hvdtrain.config import Config, ModelConfig, OptimConfig
 from hvdtrain.data.contract import DataBundle
@@ -82,10 +80,7 @@ def step_for_run(config: Config, trainable: Trainable, data: DataBundle,
     if world.size > 1 and optim.reduction != "adasum":
         all_at_once = ("accumulated over micro-steps" if optim.accumulation_steps > 1 else
                        "computed by one XLA cluster" if asks_xla and not own_step else "")
-        reduction = step.reduction
-        if collectives.backend == "tensorflow":   # program order (the ordering token)
-            reduction = dataclasses.replace(reduction, in_issue_order=True)
-        logger.info(reduction.describe(trainable.model.trainable_variables, all_at_once))
+        logger.info(step.reduction.describe(trainable.model.trainable_variables, all_at_once))
         if step.powersgd is not None:
             logger.info(step.powersgd.describe(trainable.model.trainable_variables))
     elif world.size > 1 and optim.bucket_order == "issued":
