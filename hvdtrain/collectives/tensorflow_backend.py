@@ -22,6 +22,7 @@ from typing import Any, Callable, Sequence
 from hvdtrain.collectives.base import GradientReduction, tf_variables
 from hvdtrain.collectives.tf_graph_mode import SessionNodes, eagerly, in_session_graph
 from hvdtrain.collectives.tf_messages import message_batches, on_the_wire, piece_lengths
+from hvdtrain.collectives.tf_ordering import OrderingTokens
 from hvdtrain.collectives.world import World
 from hvdtrain.errors import UserError
 
@@ -102,19 +103,10 @@ class TensorFlowCollectives:
         self._cpu = f"/job:{JOB}/replica:0/task:{rank}/device:CPU:0"
         gpus = tf.config.get_visible_devices("GPU")
         self._gpu = f"/job:{JOB}/replica:0/task:{rank}/device:GPU:0" if gpus else None
-        from tensorflow.python.ops import resource_variable_ops
-
         self._session_nodes = SessionNodes()
-        # Every collective of a group takes its group's token, so inside a tf.function they
-        # run in program order (NCCL requires it; harmless for the ring). Made eagerly even
-        # when the first init() is called inside a TensorFlow 1 graph: a token in that graph
-        # would die with it, and every later collective with the token.
-        with eagerly():
-            self._tokens = {}
-            for group, device in ((CPU_GROUP, self._cpu), (GPU_GROUP, self._gpu)):
-                if device is not None:
-                    with tf.device(device):
-                        self._tokens[group] = resource_variable_ops.ResourceVariable(0.0)
+        devices = {CPU_GROUP: self._cpu, GPU_GROUP: self._gpu}
+        self._tokens = OrderingTokens({group: device for group, device in devices.items()
+                                       if device is not None}, ring_group=CPU_GROUP)
 
     def _start_cluster(self, addresses: list[str]) -> None:
         from tensorflow.compiler.xla.tsl.protobuf import coordination_config_pb2
@@ -206,8 +198,7 @@ class TensorFlowCollectives:
             return self._session_nodes.node(on_the_cpu, value, shape)
         group, device, hint = self._group_of(value)
         with tf.device(device):
-            return run(value, group, self._instance_key(group), self._tokens[group].handle,
-                       hint)
+            return run(value, group, self._instance_key(group), self._tokens.token(group), hint)
 
     def all_reduce(self, tensor: Any, merge_op: str = "Add") -> Any:
         """``tensor`` combined across ranks by ``merge_op`` ("Add", "Mul", "Min", "Max")."""
@@ -298,9 +289,10 @@ class TensorFlowCollectives:
                          reduction: GradientReduction = GradientReduction()) -> list[Any]:
         """Dense gradients summed in one all-reduce per dtype and bucket (fp16 or bf16 on the
         wire: cast around the sum, which TensorFlow's collective adds in the wire's type, one
-        rounding per addition; buckets in issue order, which the group's ordering token keeps
-        alike on every rank), averaged over the world for "average", pre- and post-scaled; a
-        sparse one's rows gathered from every rank (as Horovod gives them); None stays None."""
+        rounding per addition), averaged over the world for "average", pre- and post-scaled; a
+        sparse one's rows gathered from every rank (as Horovod gives them); None stays None.
+        On the CPU ring each bucket's all-reduce runs as soon as its gradients exist, beside
+        the others (``tf_ordering``), or after the one issued before (``in_issue_order``)."""
         tf = self._tf
         if reduction.op == "adasum":
             raise UserError("Adasum needs the Horovod backend; use --backend horovod or "
@@ -318,16 +310,19 @@ class TensorFlowCollectives:
         wire = [reduced[i] * reduction.prescale if reduction.prescale != 1.0 else reduced[i]
                 for i in dense]
         wire = [reduction.on_wire(t) for t in wire]
-        for bucket in reduction.buckets([reduced[i] for i in dense]):
-            totals = self.allreduce_sum([wire[i] for i in bucket])
-            for index, total in zip((dense[i] for i in bucket), totals):
-                total = tf.cast(total, reduced[index].dtype)
-                reduced[index] = total * scale if scale != 1.0 else total
-        # After the buckets: every collective of the group runs in program order, and a sparse
-        # gradient (an embedding's, usually the first layer's) exists only at the backward
-        # pass's end; gathered first, it would hold every bucket back.
-        for index in sparse:
-            reduced[index] = self._gathered_rows(reduced[index], reduction)
+        with self._tokens.each_its_own():
+            previous: list[Any] = []
+            for bucket in reduction.buckets([reduced[i] for i in dense]):
+                previous = self.allreduce_sum(reduction.submitted(previous,
+                                                                  [wire[i] for i in bucket]))
+                for index, total in zip((dense[i] for i in bucket), previous):
+                    total = tf.cast(total, reduced[index].dtype)
+                    reduced[index] = total * scale if scale != 1.0 else total
+            # After the buckets: with a GPU every collective runs in program order, and a
+            # sparse gradient (an embedding's, usually the first layer's) exists only at the
+            # backward pass's end; gathered first, it would hold every bucket back.
+            for index in sparse:
+                reduced[index] = self._gathered_rows(reduced[index], reduction)
         return reduced
 
     def _gathered_rows(self, slices: Any, reduction: GradientReduction) -> Any:

@@ -20,7 +20,7 @@ from conftest import EXACT
 
 LOOPS = ("fit", "custom")
 # (backend, loop, accumulation steps, bucket order) of the several-buckets test.
-BUCKETS = [("horovod", "fit", 2, "ready"), ("tensorflow", "custom", 1, "issued"),
+BUCKETS = [("horovod", "fit", 2, "ready"), ("tensorflow", "custom", 1, "ready"),
            ("horovod", "custom", 1, "issued")]
 # (backend, flag, value) of the reduction tests: each against that backend's exactness run.
 REDUCTIONS = [("horovod", "--compression", "fp16"), ("horovod", "--compression", "bf16"),

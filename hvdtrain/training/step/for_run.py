@@ -6,8 +6,6 @@ the ranks' losses combine, how the gradients travel, where a sharded optimizer's
 
 from __future__ import annotations
 
-import dataclasses
-
 from hvdtrain.collectives import Collectives, GradientReduction
 from hvdtrain.config import Config, ModelConfig, OptimConfig
 from hvdtrain.data.contract import DataBundle
@@ -90,7 +88,7 @@ def step_for_run(config: Config, trainable: Trainable, data: DataBundle,
     step = made_step(trainable, data, collectives, global_batch, optim,
                      remat_of(config.model), config.train.seed)
     if world.size > 1:
-        _exchange_lines(config, step, trainable, collectives.backend, asks_xla)
+        _exchange_lines(config, step, trainable, asks_xla)
     if optim.zero_stage == 3 and asks_xla:
         raise UserError(f"--zero-stage 3 gathers each layer's weights inside its call, which "
                         f"XLA cannot compile (the collectives have no XLA kernels); compile "
@@ -107,7 +105,7 @@ def step_for_run(config: Config, trainable: Trainable, data: DataBundle,
     return step
 
 
-def _exchange_lines(config: Config, step: TrainingStep, trainable: Trainable, backend: str,
+def _exchange_lines(config: Config, step: TrainingStep, trainable: Trainable,
                     asks_xla: bool) -> None:
     """The lines on how the step's gradients travel (several ranks), and whether the first
     steps measure its buckets against one allreduce (``bucket_choice``: it sets the step's
@@ -121,10 +119,7 @@ def _exchange_lines(config: Config, step: TrainingStep, trainable: Trainable, ba
     variables = trainable.model.trainable_variables
     all_at_once = ("accumulated over micro-steps" if optim.accumulation_steps > 1 else
                    "computed by one XLA cluster" if asks_xla and not trainable.own_step else "")
-    reduction = step.reduction
-    if backend == "tensorflow":   # program order (the ordering token)
-        reduction = dataclasses.replace(reduction, in_issue_order=True)
-    logger.info(reduction.describe(variables, all_at_once))
+    logger.info(step.reduction.describe(variables, all_at_once))
     step.bucket_candidates = measured_candidates(
         step.reduction, variables,
         optim.bucket_choice == "measured" and not all_at_once and not optim.zero_stage
