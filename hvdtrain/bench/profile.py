@@ -18,8 +18,9 @@ The ranks' clocks are taken to agree: true for ranks on one machine (the netclus
 across real hosts their skew enters every cross-rank figure.
 
 Steps are told apart as in a Horovod timeline: the k-th run of every collective is step k.
-A launch is not when its gradients were ready: collectives of a group run in program order
-(their ordering token), and the executor may queue a launch behind other ops. So the trace's
+A launch is not when its gradients were ready: collectives that share an ordering token run
+in program order (the gradient buckets each have their own unless ``--bucket-order issued``:
+``collectives.tf_ordering``), and the executor may queue a launch behind other ops. So the trace's
 compute gives the backward pass's end (its last op under ``gradient_tape/``) and, per rank
 and step, the time at least one TensorFlow op was running on a compute thread
 (``compute_busy_ms``): how much of a step the model's own work took beside the collectives.

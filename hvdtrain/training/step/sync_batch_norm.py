@@ -20,9 +20,9 @@ whose statistics are per example and must never be summed across ranks.
 
 The collectives run in the forward pass, in the same order on every rank (the layers' order,
 then the reverse in the backward pass, before the gradient buckets): Horovod matches them by
-name, TensorFlow's collectives run in program order (the ordering token), so neither waits on
-a bucket. XLA cannot compile them: a step compiled with ``jit_compile=True`` is refused
-(``batch_norm_note``).
+name, TensorFlow's run in program order (they share the group's ordering token; only the
+gradient buckets have tokens of their own), so neither waits on a bucket. XLA cannot compile
+them: a step compiled with ``jit_compile=True`` is refused (``batch_norm_note``).
 """
 
 from __future__ import annotations
