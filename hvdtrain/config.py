@@ -195,8 +195,9 @@ class OptimConfig:
                                choices=("ready", "issued"))
     bucket_choice: str = option("measured", "measured: the first steps time --bucket-mib buckets "
                                             "against one allreduce after the backward pass "
-                                            "and keep the faster (neither changes the "
-                                            "update); fixed: --bucket-mib throughout",
+                                            "and keep the faster (the same sums, with "
+                                            "3+ ranks up to rounding); fixed: --bucket-mib "
+                                            "throughout",
                                 choices=("measured", "fixed"))
     accumulation_steps: int = option(1, "local steps whose gradients are accumulated before one "
                                         "allreduce and update", minimum=1)

@@ -230,6 +230,16 @@ class Liveness:
             if self._phases == 0:
                 self._arm(now, self.limit())
 
+    def next_step_traces(self) -> None:
+        """The next step traces its function again (``--bucket-choice measured``): it is not
+        timed (no slowest step from a trace) and gets a first phase's limit, without counting
+        as a phase (the epoch ends' limits stay as they were)."""
+        with self._lock:
+            self._after_phase = True
+            self.waiting_for = f"training step {self.steps + 1} (its function traced again)"
+            if self._phases == 0 and self._last_step_end is not None:
+                self._arm(self._clock(), max(self.limit(), FIRST_PHASE_S))
+
     def phase_begins(self, what: str) -> None:
         """A long legitimate phase starts (nestable): it gets the phase limit."""
         now = self._clock()

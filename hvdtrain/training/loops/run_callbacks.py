@@ -127,7 +127,6 @@ class LivenessCallback(keras.callbacks.Callback):
         self.liveness = liveness
         self.collectives = collectives
         self.in_phase = False
-        self.tracing = False
 
     def on_train_begin(self, logs: dict | None = None) -> None:
         if self.liveness.watches_stalls:
@@ -138,16 +137,11 @@ class LivenessCallback(keras.callbacks.Callback):
         self.liveness.step_begins()
 
     def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
-        if self.tracing:    # the traced step was a phase: untimed, with a phase's limit
-            self.tracing = False
-            self.liveness.phase_ends()
         self.liveness.step_ends()
 
     def step_traces_next(self) -> None:
         """The next step traces the step function again (``--bucket-choice measured``)."""
-        self.liveness.phase_begins("the training step, traced again for the other way the "
-                                   "gradients can travel (--bucket-choice measured)")
-        self.tracing = True
+        self.liveness.next_step_traces()
 
     def epoch_end_begins(self, epoch: int) -> None:
         self.liveness.phase_begins(f"the end of epoch {epoch + 1} (validation, metrics, "

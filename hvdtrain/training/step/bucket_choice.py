@@ -7,7 +7,9 @@ from it, and where the link is slow many mid-sized messages move fewer bytes a s
 large one. Measured on the two-node cluster (ResNet-50, one core per rank): 4 MiB buckets made a
 step faster than one allreduce after the backward pass at 10 Gbit/s and slower at 1 Gbit/s
 (hvdtrain/bench/README.md, "A bucket policy measured at the start"), so no fixed size wins on
-both. Both are the same sums, so the choice changes no update, only when the bytes travel.
+both. Both are the same sums, so the choice changes when the bytes travel, not the update (with
+3 or more ranks a ring adds an element's terms in an order that depends on where the message
+holds it: equal up to rounding).
 
 The schedule is fixed and every rank follows it at the same steps: ``WARMUP_STEPS`` untimed
 then ``TIMED_STEPS`` timed steps with ``--bucket-mib`` buckets, the same with one allreduce after

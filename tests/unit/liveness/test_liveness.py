@@ -329,3 +329,16 @@ def test_a_stop_request_stuck_behind_an_ended_rank_leaves_within_seconds():
     assert re.fullmatch(r"hvdtrain: stop requested \(SIGTERM\) but this rank's step has waited "
                         r"\d+ s for rank 2 on 127\.0\.0\.1, whose process has ended; exiting "
                         r"now, without a checkpoint\n", result.stderr), result.stderr
+
+
+def test_a_step_traced_again_is_untimed_and_leaves_the_epoch_ends_limit():
+    """--bucket-choice measured traces the step again: that step gets a first phase's time,
+    is not the slowest step, and the first epoch end still gets the first phase's limit."""
+    live, clock, exits, stream = monitor()
+    steps(live, clock, 3)
+    live.next_step_traces()
+    live.step_begins()
+    advance(live, clock, 60)          # a long trace: within the first phase's limit
+    live.step_ends()
+    assert exits == [] and live.slowest_step_s < 2
+    assert live.phase_limit() == FIRST_PHASE_S
