@@ -194,26 +194,19 @@ def _exchange_step(step):
     return exchange
 
 
-def _chosen(step, candidates, traced, batch):
-    """``--bucket-choice measured``, as a run's first steps do it (``bucket_choice``): each
-    way's median step after its warm-up, rank 0's medians deciding on every rank; the kept
-    way's traced step."""
-    from hvdtrain.training.step.bucket_choice import TIMED_STEPS, WARMUP_STEPS, decided
+def _chosen(step, traced, batch):
+    """``--bucket-choice measured`` before the timed steps, on the same schedule as a run's
+    first steps (``bucket_choice.BucketChoice``, fed one batch at a time): the kept way's
+    traced step."""
+    from hvdtrain.training.step.bucket_choice import TracedPerWay, choosing
 
-    functions, medians = [], []
-    for candidate in candidates:
-        step.reduction = candidate
-        functions.append(traced())
-        seconds = []
-        for done in range(WARMUP_STEPS + TIMED_STEPS):
-            started = time.perf_counter()
-            float(functions[-1](*batch)["loss"])
-            if done >= WARMUP_STEPS:
-                seconds.append(time.perf_counter() - started)
-        medians.append(statistics.median(seconds))
-    kept = decided(step.collectives.broadcast_object(medians), candidates)
-    step.reduction = candidates[kept]
-    return functions[kept]
+    ways = TracedPerWay(step, traced)
+    [choice] = choosing(step, ways.switch)
+    while choice.kept is None:
+        choice.on_train_batch_begin(0)
+        ways(*batch)
+        choice.on_train_batch_end(0)
+    return ways.traced[choice.kept]
 
 
 def _fit_step(step, batch):
@@ -261,7 +254,7 @@ def run(args: argparse.Namespace) -> tuple[bool, dict[str, Any]]:
                                 zero_stage=args.zero_stage,
                                 in_issue_order=args.bucket_order == "issued",
                                 powersgd_rank=powersgd_rank))
-    candidates = measured_candidates(
+    step.bucket_candidates = measured_candidates(
         step.reduction, model.trainable_variables,
         args.bucket_choice == "measured" and world.size > 1 and args.loop != "exchange"
         and not args.zero_stage and step.powersgd is None)
@@ -271,7 +264,8 @@ def run(args: argparse.Namespace) -> tuple[bool, dict[str, Any]]:
                     _exchange_step(step) if args.loop == "exchange" else
                     tf.function(step.train_step, jit_compile=False))
 
-        run_step = traced() if candidates is None else _chosen(step, candidates, traced, batch)
+        run_step = (traced() if step.bucket_candidates is None else
+                    _chosen(step, traced, batch))
         timing = time_steps(run_step, batch, args.warmup_steps, args.steps, args.repeats)
         if args.profile_dir:
             profile_steps(run_step, batch, args.steps, args.profile_dir / f"rank{world.rank}")

@@ -52,7 +52,7 @@ class TrainingStep(Protocol):
     # False when the update of a step whose loss is not finite has already been applied.
     skips_non_finite_updates: bool
     # How the step's gradients travel (buckets, their order, compression); read when the step
-    # is traced, so a loop may change it and trace again (``loops.bucket_choice``).
+    # is traced, so a loop may change it and trace again (``bucket_choice``).
     reduction: GradientReduction
     # The two ways the first steps time (``bucket_choice``); None: ``reduction`` throughout.
     bucket_candidates: tuple[GradientReduction, GradientReduction] | None
