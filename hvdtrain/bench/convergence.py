@@ -16,14 +16,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shlex
 import statistics
-import subprocess
 import sys
 from pathlib import Path
 
 from hvdtrain.bench.benchmark import count
-from hvdtrain.bench.variants import MPIRUN_WRAPPER
+from hvdtrain.bench.variants import MPIRUN_WRAPPER, run_checked
 from hvdtrain.builtin_names import GRADIENT_COMPRESSIONS
 
 # The task: the cnn on the built-in digits (8x8 images, 359 held out), a cosine schedule so
@@ -119,11 +119,7 @@ def train(variant: str, seed: int, args: argparse.Namespace, run_dir: Path) -> N
                str(seed), "--deterministic", "--no-tensorboard", "--no-progress",
                "--run-dir", str(run_dir)]
     print(f"{variant} seed {seed}: {shlex.join(command)}", flush=True)
-    result = subprocess.run(command, text=True, capture_output=True, timeout=args.timeout,
-                            stdin=subprocess.DEVNULL)
-    if result.returncode != 0:
-        raise RuntimeError(f"{variant} seed {seed} failed:\n{result.stdout[-2000:]}"
-                           f"{result.stderr[-2000:]}")
+    run_checked(command, dict(os.environ), args.timeout)
     if not json.loads((run_dir / "summary.json").read_text()).get("weights_identical"):
         raise RuntimeError(f"{variant} seed {seed}: the ranks' weights differ ({run_dir})")
 
