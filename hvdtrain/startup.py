@@ -36,6 +36,16 @@ NATIVE_NOTICES = re.compile(
     rb"^(WARNING: All log messages before absl::InitializeLog\(\) is called are written to "
     rb"STDERR|I\d{4} [\d:. ]+\d+ (port|cpu_feature_guard)\.cc:\d+\] .*|To enable the following "
     rb"instructions: .*rebuild TensorFlow with the appropriate compiler flags\.)\n?$")
+# The descriptor that reaches the process's real stderr: 2, or its copy once
+# ``hide_native_notices`` has put a filtering pipe on 2.
+_real_stderr = 2
+
+
+def real_stderr() -> int:
+    """The file descriptor of the real stderr, for a line written just before ``os._exit``: a
+    write to 2 goes through ``hide_native_notices``' pipe, whose reader thread the exit ends
+    before it has forwarded the line."""
+    return _real_stderr
 
 
 def hide_native_notices() -> None:
@@ -45,7 +55,8 @@ def hide_native_notices() -> None:
     to the real stderr directly, so nothing it prints can be held up or lost at exit. For the
     command-line entry only: it replaces the process's file descriptor 2.
     """
-    real = os.dup(2)
+    global _real_stderr
+    real = _real_stderr = os.dup(2)
     read_end, write_end = os.pipe()
     os.dup2(write_end, 2)
     os.close(write_end)

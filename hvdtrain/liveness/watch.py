@@ -25,6 +25,7 @@ from hvdtrain.collectives import World
 from hvdtrain.errors import STALLED_EXIT_CODE
 from hvdtrain.launchers import end_open_mpi_daemon, hold_open_mpi_abort, launched_by_a_launcher
 from hvdtrain.liveness.peers import Heartbeat, Peer, is_gone, peers_where, unanswered
+from hvdtrain.startup import real_stderr
 
 if TYPE_CHECKING:
     from hvdtrain.config import Config
@@ -107,6 +108,7 @@ class Liveness:
         self._stop_code = 0
         self._stop_at = 0.0
         self._end_came = False
+        self._stop_in_hand = False
         # The step and phase clock.
         self._step_began: float | None = None
         self._last_step_end: float | None = None
@@ -308,6 +310,15 @@ class Liveness:
         self._leave(f"hvdtrain: second stop request ({reason}) after {self.stop_reason}: "
                     "exiting now, without a checkpoint", exit_code)
 
+    def stop_in_hand(self) -> None:
+        """This rank is writing (or has written) the stop's checkpoint with every rank: from
+        here each rank only finishes it and leaves, in its own time, so a peer whose process
+        has already ended left as agreed; it no longer means the stop cannot be reached. (A
+        rank that judged it so ended itself, without its line and with the wrong code, while
+        the faster rank had left with 75.) The stall limit still bounds the rest."""
+        with self._lock:
+            self._stop_in_hand = True
+
     def gone_peers(self) -> list[str]:
         """``rank R on HOST`` for every other rank whose process has ended (``is_gone``)."""
         return peers_where(is_gone, list(self.peers))
@@ -323,6 +334,8 @@ class Liveness:
 
     def _why_stop_is_stuck(self, now: float) -> str | None:
         """After a stop request: why the stop can never be reached, or None while it may."""
+        if self._stop_in_hand:
+            return None
         if (running := self._running_past(now, STUCK_FACTOR, STUCK_MIN_S)) is not None:
             return (f"this rank's step has not ended for {running:.0f} s: another rank is gone "
                     "or stuck")
@@ -369,8 +382,9 @@ class Liveness:
             self._launcher_lost = True
             # stdout and stderr led to the launcher; writing there could fail mid-checkpoint.
             quiet = os.open(os.devnull, os.O_WRONLY)
-            os.dup2(quiet, 1)
-            os.dup2(quiet, 2)
+            for descriptor in {1, 2, real_stderr()}:
+                os.dup2(quiet, descriptor)
+            os.close(quiet)
             self.request("its launcher ending", 128 + signal.SIGTERM)
         now = self._clock()
         with self._lock:
@@ -421,7 +435,8 @@ class Liveness:
             self._stream.write(line + "\n")
             self._stream.flush()
         else:   # not through sys.stderr, whose lock the blocked main thread may hold
-            os.write(2, (line + "\n").encode())
+            with contextlib.suppress(OSError):   # the launcher, and so stderr's reader, gone
+                os.write(real_stderr(), (line + "\n").encode())
         if end_daemon and self._exit is os._exit:
             end_open_mpi_daemon(os.getppid())
         self._exit(code)
