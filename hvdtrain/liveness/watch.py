@@ -6,7 +6,8 @@ hand). The loop reports steps and long phases; signals and a lost launcher only 
 request, which the ranks agree on in the step's allreduce (exit 75 after rank 0's
 checkpoint); a second request ends the process at once. The monitor ends the process itself on
 a stall (exit 76: no step for ``--stall-timeout``, naming the ranks whose heartbeat port does not
-answer) or on a stop that cannot be reached (a peer's process has ended), and ends a stuck Open
+answer) or on a stop that cannot be reached (a peer's process ended before the stop's
+checkpoint began), and ends a stuck Open
 MPI daemon (``launchers.end_open_mpi_daemon``). ``uninstall`` puts every handler back.
 """
 
@@ -108,7 +109,7 @@ class Liveness:
         self._stop_code = 0
         self._stop_at = 0.0
         self._end_came = False
-        self._stop_in_hand = False
+        self.stop_checkpoint_began = False
         # The step and phase clock.
         self._step_began: float | None = None
         self._last_step_end: float | None = None
@@ -148,9 +149,14 @@ class Liveness:
         self._thread.start()
 
     def uninstall(self) -> None:
-        """Stop the thread and the heartbeat, and put the signals back (``after_run``)."""
-        self.training_ended()
+        """Stop the thread and the heartbeat, and put the signals back (``after_run``). The
+        thread is told first: a look it is taking must not blame a peer for this rank's own
+        closed port."""
         self._closed.set()
+        self.training_ended()
+        if self._heartbeat is not None:
+            self._heartbeat.close()
+            self._heartbeat = None
         if self._pipe is not None:
             os.write(self._pipe[1], b"\0")   # wakes the thread's select (0 is no signal)
         if self._thread is not None and self._thread is not threading.current_thread():
@@ -277,15 +283,14 @@ class Liveness:
             self.phase_ends()
 
     def training_ended(self) -> None:
-        """No more steps: disarm, stop serving the heartbeat, and stop asking the peers (their
-        ports may close for good reasons now)."""
+        """No more steps: disarm, and stop asking the peers (their ports may close for good
+        reasons now). This rank's own heartbeat serves until ``uninstall``, once the run's last
+        collective is behind it: a peer still finishing its epoch's end must not take this
+        rank for gone while it waits in the final validation."""
         with self._lock:
             self._deadline = None
             self._step_began = None
         self.peers = []
-        if self._heartbeat is not None:
-            self._heartbeat.close()
-            self._heartbeat = None
 
     # --- stop requests -----------------------------------------------------------------------
 
@@ -310,14 +315,13 @@ class Liveness:
         self._leave(f"hvdtrain: second stop request ({reason}) after {self.stop_reason}: "
                     "exiting now, without a checkpoint", exit_code)
 
-    def stop_in_hand(self) -> None:
-        """This rank is writing (or has written) the stop's checkpoint with every rank: from
-        here each rank only finishes it and leaves, in its own time, so a peer whose process
-        has already ended left as agreed; it no longer means the stop cannot be reached. (A
-        rank that judged it so ended itself, without its line and with the wrong code, while
-        the faster rank had left with 75.) The stall limit still bounds the rest."""
+    def stop_checkpoint_begins(self) -> None:
+        """Every rank is about to enter the stop checkpoint's last collective: from here each
+        rank only finishes and leaves, in its own time, so a peer whose process has ended left
+        as agreed (under load ranks that judged it a stop that cannot be reached exited 138,
+        both ways round). The stall limit, where stalls are watched, still bounds the rest."""
         with self._lock:
-            self._stop_in_hand = True
+            self.stop_checkpoint_began = True
 
     def gone_peers(self) -> list[str]:
         """``rank R on HOST`` for every other rank whose process has ended (``is_gone``)."""
@@ -334,7 +338,7 @@ class Liveness:
 
     def _why_stop_is_stuck(self, now: float) -> str | None:
         """After a stop request: why the stop can never be reached, or None while it may."""
-        if self._stop_in_hand:
+        if self.stop_checkpoint_began:
             return None
         if (running := self._running_past(now, STUCK_FACTOR, STUCK_MIN_S)) is not None:
             return (f"this rank's step has not ended for {running:.0f} s: another rank is gone "
@@ -384,7 +388,8 @@ class Liveness:
             quiet = os.open(os.devnull, os.O_WRONLY)
             for descriptor in {1, 2, real_stderr()}:
                 os.dup2(quiet, descriptor)
-            os.close(quiet)
+            if quiet not in (1, 2, real_stderr()):
+                os.close(quiet)
             self.request("its launcher ending", 128 + signal.SIGTERM)
         now = self._clock()
         with self._lock:
@@ -395,7 +400,8 @@ class Liveness:
             return
         if self.stop_reason is not None:
             why = self._why_stop_is_stuck(now)
-            if why is not None:
+            # The probes take time: the checkpoint or the run's end may have begun meanwhile.
+            if why is not None and not self.stop_checkpoint_began and not self._closed.is_set():
                 self._leave(f"hvdtrain: stop requested ({self.stop_reason}) but {why}; exiting "
                             "now, without a checkpoint", self._stop_code)
 

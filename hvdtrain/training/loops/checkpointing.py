@@ -81,9 +81,11 @@ class Checkpointing(keras.callbacks.Callback):
     def _stop_reason(self) -> str | None:
         return None if self.liveness is None else self.liveness.stop_reason
 
-    def _stop_in_hand(self) -> None:
-        if self.liveness is not None:
-            self.liveness.stop_in_hand()
+    def _stop_checkpoint(self, stops: bool) -> None:
+        """Tell the liveness monitor, where every rank stops after this checkpoint, before the
+        last collective that every rank must enter (``Liveness.stop_checkpoint_begins``)."""
+        if stops and self.liveness is not None:
+            self.liveness.stop_checkpoint_begins()
 
     def on_epoch_begin(self, epoch: int, logs: dict | None = None) -> None:
         if self.stop_message:   # agreed at the previous epoch's end
@@ -119,14 +121,11 @@ class Checkpointing(keras.callbacks.Callback):
         stop = self.step.votes.stop_agreed()
         if not stop and not (every and done % every == 0):
             return
-        if stop:
-            self._stop_in_hand()
         # The epoch's metric sums so far, over all ranks: rank 0 keeps them in the checkpoint.
         sums = summed_across_ranks(self.collectives, self.step.epoch_state_variables)
         name, reasons, _ = self._save({"epoch": self.epoch, "step": done,
                                        "epoch_state": tuple(np.asarray(s).tolist()
-                                                            for s in sums)},
-                                      self._stop_reason())
+                                                            for s in sums)}, stopping=stop)
         if stop:
             raise StoppedBySignal(f"stopped by {reasons} at epoch {self.epoch + 1}, step "
                                   f"{done} of {steps}; checkpoint {name} written; "
@@ -134,22 +133,22 @@ class Checkpointing(keras.callbacks.Callback):
 
     def end_epoch(self, epoch: int, logs: dict) -> None:
         """The epoch's checkpoint, then every rank stops if any asked (``end_epoch``)."""
-        request = self._stop_reason()
-        if request is not None:   # every rank stops after this checkpoint
-            self._stop_in_hand()
         name, reasons, stop_training = self._save({
-            "epoch": epoch + 1, "metrics": epoch_row(epoch, logs, self.columns)}, request)
+            "epoch": epoch + 1, "metrics": epoch_row(epoch, logs, self.columns)},
+            stopping=None)
         self.model.stop_training = stop_training
         if reasons:
-            self._stop_in_hand()
             self.stop_message = (f"stopped by {reasons} after epoch {epoch + 1}; checkpoint "
                                  f"{name} written; continue with the same command and "
                                  "--resume auto")
 
-    def _save(self, position: dict[str, Any], request: str | None) -> tuple[str, str, bool]:
+    def _save(self, position: dict[str, Any],
+              stopping: bool | None) -> tuple[str, str, bool]:
         """Rank 0 writes; every rank gets the checkpoint's name (or rank 0's write error,
-        raised everywhere), the stop requests of all ranks (``request``: this rank's; "" when
-        none) and whether any rank's callbacks asked to stop training."""
+        raised everywhere), the stop requests of all ranks ("" when none) and whether any
+        rank's callbacks asked to stop training. ``stopping``: every rank stops after this
+        checkpoint (a stop the steps agreed), or None where any rank's request stops them all
+        (an epoch's end)."""
         model = self.step.model
         local = [v.numpy() for v in rank_local_variables(model)]
         if self.step.powersgd is not None:   # saved after the random-generator states
@@ -166,10 +165,13 @@ class Checkpointing(keras.callbacks.Callback):
             except CheckpointWriteFailed as error:
                 outcome = f"error: {error}"
         wants_stop = bool(model.stop_training or self.step.votes.callback_stop_requested())
+        request = self._stop_reason()
+        self._stop_checkpoint(stopping or (stopping is None and request is not None))
         shared = self.collectives.allgather_object((outcome, request, wants_stop))
         name = shared[0][0]
         if name.startswith("error: "):
             raise CheckpointWriteFailed(name[len("error: "):])
         reasons = ", ".join(f"{reason} on rank {rank}"
                             for rank, (_, reason, _) in enumerate(shared) if reason)
+        self._stop_checkpoint(stopping is None and bool(reasons))   # a request only others had
         return name, reasons, any(stop for _, _, stop in shared)

@@ -242,7 +242,7 @@ def test_slurm_stop_and_time_limit_requeue_finish_like_an_uninterrupted_run(slur
     # The first allocation stopped with a checkpoint, every rank that said so at one step:
     # the signal came mid-run. (Under load a rank whose peer had already left with 75 once took
     # that for a stop that could not be reached and exited 138 without its line; a rank now
-    # stops judging its peers once it writes the stop's checkpoint, Liveness.stop_in_hand.
+    # stops judging its peers once the stop's checkpoint begins, Liveness.stop_checkpoint_begins.
     # srun's --kill-on-bad-exit may still end a rank before its line: one line or two.)
     stops = re.findall(r"hvdtrain: error: (stopped by SIGUSR1 on rank [01].*?"
                        r"checkpoint \S+ written; .*?--resume auto)", output)

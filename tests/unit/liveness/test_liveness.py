@@ -15,7 +15,7 @@ from conftest import rank_env
 
 from hvdtrain.collectives import World, peer_unreachable
 from hvdtrain.errors import STALLED_EXIT_CODE
-from hvdtrain.liveness.peers import Heartbeat, Peer, unanswered
+from hvdtrain.liveness.peers import Heartbeat, Peer, is_gone, unanswered
 from hvdtrain.liveness.watch import (FIRST_PHASE_S, FLOOR_S, PHASE_FACTOR, SAME_EVENT_S,
                                      STEP_FACTOR, STUCK_MIN_S, Liveness)
 
@@ -209,19 +209,43 @@ def test_a_stop_request_between_steps_asks_whether_a_peer_has_ended():
            "127.0.0.1, whose process has ended" in stream.getvalue()
 
 
-def test_a_peer_that_left_after_the_stop_checkpoint_is_not_a_stop_that_cannot_be_reached():
-    """Once every rank writes the stop's checkpoint, a faster rank may leave (75) while this
-    one finishes: its ended process is expected, so this rank does not end itself for it
-    (CI: it did, with 138 and no line, and the job lost its stop line)."""
+def test_a_peer_that_left_after_the_stop_checkpoint_began_is_not_a_stop_that_cannot_be_reached():
+    """Once every rank enters the stop checkpoint's last collective, a faster rank may leave
+    (75) while this one finishes: its ended process is expected, so this rank does not end
+    itself for it (CI: ranks did, with 138 and no line). The stall limit still holds."""
     ended = Heartbeat()
     ended.close()
-    live, clock, exits, stream = monitor(timeout=1000)
+    live, clock, exits, stream = monitor(timeout=60)
     live.peers = [Peer(1, "127.0.0.1", ended.port)]
     steps(live, clock, 3)
     live.request("SIGUSR1", 128 + signal.SIGUSR1)
-    live.stop_in_hand()
+    live.stop_checkpoint_begins()
     advance(live, clock, 30)
     assert exits == [] and stream.getvalue() == ""
+    advance(live, clock, 31)
+    assert exits == [STALLED_EXIT_CODE], stream.getvalue()
+
+
+def test_a_rank_whose_training_ended_still_answers_until_its_run_ends():
+    """A rank that has ended its training (the last epoch's end, the final validation ahead)
+    keeps serving its heartbeat, so a peer still in its epoch end with a stop request does not
+    take it for gone; ``uninstall`` closes the port."""
+    served: list[tuple[str, int]] = []
+
+    def exchange(address: tuple[str, int]) -> list[tuple[str, int]]:
+        served.append(address)
+        return [address, ("127.0.0.1", 1)]
+
+    world = World(0, 2, host="127.0.0.1")
+    live = Liveness(60, install_signals=False)
+    live.attach(world)
+    live.install()
+    live.connect_peers(exchange, world)
+    itself = Peer(0, *served[0])
+    live.training_ended()
+    assert not is_gone(itself)
+    live.uninstall()
+    assert is_gone(itself)
 
 
 def test_requests_close_together_are_one_and_a_later_one_ends_at_once():

@@ -187,6 +187,7 @@ def test_a_stop_requested_on_rank_1_ends_rank_0_after_the_epochs_checkpoint(tmp_
     callback.on_epoch_begin(0)
     callback.end_epoch(0, {"loss": 0.5})
     assert (tmp_path / "checkpoints" / "epoch-0001").is_dir()
+    assert callback.liveness.stop_checkpoint_began   # its peers may leave first now
     with pytest.raises(StoppedBySignal, match=r"^stopped by SIGTERM on rank 1 after epoch 1; "
                                               r"checkpoint epoch-0001 written"):
         callback.on_epoch_begin(1)
@@ -198,6 +199,7 @@ def test_rank_1_sends_its_own_stop_request_and_stops_with_rank_0s_checkpoint(tmp
     callback.on_epoch_begin(0)
     callback.end_epoch(0, {"loss": 0.5})
     assert other.values("allgather_object") == [("", "SIGUSR1", False)]
+    assert callback.liveness.stop_checkpoint_began
     assert callback.stop_message.startswith("stopped by SIGUSR1 on rank 1 after epoch 1; "
                                             "checkpoint epoch-0001 written")
     assert not (tmp_path / "checkpoints").exists()
@@ -210,6 +212,7 @@ def test_a_callback_on_rank_0_that_stops_training_stops_rank_1_at_the_same_epoch
     callback.end_epoch(0, {"loss": 0.5})
     assert callback.model.stop_training
     assert not callback.stop_message                # a callback's stop, not a stop request
+    assert not callback.liveness.stop_checkpoint_began   # the peers are still judged
 
 
 # --- the stop vote -----------------------------------------------------------------------------
@@ -255,6 +258,7 @@ def test_a_stop_request_on_this_rank_becomes_its_vote_and_stops_every_rank_mid_e
                                               r"epoch-0000-step-000001 written"):
         callback.on_train_batch_end(0)
     assert not other.unused()
+    assert callback.liveness.stop_checkpoint_began
 
 
 def test_rank_0_checkpoints_the_summed_epoch_state_where_rank_1_asked_to_stop(tmp_path):
