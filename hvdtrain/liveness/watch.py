@@ -340,7 +340,9 @@ class Liveness:
         """After a stop request: why the stop can never be reached, or None while it may."""
         if self.stop_checkpoint_began:
             return None
-        if (running := self._running_past(now, STUCK_FACTOR, STUCK_MIN_S)) is not None:
+        # Not the step after an epoch's end or a trace: it waits for rank 0's writes or traces.
+        if not self._after_phase and (
+                running := self._running_past(now, STUCK_FACTOR, STUCK_MIN_S)) is not None:
             return (f"this rank's step has not ended for {running:.0f} s: another rank is gone "
                     "or stuck")
         if (running := self._running_past(now, PEER_CHECK_FACTOR, PEER_CHECK_MIN_S)) is not None:

@@ -193,6 +193,21 @@ def test_a_stop_request_tightens_the_limit_on_a_stuck_step():
                                  "now, without a checkpoint\n")
 
 
+def test_the_step_after_an_epochs_end_is_not_judged_stuck_after_a_stop_request():
+    """That step waits for rank 0's end-of-epoch writes (or traces again at a new ``fit``
+    call): a long one is not a stuck one; the stall limit (twice the limit there) bounds it."""
+    live, clock, exits, stream = monitor(timeout=100)
+    steps(live, clock, 3)
+    with live.phase("the end of epoch 1"):
+        clock.now += 1
+    live.request("SIGUSR1", 128 + signal.SIGUSR1)
+    live.step_begins()
+    advance(live, clock, 5 * STUCK_MIN_S)
+    assert exits == [] and stream.getvalue() == ""
+    advance(live, clock, 200)
+    assert exits == [STALLED_EXIT_CODE]
+
+
 def test_a_stop_request_between_steps_asks_whether_a_peer_has_ended():
     ended = Heartbeat()
     ended.close()
