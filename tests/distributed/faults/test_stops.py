@@ -231,10 +231,10 @@ def test_slurm_stop_and_time_limit_requeue_finish_like_an_uninterrupted_run(slur
     # steps of over 1 s) outlasts the warning.
     job = slurm.submit(*args, "--callbacks", "workloads:slow_first_slurm_allocation",
                        sbatch=("--time=2", "--signal=B:USR1@45"), PYTHONPATH=RANK_PYTHONPATH)
-    deadline = time.time() + 600
+    deadline, requeued_at = time.time() + 600, {}
     while (record := slurm.finished(job)) is None:
         assert time.time() < deadline, slurm.output(job)[-3000:]
-        release_a_requeued_job(slurm, job)
+        release_a_requeued_job(slurm, job, requeued_at)
         time.sleep(0.5)
     output = slurm.output(job)
     assert record["JobState"] == "COMPLETED" and record["ExitCode"] == "0:0", output[-3000:]
@@ -251,20 +251,31 @@ def test_slurm_stop_and_time_limit_requeue_finish_like_an_uninterrupted_run(slur
     assert_same_run(uninterrupted("horovod", "fit"), run_dir)
 
 
-def release_a_requeued_job(slurm, job: str) -> None:
+def release_a_requeued_job(slurm, job: str, requeued_at: dict[str, float]) -> None:
     """Slurm holds a requeued job back for about two minutes (its begin time), long enough for
     the last allocation to finish; release it once that allocation's step daemons (its batch
-    shell's and its ranks') have ended, as a cluster with free nodes would soon. (Released
-    while the ranks' daemon still ran, the next allocation's srun found its PMIx socket taken
-    and no rank started.) Its limit is raised to ten minutes then, as an administrator may: the
-    rest of training takes seconds, but a loaded machine's start and final save can outlast
-    another minute, which would end the job at the limit instead of completing it."""
+    shell's and its ranks') have ended and ``REVOKED_FOR_S`` have passed since the job was
+    first seen held (``requeued_at``, kept by the caller), as a cluster with free nodes would
+    soon. (Released while the ranks' daemon still ran, the next allocation's srun found its
+    PMIx socket taken and no rank started. Released 0.1 s after the requeue, within the same
+    second, slurmd took the new allocation's credential for the revoked one, "Job 6 already
+    killed, do not launch batch job", and the job ended FAILED.) Its limit is raised to ten
+    minutes then, as an administrator may: the rest of training takes seconds, but a loaded
+    machine's start and final save can outlast another minute, which would end the job at
+    the limit instead of completing it."""
     shown = run(["scontrol", "show", "job", job], 30, env=slurm.env).stdout
     record = dict(re.findall(r"(\w+)=(\S+)", shown))
-    if (record.get("JobState") == "PENDING" and record.get("Reason") == "BeginTime"
-            and not step_daemons(job)):
+    if record.get("JobState") != "PENDING" or record.get("Reason") != "BeginTime":
+        return
+    held_since = requeued_at.setdefault(job, time.time())
+    if time.time() - held_since >= REVOKED_FOR_S and not step_daemons(job):
         run(["scontrol", "update", f"JobId={job}", "StartTime=now", "TimeLimit=10"], 30,
             env=slurm.env)
+
+
+# slurmd refuses a credential created no later than the old allocation's revocation, counted in
+# whole seconds: a new allocation within the same second is refused.
+REVOKED_FOR_S = 3.0
 
 
 def step_daemons(job: str) -> list[int]:
