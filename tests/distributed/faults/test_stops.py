@@ -240,10 +240,10 @@ def test_slurm_stop_and_time_limit_requeue_finish_like_an_uninterrupted_run(slur
     assert record["JobState"] == "COMPLETED" and record["ExitCode"] == "0:0", output[-3000:]
     assert int(record["Restarts"]) == 1, output[-3000:]
     # The first allocation stopped with a checkpoint, every rank that said so at one step:
-    # the signal came mid-run. (Under load a rank whose peer had already left with 75 once took
-    # that for a stop that could not be reached and exited 138 without its line; a rank now
-    # stops judging its peers once the stop's checkpoint begins, Liveness.stop_checkpoint_begins.
-    # srun's --kill-on-bad-exit may still end a rank before its line: one line or two.)
+    # the signal came mid-run. (Under load the first step of this resumed run's second fit
+    # call, which traces again, once ran 22 s after the warning: a rank called it stuck and
+    # exited 138, and its peer, finding it gone, followed; such a step is no longer judged
+    # stuck. srun's --kill-on-bad-exit may still end a rank before its line: one line or two.)
     stops = re.findall(r"hvdtrain: error: (stopped by SIGUSR1 on rank [01].*?"
                        r"checkpoint \S+ written; .*?--resume auto)", output)
     assert stops and set(stops) == {stops[0]}, output[-3000:]
