@@ -387,10 +387,10 @@ class Liveness:
         if not self._launcher_lost and self.launcher_gone():
             self._launcher_lost = True
             # stdout and stderr led to the launcher; writing there could fail mid-checkpoint.
-            quiet = os.open(os.devnull, os.O_WRONLY)
-            for descriptor in {1, 2, real_stderr()}:
+            quiet, leading_there = os.open(os.devnull, os.O_WRONLY), {1, 2, real_stderr()}
+            for descriptor in leading_there:
                 os.dup2(quiet, descriptor)
-            if quiet not in (1, 2, real_stderr()):
+            if quiet not in leading_there:
                 os.close(quiet)
             self.request("its launcher ending", 128 + signal.SIGTERM)
         now = self._clock()
