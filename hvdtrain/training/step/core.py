@@ -191,7 +191,7 @@ class StepMath:
         are)."""
         if self.options.adasum or not self.share.divides:
             return gradients
-        return [divided(gradient, shares) for gradient in gradients]
+        return divided(gradients, shares)
 
     def _apply(self, gradients: list[Any], weighted_loss: tf.Tensor, share: tf.Tensor,
                pieces: bool = False) -> tf.Tensor:
@@ -336,15 +336,21 @@ def keras_loss(model: keras.Model, collectives: Collectives, share: LossShare, y
     return tf.reduce_sum(tf.cast(loss, tf.float32))
 
 
-def divided(gradient: Any, total: tf.Tensor) -> Any:
-    """A reduced gradient (dense or sparse) over ``total``; None stays None."""
-    if gradient is None:
-        return None
-    if isinstance(gradient, tf.IndexedSlices):
-        return tf.IndexedSlices(tf.math.divide_no_nan(gradient.values,
-                                                      tf.cast(total, gradient.values.dtype)),
-                                gradient.indices, gradient.dense_shape)
-    return tf.math.divide_no_nan(gradient, tf.cast(total, gradient.dtype))
+def divided(gradients: list[Any], total: tf.Tensor) -> list[Any]:
+    """Reduced gradients (dense or sparse; None stays None) over ``total``, the summed shares.
+    Full batches' shares in rows sum to exactly 1, and dividing by 1 changes no bit: then the
+    pass over every gradient is skipped (ResNet-50's on one CPU thread: ~8 ms of a step)."""
+    present = [gradient for gradient in gradients if gradient is not None]
+    if not present:
+        return list(gradients)
+
+    def each() -> list[Any]:
+        return [tf.IndexedSlices(tf.math.divide_no_nan(g.values, tf.cast(total, g.values.dtype)),
+                                 g.indices, g.dense_shape) if isinstance(g, tf.IndexedSlices)
+                else tf.math.divide_no_nan(g, tf.cast(total, g.dtype)) for g in present]
+
+    quotients = iter(tf.cond(tf.equal(total, 1.0), lambda: present, each))
+    return [None if gradient is None else next(quotients) for gradient in gradients]
 
 
 class OutputColumns:

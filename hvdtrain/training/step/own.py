@@ -140,7 +140,7 @@ class OwnStep:
             reduced = self.collectives.reduce_gradients(weighted, summing)
         else:
             *reduced, total = self.collectives.reduce_gradients([*weighted, share], summing)
-        return [divided(g, total) for g in reduced]
+        return divided(reduced, total)
 
     def keras_step(self, data: Any) -> dict[str, Any]:
         x, y, sample_weight, weights = data

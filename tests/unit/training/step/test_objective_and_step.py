@@ -17,7 +17,7 @@ from hvdtrain.collectives import LocalCollectives
 from hvdtrain.data.pipeline import real_rows_only
 from hvdtrain.training.step.objective import (LossShare, ObjectiveError, build_for_training,
                                               measured_share)
-from hvdtrain.training.step.core import StepMath, StepOptions
+from hvdtrain.training.step.core import StepMath, StepOptions, divided
 from workloads import two_tower_data, two_tower_model
 
 
@@ -265,3 +265,24 @@ def test_xla_keeps_the_masks_and_logits_keras_metrics_read():
                         StepOptions(xla=xla, global_batch=2, sample_weights=False))
         accuracy[xla] = float(tf.function(step.keras_step)(batch)["accuracy"])
     assert accuracy[True] == accuracy[False]
+
+
+def test_gradients_over_summed_shares_of_one_are_left_as_they_are_and_divided_otherwise():
+    """Full batches' shares sum to 1: the step then skips the pass that divides by it, which
+    changes no bit; any other sum divides, dense and sparse alike, and None stays None."""
+    dense = tf.constant([[3.0, -1.5], [0.25, 7.0]])
+    sparse = tf.IndexedSlices(tf.constant([[2.0, 4.0]]), tf.constant([1]), tf.constant([3, 2]))
+
+    @tf.function
+    def over(total):
+        return divided([dense, None, sparse], total)
+
+    kept, nothing, kept_rows = over(tf.constant(1.0))
+    assert nothing is None and isinstance(kept_rows, tf.IndexedSlices)
+    np.testing.assert_array_equal(kept, dense)
+    np.testing.assert_array_equal(kept_rows.values, sparse.values)
+    halved, _, halved_rows = over(tf.constant(2.0))
+    np.testing.assert_array_equal(halved, dense / 2)
+    np.testing.assert_array_equal(halved_rows.values, sparse.values / 2)
+    np.testing.assert_array_equal(halved_rows.indices, sparse.indices)
+    assert [g for g in over(tf.constant(0.0))[0].numpy().ravel()] == [0.0] * 4   # no NaN
