@@ -125,7 +125,7 @@ class Checkpointing(keras.callbacks.Callback):
         sums = summed_across_ranks(self.collectives, self.step.epoch_state_variables)
         name, reasons, _ = self._save({"epoch": self.epoch, "step": done,
                                        "epoch_state": tuple(np.asarray(s).tolist()
-                                                            for s in sums)}, stopping=stop)
+                                                            for s in sums)}, agreed_stop=stop)
         if stop:
             raise StoppedBySignal(f"stopped by {reasons} at epoch {self.epoch + 1}, step "
                                   f"{done} of {steps}; checkpoint {name} written; "
@@ -135,20 +135,20 @@ class Checkpointing(keras.callbacks.Callback):
         """The epoch's checkpoint, then every rank stops if any asked (``end_epoch``)."""
         name, reasons, stop_training = self._save({
             "epoch": epoch + 1, "metrics": epoch_row(epoch, logs, self.columns)},
-            stopping=None)
+            any_request_stops=True)
         self.model.stop_training = stop_training
         if reasons:
             self.stop_message = (f"stopped by {reasons} after epoch {epoch + 1}; checkpoint "
                                  f"{name} written; continue with the same command and "
                                  "--resume auto")
 
-    def _save(self, position: dict[str, Any],
-              stopping: bool | None) -> tuple[str, str, bool]:
+    def _save(self, position: dict[str, Any], *, agreed_stop: bool = False,
+              any_request_stops: bool = False) -> tuple[str, str, bool]:
         """Rank 0 writes; every rank gets the checkpoint's name (or rank 0's write error,
         raised everywhere), the stop requests of all ranks ("" when none) and whether any
-        rank's callbacks asked to stop training. ``stopping``: every rank stops after this
-        checkpoint (a stop the steps agreed), or None where any rank's request stops them all
-        (an epoch's end)."""
+        rank's callbacks asked to stop training. ``agreed_stop``: every rank stops after this
+        checkpoint (a stop the steps agreed); ``any_request_stops``: any rank's stop request
+        stops them all after it (an epoch's end)."""
         model = self.step.model
         local = [v.numpy() for v in rank_local_variables(model)]
         if self.step.powersgd is not None:   # saved after the random-generator states
@@ -166,12 +166,12 @@ class Checkpointing(keras.callbacks.Callback):
                 outcome = f"error: {error}"
         wants_stop = bool(model.stop_training or self.step.votes.callback_stop_requested())
         request = self._stop_reason()
-        self._stop_checkpoint(stopping or (stopping is None and request is not None))
+        self._stop_checkpoint(agreed_stop or (any_request_stops and request is not None))
         shared = self.collectives.allgather_object((outcome, request, wants_stop))
         name = shared[0][0]
         if name.startswith("error: "):
             raise CheckpointWriteFailed(name[len("error: "):])
         reasons = ", ".join(f"{reason} on rank {rank}"
                             for rank, (_, reason, _) in enumerate(shared) if reason)
-        self._stop_checkpoint(stopping is None and bool(reasons))   # a request only others had
+        self._stop_checkpoint(any_request_stops and bool(reasons))   # a request only others had
         return name, reasons, any(stop for _, _, stop in shared)
